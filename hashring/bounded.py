@@ -1,0 +1,141 @@
+"""Bounded-load selection on a ring walk (consistent hashing with bounded loads).
+
+Contract:
+- A member is *eligible* while its live in-flight count is below its bound:
+  ``threshold`` (SageMaker's ``ConcurrencyThreshold``, absolute per member)
+  and, when a balance factor ``c`` is set, ``ceil(c * (total + 1) * weight /
+  total_weight)`` as in Mirrokni, Thorup and Zadimoghaddam (2018) and
+  HAProxy's ``hash-balance-factor``.  ``total`` and ``total_weight`` cover the
+  members that can take the request (the ring minus ``avoid``), and ``+ 1``
+  counts the request being placed.
+- ``pick`` walks the key's preference list, skipping members in ``avoid``
+  (down, draining, or already tried by this request), and returns the first
+  eligible one: ``PRIMARY`` at position 0, else ``OVERFLOW`` at its position.
+  Positions count only the members not avoided, so a down primary makes its
+  successor the primary rather than an overflow.  Overflow therefore always
+  lands on the same next members, which warm up for a hot prefix.
+- When every candidate is at its bound, ``FALLBACK`` returns the one with the
+  fewest in flight (earliest in the walk on ties, so even fallback keeps some
+  affinity).  With no candidate at all, ``pick`` returns None.
+- Nothing here counts anything: the caller takes its lease in the same step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Set
+from fractions import Fraction
+from typing import NamedTuple
+
+from .ring import Ring
+
+__all__ = ["Decision", "LoadBound", "Pick", "pick"]
+
+
+class Decision(enum.Enum):
+    PRIMARY = "primary"
+    OVERFLOW = "overflow"
+    FALLBACK = "fallback"
+
+
+class Pick(NamedTuple):
+    member: str
+    decision: Decision
+    position: int  # in the walk, counting only members that were not avoided
+
+
+# NamedTuple's generated __new__ is Python code (~400 ns); tuple.__new__ is not.
+_new_pick = tuple.__new__
+PRIMARY, OVERFLOW, FALLBACK = Decision.PRIMARY, Decision.OVERFLOW, Decision.FALLBACK
+
+
+class LoadBound:
+    """The per-member in-flight bound, with the balance factor held exactly.
+
+    ``c`` is kept as a fraction so that ``c * (total + 1) * weight /
+    total_weight`` is computed in integers: with floats, ``1.1 * 10`` is
+    ``11.000000000000002`` and its ceiling 12, one slot too many.
+    """
+
+    __slots__ = ("balance", "denominator", "numerator", "threshold")
+
+    def __init__(self, threshold: int, balance: float | None = None):
+        if threshold < 1:
+            raise ValueError(f"threshold must be at least 1, got {threshold}")
+        if balance is not None and balance < 1:
+            raise ValueError(f"balance factor must be at least 1.0, got {balance}")
+        self.threshold = threshold
+        self.balance = balance
+        exact = Fraction(str(balance)) if balance is not None else Fraction(0)
+        self.numerator = exact.numerator  # 0 when there is no balance factor
+        self.denominator = exact.denominator
+
+    def limit(self, weight: int, total: int, total_weight: int) -> int:
+        """The most in-flight requests a member of ``weight`` may hold before this one."""
+        if not self.numerator:
+            return self.threshold
+        share = -(-(self.numerator * (total + 1) * weight) // (self.denominator * total_weight))
+        return min(self.threshold, share)
+
+    def __repr__(self) -> str:
+        return f"LoadBound(threshold={self.threshold}, balance={self.balance})"
+
+
+def pick(
+    ring: Ring,
+    key_hash: int,
+    loads: Mapping[str, int],
+    bound: LoadBound,
+    *,
+    avoid: Set[str] = frozenset(),
+    total: int | None = None,
+) -> Pick | None:
+    """Choose the member for ``key_hash``; see the module contract.
+
+    ``loads`` maps members to in-flight counts (absent means 0).  ``total`` is
+    the in-flight count over all ring members if the caller keeps it; avoided
+    members' loads are taken out here.
+    """
+    # ``bounded`` is the ring's friend: it reads private attributes here to
+    # save two property calls on every request.
+    weights = ring._view
+    if total is None:
+        total = sum(loads.get(name, 0) for name in weights)
+    total_weight = ring._total_weight
+    for name in avoid:  # O(len(avoid)), not O(members)
+        if name in weights:
+            total -= loads.get(name, 0)
+            total_weight -= weights[name]
+    # limit(weight) = min(threshold, ceil(share_num * weight / share_den)), inlined
+    # below: this function is on every request's path.
+    threshold = bound.threshold
+    share_num = bound.numerator * (total + 1)
+    share_den = bound.denominator * total_weight
+
+    # Fast path, the common case: the primary is available and below its bound.
+    owners = ring._owners
+    if not owners:
+        return None
+    first = owners[ring._index(key_hash) % len(owners)]
+    if first not in avoid:
+        load = loads.get(first, 0)
+        if load < threshold and (
+            not share_num or load < -(-(share_num * weights[first]) // share_den)
+        ):
+            return _new_pick(Pick, (first, PRIMARY, 0))
+
+    best: Pick | None = None
+    best_load = 0
+    position = 0
+    for member in ring.walk(key_hash):
+        if member in avoid:
+            continue
+        load = loads.get(member, 0)
+        if load < threshold and (
+            not share_num or load < -(-(share_num * weights[member]) // share_den)
+        ):
+            return _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
+        if best is None or load < best_load:
+            best, best_load = _new_pick(Pick, (member, FALLBACK, position)), load
+        position += 1
+    return best

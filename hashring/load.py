@@ -1,0 +1,86 @@
+"""In-flight accounting: the one place that counts requests per member.
+
+Contract:
+- ``acquire(member)`` counts one request in flight and returns a ``Lease``;
+  ``Lease.release()`` uncounts it exactly once, however often it is called
+  (completion, error, cancellation and client disconnect may all try).
+- ``counts`` is a live read-only mapping (absent means 0; members at zero are
+  dropped, so the map stays as small as the set of busy members) and
+  ``total`` is its sum, kept incrementally.
+- This is the seam for sharing counts between worker processes later: the
+  balancer reads loads only through ``counts``/``total`` and writes them only
+  through ``acquire``/``release``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType, TracebackType
+
+__all__ = ["Lease", "LoadTracker"]
+
+
+class Lease:
+    __slots__ = ("_tracker", "member")
+
+    def __init__(self, tracker: LoadTracker, member: str):
+        self._tracker: LoadTracker | None = tracker
+        self.member = member
+
+    @property
+    def held(self) -> bool:
+        return self._tracker is not None
+
+    def release(self) -> bool:
+        """Uncount this request; True the first time, False ever after."""
+        tracker = self._tracker
+        if tracker is None:
+            return False
+        self._tracker = None
+        tracker._release(self.member)
+        return True
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.member!r}, held={self.held})"
+
+
+class LoadTracker:
+    __slots__ = ("_counts", "_view", "total")
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+        self._view = MappingProxyType(self._counts)
+        self.total = 0
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        return self._view
+
+    def get(self, member: str) -> int:
+        return self._counts.get(member, 0)
+
+    def acquire(self, member: str) -> Lease:
+        counts = self._counts
+        counts[member] = counts.get(member, 0) + 1
+        self.total += 1
+        return Lease(self, member)
+
+    def _release(self, member: str) -> None:
+        counts = self._counts
+        left = counts[member] - 1
+        if left:
+            counts[member] = left
+        else:
+            del counts[member]
+        self.total -= 1
