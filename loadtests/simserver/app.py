@@ -1,0 +1,422 @@
+"""The simulated vLLM instance over HTTP: a thin aiohttp shell around ``model.Engine``.
+
+Contract
+--------
+- ``SimConfig`` is all of an instance's knobs; ``SimInstance`` owns one engine
+  and maps the monotonic clock onto model time: a model second lasts
+  ``timing.time_scale`` real seconds. Every request is a ticket of the engine
+  from its arrival to the end of its response; whatever way the response ends
+  (completed, client gone, error, shutdown) the ticket is finished or aborted
+  exactly once, so its batch slot and pinned blocks are freed.
+- ``make_app(instance)`` builds the ``web.Application``; serve it with
+  ``handler_cancellation=True`` (``SimServer`` does) so a client that goes away
+  cancels its handler, even while it is queued. ``SimServer`` runs one instance
+  on a TCP port (port 0 = ephemeral) inside a running loop; ``serve_fleet``
+  runs several.
+- Response headers on generations, sent when the first token is ready (so a
+  router's time to first byte is the model's TTFT; vLLM would send headers
+  earlier): ``x-sim-ttft-ms`` (model TTFT, independent of ``time_scale``),
+  ``x-sim-queue-ms``, ``x-sim-prompt-tokens``, ``x-sim-cached-tokens``. Every
+  response, errors and ``/metrics`` included, carries ``x-sim-instance``.
+- Test hooks, in real (unscaled) seconds, outside the model and not in
+  ``x-sim-ttft-ms``: ``extra_ttft_s`` delays every first byte, ``extra_token_s``
+  is added between streamed tokens. A request holds its slot while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from . import wire
+from .metrics import EngineCollector
+from .model import Engine, KVCache, Plan, Ticket, Timing, filler_pieces
+
+__all__ = [
+    "INSTANCE",
+    "Generation",
+    "SimConfig",
+    "SimInstance",
+    "SimServer",
+    "make_app",
+    "serve_fleet",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated instance.
+
+    ``capacity_blocks`` 16,384 (262,144 tokens) is deliberately smaller than a
+    real node's KV cache (8 x H100 at 0.9 memory utilisation holds about 1.2 M
+    tokens of Llama-3.1-70B, at 320 KiB a token): it holds ~32 prefixes of
+    8,000 tokens, so a benchmark with a few dozen shared prefixes already sees
+    eviction when every instance receives every prefix (random routing).
+    """
+
+    name: str = "sim0"
+    model: str = "sim-llama-3.1-70b"
+    timing: Timing = field(default_factory=Timing)
+    block_size: int = 16
+    capacity_blocks: int = 16_384
+    limits: wire.Limits = field(default_factory=wire.Limits)
+    extra_ttft_s: float = 0.0
+    extra_token_s: float = 0.0
+
+
+class SimInstance:
+    """One engine, its clock, and the futures of requests queued for a slot."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.engine = Engine(config.timing, KVCache(config.block_size, config.capacity_blocks))
+        self.healthy = True  # tests may flip it: /health and /ping then answer 503
+        self._scale = config.timing.time_scale
+        self._epoch = time.monotonic()
+        self._admissions: dict[int, asyncio.Future[Plan]] = {}
+        self._watchers: list[tuple[Callable[[Engine], bool], asyncio.Future[None]]] = []
+
+    @property
+    def cache(self) -> KVCache:
+        return self.engine.cache
+
+    def model_now(self) -> float:
+        return (time.monotonic() - self._epoch) / self._scale
+
+    def real_time_of(self, model_t: float) -> float:
+        return self._epoch + model_t * self._scale
+
+    @contextlib.asynccontextmanager
+    async def generate(self, tokens: Any, max_tokens: int) -> AsyncIterator[Generation]:
+        """Run one request through the engine; the ticket is retired on exit."""
+        ticket = self.engine.submit(tokens, max_tokens, self.model_now())
+        generation = Generation(self, ticket)
+        self._changed()
+        try:
+            yield generation
+        finally:
+            now = self.model_now()
+            if generation.completed:
+                admitted = self.engine.finish(ticket, now)
+            else:
+                admitted = self.engine.abort(ticket, now)
+            self._admissions.pop(ticket.id, None)
+            for other in admitted:
+                future = self._admissions.get(other.id)
+                if future is not None and not future.done() and other.plan is not None:
+                    future.set_result(other.plan)
+            self._changed()
+
+    async def wait_for(self, predicate: Callable[[Engine], bool]) -> None:
+        """Return once ``predicate(engine)`` holds; re-checked on every state change.
+
+        The synchronisation point for tests ("one request is waiting", "idle").
+        """
+        if predicate(self.engine):
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._watchers.append((predicate, future))
+        try:
+            await future
+        finally:
+            self._watchers = [w for w in self._watchers if w[1] is not future]
+
+    async def wait_idle(self) -> None:
+        await self.wait_for(lambda e: e.running == 0 and e.waiting == 0)
+
+    def reset(self) -> bool:
+        return self.engine.reset()
+
+    async def _wait_admission(self, ticket: Ticket) -> Plan:
+        if ticket.plan is not None:
+            return ticket.plan
+        future: asyncio.Future[Plan] = asyncio.get_running_loop().create_future()
+        self._admissions[ticket.id] = future
+        return await future
+
+    def _changed(self) -> None:
+        for predicate, future in self._watchers:
+            if not future.done() and predicate(self.engine):
+                future.set_result(None)
+
+
+class Generation:
+    """The timed output of one admitted request: ``await start()``, then ``token(i)``."""
+
+    def __init__(self, instance: SimInstance, ticket: Ticket) -> None:
+        self.instance = instance
+        self.ticket = ticket
+        self.completed = False
+        self._pieces: list[str] = []
+        self._first_real = 0.0
+        self._step_real = 0.0
+
+    async def start(self) -> Plan:
+        """Wait for a slot, for the prefill, and for the first token; return the plan."""
+        instance = self.instance
+        plan = await instance._wait_admission(self.ticket)
+        await _sleep_until(instance.real_time_of(plan.first_token_at))
+        extra = instance.config.extra_ttft_s
+        if extra > 0:
+            await asyncio.sleep(extra)
+        self._pieces = filler_pieces(plan.output_tokens)
+        # Later tokens are paced from when the first one actually went out.
+        self._first_real = time.monotonic()
+        self._step_real = (
+            plan.decode_s_per_token * instance.config.timing.time_scale
+            + instance.config.extra_token_s
+        )
+        return plan
+
+    async def token(self, index: int) -> str:
+        """Wait until output token ``index`` is produced; return its text."""
+        if index:
+            await _sleep_until(self._first_real + index * self._step_real)
+        if index == len(self._pieces) - 1:
+            self.completed = True
+        return self._pieces[index]
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+# ---------------------------------------------------------------- HTTP
+
+INSTANCE = web.AppKey("instance", SimInstance)
+
+_encode = msgspec.json.encode
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(instance: SimInstance | SimConfig) -> web.Application:
+    if isinstance(instance, SimConfig):
+        instance = SimInstance(instance)
+    app = web.Application(middlewares=[_errors])
+    app[INSTANCE] = instance
+    app.on_response_prepare.append(_stamp_instance)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(instance.engine, instance.config.model))
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/invocations", _invocations)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ping", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", _reset)
+    return app
+
+
+async def _stamp_instance(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-sim-instance"] = request.app[INSTANCE].name
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=_encode(body), content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except wire.BadRequest as exc:
+        return _json(400, wire.error_body(exc.message, "invalid_request_error", exc.param))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        message = f"{exc.reason}: {request.method} {request.path}"
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return _json(exc.status, wire.error_body(message, kind), headers)
+
+
+async def _body(request: web.Request) -> Any:
+    return wire.decode_json(await request.read())
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    instance = request.app[INSTANCE]
+    gen = wire.parse_chat(await _body(request), instance.config.limits)
+    return await _serve(request, instance, gen, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    instance = request.app[INSTANCE]
+    gen = wire.parse_completion(await _body(request), instance.config.limits)
+    return await _serve(request, instance, gen, "text")
+
+
+async def _invocations(request: web.Request) -> web.StreamResponse:
+    instance = request.app[INSTANCE]
+    gen = wire.parse_native(await _body(request), instance.config.limits)
+    return await _serve(request, instance, gen, "native")
+
+
+def _reply(kind: str, instance: SimInstance, ticket: Ticket, include_usage: bool) -> wire.Reply:
+    if kind == "native":
+        return wire.NativeReply()
+    created = int(time.time())
+    model = instance.config.model
+    if kind == "chat":
+        return wire.ChatReply(
+            f"chatcmpl-{instance.name}-{ticket.id}", created, model, include_usage
+        )
+    return wire.TextReply(f"cmpl-{instance.name}-{ticket.id}", created, model, include_usage)
+
+
+def _plan_headers(plan: Plan) -> dict[str, str]:
+    return {
+        "x-sim-ttft-ms": f"{plan.ttft * 1000:.3f}",
+        "x-sim-queue-ms": f"{plan.queue_s * 1000:.3f}",
+        "x-sim-prompt-tokens": str(plan.prompt_tokens),
+        "x-sim-cached-tokens": str(plan.cached_tokens),
+    }
+
+
+def _sse(event: Any) -> bytes:
+    return b"data: " + _encode(event) + b"\n\n"
+
+
+async def _serve(
+    request: web.Request, instance: SimInstance, gen: wire.GenRequest, kind: str
+) -> web.StreamResponse:
+    async with instance.generate(gen.tokens, gen.max_tokens) as generation:
+        plan = await generation.start()
+        reply = _reply(kind, instance, generation.ticket, gen.include_usage)
+        count = plan.output_tokens
+        usage = wire.usage(plan.prompt_tokens, count, plan.cached_tokens)
+        headers = _plan_headers(plan)
+        if not gen.stream:
+            pieces = [await generation.token(i) for i in range(count)]
+            return _json(200, reply.whole("".join(pieces), usage), headers)
+
+        response = web.StreamResponse(headers=headers)
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        try:
+            for event in reply.opening():
+                await response.write(_sse(event))
+            pieces = []
+            for i in range(count):
+                pieces.append(await generation.token(i))
+                ending = ("".join(pieces), usage) if i == count - 1 else None
+                await response.write(_sse(reply.token(i, pieces[-1], ending)))
+            for event in reply.closing(usage):
+                await response.write(_sse(event))
+            if reply.sse_done:
+                await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client left between two events and the write noticed before aiohttp
+            # cancelled us. Leaving the block aborts the ticket; aiohttp treats a
+            # prepared response on a dead connection quietly, an exception as a 500.
+            pass
+        return response
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[INSTANCE].healthy else 503)
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[INSTANCE].config
+    model = {
+        "id": config.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefix-router-sim",
+        "max_model_len": config.limits.max_model_len,
+    }
+    return _json(200, {"object": "list", "data": [model]})
+
+
+async def _reset(request: web.Request) -> web.Response:
+    """vLLM's ``POST /reset_prefix_cache``; here it also zeroes the counters."""
+    instance = request.app[INSTANCE]
+    if instance.reset():
+        return _json(200, {"reset": True})
+    message = f"{instance.cache.pinned_blocks} blocks are in use by running requests"
+    return _json(409, wire.error_body(message, "conflict_error"))
+
+
+# ---------------------------------------------------------------- serving
+
+
+class SimServer:
+    """One instance served on ``host:port`` in the running loop; ``url`` once started."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shutdown_timeout: float = 1.0,  # a simulator has nothing worth draining for long
+    ) -> None:
+        self.instance = SimInstance(config)
+        self.host = host
+        self.port = port
+        self.url = ""
+        self._runner = web.AppRunner(
+            make_app(self.instance),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.instance.name
+
+    async def start(self) -> str:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.port = port
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> SimServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_fleet(
+    configs: Sequence[SimConfig], host: str = "127.0.0.1", ports: Sequence[int] | None = None
+) -> AsyncIterator[list[SimServer]]:
+    """Start one ``SimServer`` per config (ephemeral ports unless given); close all on exit."""
+    ports = list(ports) if ports is not None else [0] * len(configs)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = []
+        for config, port in zip(configs, ports, strict=True):
+            servers.append(await stack.enter_async_context(SimServer(config, host, port)))
+        yield servers
