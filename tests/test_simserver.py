@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.simserver import Limits, SimServer, Timing
 from loadtests.simserver.model import filler_pieces, tokenize
-from loadtests.simserver.wire import render_chat
+from loadtests.simserver.wire import parse_completion, render_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = Timing()  # model timing of the FAST fixture timing: 10k tok/s, 20 ms overhead
@@ -81,6 +81,42 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str]
             key = (sample.name, sample.labels.get("finished_reason", sample.labels.get("le", "")))
             samples[key] = sample.value
     return samples
+
+
+# ---------------------------------------------------------------- prompt text (pure)
+
+
+def test_chat_template_is_the_documented_one() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}}]
+    same_tools_reordered = [
+        {"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}
+    ]
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    messages = [
+        {"role": "system", "content": "S"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, image, {"type": "text", "text": "b"}],
+        },
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+    ]
+    expected = (
+        "<|begin_of_text|>"
+        '<|start_header_id|>tools<|end_header_id|>\n\n[{"function":{"name":"f",'
+        '"parameters":{"a":2,"b":1}},"type":"function"}]<|eot_id|>'
+        "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\na\nb<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render_chat(messages, tools) == expected
+    assert render_chat(messages, same_tools_reordered) == expected
+
+
+def test_a_one_item_prompt_list_is_that_prompt() -> None:
+    limits = Limits()
+    assert parse_completion({"prompt": ["abcdefgh"]}, limits).tokens == tokenize("abcdefgh")
+    assert list(parse_completion({"prompt": [[7, 8, 9]]}, limits).tokens) == [7, 8, 9]
 
 
 # ---------------------------------------------------------------- OpenAI client
@@ -516,13 +552,21 @@ async def test_cli_prints_its_urls_serves_and_stops_on_signal(
             await proc.communicate()
 
 
-async def test_cli_rejects_bad_values() -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--time-scale", "0", b"time_scale"),
+        ("--block-size", "0", b"block_size"),
+        ("--default-max-tokens", "0", b"max_tokens"),
+    ],
+)
+async def test_cli_rejects_bad_values(flag: str, value: str, message: bytes) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "loadtests.simserver",
-        "--time-scale",
-        "0",
+        flag,
+        value,
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -531,4 +575,4 @@ async def test_cli_rejects_bad_values() -> None:
         out, err = await proc.communicate()
     assert proc.returncode == 2
     assert out == b""
-    assert b"time_scale" in err
+    assert message in err

@@ -29,11 +29,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--name", default=c.name, help="instance name (suffixed -i when --count > 1)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=0, help="first port; 0 = ephemeral ports")
     p.add_argument("--count", type=int, default=1, help="instances to run in this process")
     p.add_argument("--model", default=c.model, help="served model name")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=t.prefill_tokens_per_s)
+    p.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=t.prefill_tokens_per_s,
+        help="prefill rate of uncached prompt tokens, model time",
+    )
     p.add_argument(
         "--overhead-ms",
         type=float,
@@ -46,18 +51,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=t.decode_s_per_token * 1000,
         help="model time per output token after the first",
     )
-    p.add_argument("--max-num-seqs", type=int, default=t.max_num_seqs)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=t.max_num_seqs, help="batch limit; excess waits FIFO"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
         default=t.time_scale,
         help="real seconds per model second, applied to every model delay",
     )
-    p.add_argument("--block-size", type=int, default=c.block_size)
-    p.add_argument("--capacity-blocks", type=int, default=c.capacity_blocks)
-    p.add_argument("--default-max-tokens", type=int, default=lim.default_max_tokens)
-    p.add_argument("--max-tokens-cap", type=int, default=lim.max_tokens_cap)
-    p.add_argument("--max-model-len", type=int, default=lim.max_model_len)
+    p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--capacity-blocks", type=int, default=c.capacity_blocks, help="KV cache size in blocks"
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=lim.default_max_tokens,
+        help="output tokens when a request names none",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=lim.max_tokens_cap,
+        help="larger max_tokens are lowered to this",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=lim.max_model_len,
+        help="prompt + output limit in tokens (400 beyond)",
+    )
     p.add_argument(
         "--extra-ttft-ms",
         type=float,

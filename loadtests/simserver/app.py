@@ -72,6 +72,12 @@ class SimConfig:
     extra_ttft_s: float = 0.0
     extra_token_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.capacity_blocks < 0:
+            raise ValueError("block_size must be >= 1 and capacity_blocks >= 0")
+        if self.extra_ttft_s < 0 or self.extra_token_s < 0:
+            raise ValueError("extra delays must be >= 0")
+
 
 class SimInstance:
     """One engine, its clock, and the futures of requests queued for a slot."""

@@ -75,6 +75,10 @@ class Limits:
     max_tokens_cap: int = 1024
     max_model_len: int = 131_072  # Llama 3.1's context window
 
+    def __post_init__(self) -> None:
+        if min(self.default_max_tokens, self.max_tokens_cap, self.max_model_len) < 1:
+            raise ValueError("max_tokens defaults, caps and max_model_len must be >= 1")
+
 
 @dataclass(frozen=True, slots=True)
 class GenRequest:
