@@ -7,7 +7,14 @@
 """
 
 from .bounded import Decision, LoadBound, Pick, pick
-from .keys import MAX_TENANT_KEY_LENGTH, NO_TENANT, TenantKeyError, hash_key, tenant_seed
+from .keys import (
+    MAX_TENANT_KEY_LENGTH,
+    NO_TENANT,
+    PrefixHasher,
+    TenantKeyError,
+    hash_key,
+    tenant_seed,
+)
 from .load import Lease, LoadTracker
 from .ring import DEFAULT_VNODES, Ring
 
@@ -20,6 +27,7 @@ __all__ = [
     "LoadBound",
     "LoadTracker",
     "Pick",
+    "PrefixHasher",
     "Ring",
     "TenantKeyError",
     "hash_key",

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_TENANT_KEY_LENGTH",
     "NO_TENANT",
     "Buffer",
+    "PrefixHasher",
     "TenantKeyError",
     "hash_key",
     "tenant_seed",
@@ -59,3 +60,29 @@ def tenant_seed(key: str | bytes | None) -> int:
     if not key.isascii():
         raise TenantKeyError("tenant key must be ASCII")
     return mmh3.mmh3_32_uintdigest(key.encode() if isinstance(key, str) else key, 0)
+
+
+class PrefixHasher:
+    """The hash of the first ``limit`` bytes of a body that arrives in pieces.
+
+    Streaming murmur gives exactly ``hash_key(body[:limit], seed)`` however the
+    body is split, and reads each piece through a memoryview: a native body's
+    prefix is hashed without being copied or gathered into one buffer.
+    """
+
+    __slots__ = ("_hasher", "remaining")
+
+    def __init__(self, limit: int, seed: int = NO_TENANT):
+        self._hasher = mmh3.mmh3_x64_128(seed=seed)
+        self.remaining = limit
+
+    def feed(self, data: Buffer) -> bool:
+        """Hash what ``data`` adds to the prefix; True once the prefix is complete."""
+        take = min(self.remaining, len(data))
+        if take:
+            self._hasher.update(memoryview(data)[:take] if take < len(data) else data)
+            self.remaining -= take
+        return not self.remaining
+
+    def digest(self) -> int:
+        return self._hasher.utupledigest()[0]

@@ -6,11 +6,14 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from loadtests.simserver import SimConfig, SimServer, Timing
+
+if TYPE_CHECKING:
+    from router.app import Router
 
 # 1 model second = 1 real millisecond: simulated prefills and decodes cost almost no
 # wall-clock time, while the model's arithmetic (x-sim-ttft-ms, cached tokens) stays exact.
@@ -52,3 +55,67 @@ async def sim_fleet() -> AsyncIterator[SimFleet]:
         for server in servers:
             with contextlib.suppress(Exception):
                 await server.close()
+
+
+# -- the router ------------------------------------------------------------------
+
+StartRouter = Callable[..., Awaitable["Router"]]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Router tests run on uvloop (production) and on the stdlib loop."""
+    import uvloop
+
+    if item.path.name.startswith("test_router"):
+        return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
+
+
+def router_config(backends: list[Any], **overrides: Any) -> dict[str, Any]:
+    """A config dict for ``build_config``: SimServers or (name, url) pairs as backends."""
+    specs = []
+    for backend in backends:
+        if isinstance(backend, SimServer):
+            specs.append({"name": backend.name, "url": backend.url})
+        elif isinstance(backend, dict):
+            specs.append(backend)
+        else:
+            name, url = backend
+            specs.append({"name": name, "url": url})
+    data: dict[str, Any] = {"listen": "127.0.0.1:0", "access_log": "off", "backends": specs}
+    routing = overrides.pop("routing", None)
+    if routing is not None:
+        data["RoutingConfig"] = routing
+    data.update(overrides)
+    return data
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[StartRouter]:
+    """``router = await start_router(sims, routing={...}, timeouts={...})``.
+
+    Runs the real ``Router`` on 127.0.0.1 (ephemeral port) in the test's loop. At
+    teardown every request must have finished and every lease be released.
+    """
+    from router.app import Router
+    from router.config import build_config
+
+    routers: list[Router] = []
+
+    async def start(backends: list[Any], **overrides: Any) -> Router:
+        router = Router(build_config(router_config(backends, **overrides)))
+        await router.start()
+        routers.append(router)
+        return router
+
+    try:
+        yield start
+        async with asyncio.timeout(10):
+            for router in routers:
+                await router.wait_quiet()
+        for router in routers:
+            assert router.fleet.loads.total == 0, dict(router.fleet.loads.counts)
+    finally:
+        for router in routers:
+            with contextlib.suppress(Exception):
+                await router.shutdown(grace=1)

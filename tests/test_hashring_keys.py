@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hashring import NO_TENANT, TenantKeyError, hash_key, tenant_seed
+from hashring import NO_TENANT, PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 
 @given(st.binary(max_size=4096), st.integers(0, 2**32 - 1))
@@ -58,3 +58,16 @@ def test_tenant_key_of_64_ascii_characters_is_accepted() -> None:
 def test_bad_tenant_keys_are_rejected_with_a_clear_error(key: str | bytes, message: str) -> None:
     with pytest.raises(TenantKeyError, match=message):
         tenant_seed(key)
+
+
+@given(st.binary(max_size=3000), st.integers(1, 2048), st.integers(0, 2**32 - 1), st.data())
+def test_prefix_hasher_equals_one_shot_hash_however_the_body_is_split(
+    body: bytes, limit: int, seed: int, data: st.DataObject
+) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
+    hasher = PrefixHasher(limit, seed)
+    done = False
+    for start, stop in zip([0, *cuts], [*cuts, len(body)], strict=True):
+        done = hasher.feed(bytearray(body[start:stop]))
+    assert done == (len(body) >= limit)
+    assert hasher.digest() == hash_key(body[:limit], seed)

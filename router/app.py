@@ -1,0 +1,166 @@
+"""The composition root: builds the router from a Config and runs its lifecycle.
+
+Contract:
+- ``Router(config)`` owns the fleet, the balancer, one upstream pool per
+  backend, the client connections and the access log.  ``start()`` binds the
+  listener; ``shutdown()`` stops accepting, closes idle connections, lets
+  in-flight requests finish for up to ``shutdown_grace`` seconds, then closes
+  the rest.  Both are idempotent.
+- Exchanges reach back only through the small surface below
+  (``next_request_id``, ``backend_failed``, ``backend_answered``,
+  ``log_access`` and the shared objects); membership changes go through
+  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING
+
+from .accesslog import AccessLog
+from .balancer import Backend, Balancer, Fleet
+from .client import ClientConnection
+from .config import BackendSpec, Config, RoutingConfig
+from .log import get_logger
+from .upstream import Pool
+from .wire import DateHeader
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+__all__ = ["Router"]
+
+SWEEP_SECONDS = 2.0
+log = get_logger("router")
+
+
+class Router:
+    def __init__(self, config: Config):
+        self.config = config
+        self.fleet = Fleet(config.backends, vnodes=config.vnodes)
+        self.balancer = Balancer(self.fleet, config.routing)
+        self.pools: dict[str, Pool] = {}
+        self.connections: set[ClientConnection] = set()
+        self.date = DateHeader()
+        self.access = AccessLog(config.access_log)
+        self.stopping = False
+        self.active = 0  # exchanges started and not finished
+        self._quiet = asyncio.Event()  # set while no exchange is active
+        self._quiet.set()
+        self._request_prefix = os.urandom(4).hex().encode()
+        self._request_seq = 0
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        for backend in self.fleet.backends.values():
+            self._open_pool(backend)
+        host, port = self.config.listen_address
+        self._server = await self.loop.create_server(
+            lambda: ClientConnection(self), host, port, backlog=1024, reuse_address=True
+        )
+        self.access.start(self.loop)
+        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+        log.info(
+            "listening",
+            address=f"{host}:{self.port}",
+            strategy=self.balancer.config.strategy.value,
+            backends=sorted(self.fleet.backends),
+        )
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        grace = self.config.timeouts.shutdown_grace if grace is None else grace
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.current is None:
+                conn.transport.close()  # idle keep-alive: nothing to wait for
+        if self.active:
+            log.info("draining", in_flight=self.active, grace_s=grace)
+            try:
+                async with asyncio.timeout(grace):
+                    await self._quiet.wait()
+            except TimeoutError:
+                log.warning("grace period over", in_flight=self.active)
+        for conn in list(self.connections):
+            conn.transport.abort()
+        for pool in self.pools.values():
+            pool.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            await self._server.wait_closed()
+        self.access.close()
+        log.info("stopped")
+
+    def _sweep(self) -> None:
+        for pool in self.pools.values():
+            pool.sweep()
+        self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
+
+    # -- membership and config -------------------------------------------------
+
+    def _open_pool(self, backend: Backend) -> None:
+        limits, timeouts = self.config.limits, self.config.timeouts
+        self.pools[backend.name] = Pool(
+            self.loop,
+            backend.host,
+            backend.port,
+            max_idle=limits.max_idle_upstream,
+            keepalive=timeouts.upstream_keepalive,
+        )
+
+    def add_backend(self, spec: BackendSpec) -> Backend:
+        backend = self.fleet.add(spec)
+        self._open_pool(backend)
+        return backend
+
+    def remove_backend(self, name: str) -> Backend:
+        backend = self.fleet.remove(name)
+        # In-flight exchanges keep their connections; idle ones go now.
+        self.pools.pop(name).close()
+        return backend
+
+    def configure_routing(self, routing: RoutingConfig) -> None:
+        self.balancer.configure(routing)
+
+    # -- used by exchanges -----------------------------------------------------
+
+    def next_request_id(self) -> bytes:
+        self._request_seq += 1
+        return b"%s-%x" % (self._request_prefix, self._request_seq)
+
+    async def wait_quiet(self) -> None:
+        """Return once no request is in flight (tests, shutdown)."""
+        await self._quiet.wait()
+
+    def exchange_started(self) -> None:
+        if not self.active:
+            self._quiet.clear()
+        self.active += 1
+
+    def exchange_finished(self, exchange: Exchange) -> None:
+        self.active -= 1
+        self.access.record(exchange)
+        if not self.active:
+            self._quiet.set()
+
+    def backend_failed(self, backend: Backend, reason: str) -> None:
+        backend.errors += 1
+
+    def backend_answered(self, backend: Backend, status: int) -> None:
+        if status >= 500:
+            backend.errors += 1

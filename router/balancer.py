@@ -1,0 +1,235 @@
+"""Membership and the three routing strategies.
+
+Contract:
+- ``Fleet`` holds the backends, the ring over *all* of them and the set of
+  those that cannot take new requests (draining, or marked down by health).
+  Down and draining backends stay on the ring and are skipped by the walk,
+  so their keys come back when they do.  Every change rebuilds the derived
+  state once (ring only on membership or weight changes) and swaps it by
+  reference; requests only read.
+- ``Balancer.choose`` picks a backend *and* takes its in-flight lease in the
+  same synchronous step, before any await, so that concurrent requests see
+  each other's load.  It returns None when no backend can take the request.
+- Strategies: RANDOM (weighted uniform over available backends),
+  LEAST_OUTSTANDING_REQUESTS (fewest in flight per unit of weight, ties
+  broken at random) and PREFIX_AWARE (bounded-load walk of the key's
+  preference list, see ``hashring.bounded``).  Requests without a key
+  (passthrough GETs) go least-outstanding whatever the strategy.
+- ``avoid`` names backends this request already tried (retries).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Iterable, Set
+
+from hashring import DEFAULT_VNODES, Decision, Lease, LoadBound, LoadTracker, Ring, pick
+
+from .config import BackendSpec, RoutingConfig, Strategy
+
+__all__ = ["AdminState", "Backend", "Balancer", "Choice", "Fleet"]
+
+
+class AdminState(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+
+
+class Backend:
+    """One inference server: identity, address, weight, state and counters."""
+
+    __slots__ = (
+        "errors",
+        "fallback",
+        "healthy",
+        "host",
+        "name",
+        "overflow",
+        "port",
+        "requests",
+        "state",
+        "url",
+        "weight",
+    )
+
+    def __init__(self, spec: BackendSpec):
+        self.name = spec.name
+        self.url = spec.url
+        self.host, self.port = spec.address()
+        self.weight = spec.weight
+        self.state = AdminState.ACTIVE
+        self.healthy = True
+        self.requests = 0  # routed here
+        self.overflow = 0  # routed here as an overflow from an earlier member of the walk
+        self.fallback = 0  # routed here because every candidate was at its bound
+        self.errors = 0
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.state is AdminState.ACTIVE
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, {self.url!r}, weight={self.weight}, {self.state.value})"
+
+
+class Choice:
+    """A routing decision with its lease; ``label`` is what the access log says."""
+
+    __slots__ = ("backend", "label", "lease")
+
+    def __init__(self, backend: Backend, lease: Lease, label: str):
+        self.backend = backend
+        self.lease = lease
+        self.label = label
+
+
+class Fleet:
+    __slots__ = ("_available", "_cum_weights", "backends", "loads", "ring", "unavailable")
+
+    def __init__(self, specs: Iterable[BackendSpec] = (), *, vnodes: int = DEFAULT_VNODES):
+        self.backends: dict[str, Backend] = {}
+        self.loads = LoadTracker()
+        self.ring = Ring(vnodes=vnodes)
+        for spec in specs:
+            self.add(spec)
+        self._refresh()
+
+    # -- changes ---------------------------------------------------------------
+
+    def add(self, spec: BackendSpec) -> Backend:
+        if spec.name in self.backends:
+            raise KeyError(f"backend {spec.name!r} already exists")
+        backend = Backend(spec)
+        self.ring = self.ring.with_member(spec.name, spec.weight)
+        self.backends[spec.name] = backend
+        self._refresh()
+        return backend
+
+    def remove(self, name: str) -> Backend:
+        backend = self.backends.pop(name)
+        self.ring = self.ring.without_member(name)
+        self._refresh()
+        return backend
+
+    def set_weight(self, name: str, weight: int) -> None:
+        self.ring = self.ring.with_weight(name, weight)
+        self.backends[name].weight = weight
+        self._refresh()
+
+    def set_state(self, name: str, state: AdminState) -> None:
+        self.backends[name].state = state
+        self._refresh()
+
+    def set_healthy(self, name: str, healthy: bool) -> None:
+        backend = self.backends.get(name)
+        if backend is not None and backend.healthy != healthy:
+            backend.healthy = healthy
+            self._refresh()
+
+    def _refresh(self) -> None:
+        available = tuple(b for b in self.backends.values() if b.available)
+        self._available = available
+        self.unavailable = frozenset(n for n, b in self.backends.items() if not b.available)
+        running = 0
+        cum_weights = []
+        for backend in available:
+            running += backend.weight
+            cum_weights.append(running)
+        self._cum_weights = cum_weights
+
+    # -- reading ---------------------------------------------------------------
+
+    @property
+    def available(self) -> tuple[Backend, ...]:
+        return self._available
+
+
+class Balancer:
+    """Applies the live routing config to the fleet."""
+
+    __slots__ = ("_bound", "_rng", "_select_keyed", "config", "fleet")
+
+    def __init__(self, fleet: Fleet, config: RoutingConfig, *, seed: int | None = None):
+        self.fleet = fleet
+        self._rng = random.Random(seed)
+        self.configure(config)
+
+    def configure(self, config: RoutingConfig) -> None:
+        """Swap the routing config; requests already routed keep their leases."""
+        prefix = config.prefix_aware
+        self._bound = LoadBound(prefix.concurrency_threshold, prefix.balance_factor)
+        self._select_keyed = {
+            Strategy.RANDOM: self._random,
+            Strategy.LEAST_OUTSTANDING_REQUESTS: self._least_outstanding,
+            Strategy.PREFIX_AWARE: self._prefix_aware,
+        }[config.strategy]
+        self.config = config
+
+    def choose(self, key_hash: int | None, avoid: Set[str] = frozenset()) -> Choice | None:
+        """Pick a backend for a request and count it in flight (same step)."""
+        if key_hash is None:
+            picked = self._least_outstanding(0, avoid)
+            if picked is None:
+                return None
+            backend, label = picked[0], "passthrough"
+        else:
+            picked = self._select_keyed(key_hash, avoid)
+            if picked is None:
+                return None
+            backend, label = picked
+        backend.requests += 1
+        return Choice(backend, self.fleet.loads.acquire(backend.name), label)
+
+    # -- strategies: each returns (backend, label) or None; none of them counts --
+
+    def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+        fleet = self.fleet
+        skip = fleet.unavailable | avoid if avoid else fleet.unavailable
+        loads = fleet.loads
+        chosen = pick(
+            fleet.ring, key_hash, loads.counts, self._bound, avoid=skip, total=loads.total
+        )
+        if chosen is None:
+            return None
+        backend = fleet.backends[chosen.member]
+        if chosen.decision is Decision.PRIMARY:
+            return backend, "primary"
+        if chosen.decision is Decision.OVERFLOW:
+            backend.overflow += 1
+            return backend, f"overflow {chosen.position}"
+        backend.fallback += 1
+        return backend, "fallback"
+
+    def _random(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+        fleet = self.fleet
+        candidates = fleet.available
+        cum_weights: list[int] | None = fleet._cum_weights
+        if avoid:
+            candidates = tuple(b for b in candidates if b.name not in avoid)
+            cum_weights = None
+        if not candidates:
+            return None
+        if cum_weights is None:
+            return self._rng.choices(candidates, [b.weight for b in candidates])[0], "random"
+        return self._rng.choices(candidates, cum_weights=cum_weights)[0], "random"
+
+    def _least_outstanding(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+        counts = self.fleet.loads.counts
+        best: Backend | None = None
+        best_load = best_weight = 0
+        ties = 0
+        for backend in self.fleet.available:
+            if avoid and backend.name in avoid:
+                continue
+            load = counts.get(backend.name, 0)
+            # Compare load/weight without division: a/wa < b/wb  <=>  a*wb < b*wa.
+            if best is None or load * best_weight < best_load * backend.weight:
+                best, best_load, best_weight, ties = backend, load, backend.weight, 1
+            elif load * best_weight == best_load * backend.weight:
+                ties += 1  # reservoir sampling: each tied backend wins with 1/ties
+                if self._rng.random() * ties < 1:
+                    best, best_load, best_weight = backend, load, backend.weight
+        if best is None:
+            return None
+        return best, "least_outstanding"

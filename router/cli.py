@@ -1,0 +1,141 @@
+"""``prefix-router``: the command line.
+
+    prefix-router serve --listen 127.0.0.1:8080 --backend a=http://10.0.0.1:8000 ...
+    prefix-router demo [--serve]
+
+``serve`` lays its flags over the TOML file given with ``--config`` and
+validates the result once; a bad value exits with status 2 and a message that
+names the field.  SIGTERM and SIGINT drain in-flight requests (up to
+``timeouts.shutdown_grace``) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError, backend_flag, build_config, load_toml, parse_routing
+
+__all__ = ["main"]
+
+STRATEGY_ALIASES = {
+    "random": "RANDOM",
+    "least": "LEAST_OUTSTANDING_REQUESTS",
+    "least_outstanding_requests": "LEAST_OUTSTANDING_REQUESTS",
+    "prefix": "PREFIX_AWARE",
+    "prefix_aware": "PREFIX_AWARE",
+}
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser("serve", help="run the router daemon")
+    serve.add_argument("--config", metavar="FILE", help="TOML file with the settings below")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="client listener (127.0.0.1:8080)")
+    serve.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME=URL[,weight=W]",
+        help="a backend; repeat for each (replaces the config file's list)",
+    )
+    serve.add_argument(
+        "--routing-config",
+        metavar="FILE|JSON",
+        help='SageMaker-shaped {"RoutingConfig": {...}}, as a file or inline JSON',
+    )
+    serve.add_argument("--strategy", help="RANDOM, LEAST_OUTSTANDING_REQUESTS or PREFIX_AWARE")
+    serve.add_argument("--prefix-length", type=int, metavar="N", help="1024-65536")
+    serve.add_argument("--concurrency-threshold", type=int, metavar="N", help="1-1024")
+    serve.add_argument("--balance-factor", type=float, metavar="C", help=">= 1.0; off if unset")
+    serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
+    serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The file, then the flags over it, validated once."""
+    data: dict[str, Any] = load_toml(args.config) if args.config else {}
+    if args.listen is not None:
+        data["listen"] = args.listen
+    if args.backend:
+        data["backends"] = [backend_flag(text) for text in args.backend]
+    if args.retries is not None:
+        data["retries"] = args.retries
+    if args.access_log is not None:
+        data["access_log"] = args.access_log
+    routing = data.get("RoutingConfig", {})
+    if args.routing_config is not None:
+        text = args.routing_config
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as exc:
+                raise ConfigError(f"cannot read --routing-config {text}: {exc.strerror}") from None
+        routing = {
+            "RoutingStrategy": parse_routing(text).strategy.value,
+            "PrefixAwareRoutingConfig": parse_routing(text).document()["RoutingConfig"][
+                "PrefixAwareRoutingConfig"
+            ],
+        }
+    routing = dict(routing)
+    if args.strategy is not None:
+        routing["RoutingStrategy"] = STRATEGY_ALIASES.get(args.strategy.lower(), args.strategy)
+    inner = dict(routing.get("PrefixAwareRoutingConfig", {}))
+    for flag, field in (
+        ("prefix_length", "PrefixLength"),
+        ("concurrency_threshold", "ConcurrencyThreshold"),
+        ("balance_factor", "BalanceFactor"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            inner[field] = value
+    if inner:
+        routing["PrefixAwareRoutingConfig"] = inner
+    if routing:
+        data["RoutingConfig"] = routing
+    return build_config(data)
+
+
+async def _serve(config: Config) -> None:
+    from .app import Router
+
+    router = Router(config)
+    await router.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await router.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    demo = sub.add_parser("demo", help="run a simulated fleet behind the router and compare")
+    demo.add_argument("--serve", action="store_true", help="keep the fleet and router up")
+    args = parser.parse_args(argv)
+
+    from .log import configure
+
+    configure()
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(serve=args.serve)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    uvloop.run(_serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""The client side: one asyncio protocol per client connection, fed by httptools.
+
+Contract:
+- Bytes go straight into the C parser; its callbacks build the head (URL and
+  headers, counted against ``max_header_bytes`` / ``max_headers``) and hand
+  body pieces to the request's ``Exchange`` as they arrive.
+- One exchange at a time is *current*.  Pipelined requests that arrive while
+  it runs are parsed into a queue (reading paused, so the queue holds at
+  most what one read delivered) and started in order, each when the one
+  before it has finished: responses go out in request order.
+- Reading pauses for three reasons, tracked as bits so that each resume
+  undoes only its own pause: the upstream socket is full, the upstream
+  connection is not there yet, pipelined requests wait.
+- Deadlines, one lazy timer per connection: a new connection or an idle
+  keep-alive one must start a request within ``client_header`` /
+  ``keepalive`` seconds; a started head must complete within
+  ``client_header`` (slowloris); a body must not stall for ``client_body``.
+- Malformed requests (llhttp is strict: CL+TE, duplicate CL, bad chunk
+  sizes, obs-fold and bare LF are all errors) get a 400 and the connection
+  is closed, never forwarded.  A connection closed with request bytes still
+  unread is half-closed and drained briefly first ("lingering close"), so
+  the client reads our error instead of a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from .exchange import Exchange
+from .wire import error_response
+
+if TYPE_CHECKING:
+    from .app import Router
+
+__all__ = ["ClientConnection"]
+
+WRITE_HIGH_WATER = 64 * 1024
+LINGER_SECONDS = 2.0
+
+# Reasons to stop reading from the client (bits).
+UPSTREAM_BUSY = 1
+PIPELINE = 2
+
+# What the connection's timer is watching.
+IDLE, HEAD, BODY, NOTHING = 0, 1, 2, 3
+
+
+class _Rejected(Exception):
+    """Raised inside a parser callback to stop parsing and answer ``status``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class _Queued:
+    __slots__ = ("body", "complete", "exchange")
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+        self.body: list[bytes] = []
+        self.complete = False
+
+
+class ClientConnection(asyncio.Protocol):
+    __slots__ = (
+        "_closing",
+        "_doomed",
+        "_header_bytes",
+        "_header_count",
+        "_headers",
+        "_last_data",
+        "_parsing",
+        "_paused",
+        "_queue",
+        "_timer",
+        "_url",
+        "_watch",
+        "_watch_since",
+        "_watch_timeout",
+        "current",
+        "parser",
+        "peer_ip",
+        "router",
+        "transport",
+    )
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
+        self.parser = httptools.HttpRequestParser(self)
+        self.peer_ip = b""
+        self.current: Exchange | None = None
+        self._parsing: Exchange | _Queued | None = None
+        self._queue: deque[_Queued] = deque()
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._header_count = 0
+        self._paused = 0
+        self._closing = False
+        self._doomed = False  # a bad pipelined request: close once the current one ends
+        self._timer: asyncio.TimerHandle | None = None
+        self._watch = IDLE
+        self._watch_since = 0.0
+        self._watch_timeout = 0.0
+        self._last_data = 0.0
+
+    # -- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = self.transport.get_extra_info("peername")
+        self.peer_ip = peer[0].encode() if isinstance(peer, tuple) else b""
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.router.connections.add(self)
+        # A new connection gets the header timeout to send its first request.
+        self._watch_from(IDLE, self.router.config.timeouts.client_header)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return  # lingering close: read and drop
+        self._last_data = self.router.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Rejected):
+                self._refuse(cause.status, str(cause))
+            else:
+                raise
+        except httptools.HttpParserUpgrade:
+            self._refuse(501, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.router.connections.discard(self)
+        self._cancel_timer()
+        self._queue.clear()
+        current = self.current
+        if current is not None:
+            current.client_gone()
+
+    def pause_writing(self) -> None:
+        if self.current is not None:
+            self.current.client_write_paused()
+
+    def resume_writing(self) -> None:
+        if self.current is not None:
+            self.current.client_write_resumed()
+
+    # -- httptools callbacks ---------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._header_bytes = 0
+        self._header_count = 0
+        self._watch_from(HEAD, self.router.config.timeouts.client_header)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._header_bytes += len(url)
+        if self._header_bytes > self.router.config.limits.max_header_bytes:
+            raise _Rejected(414, "request target is too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limits = self.router.config.limits
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4
+        if self._header_count > limits.max_headers:
+            raise _Rejected(431, f"more than {limits.max_headers} request headers")
+        if self._header_bytes > limits.max_header_bytes:
+            raise _Rejected(431, f"request head is larger than {limits.max_header_bytes} bytes")
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        if parser.should_upgrade():
+            raise _Rejected(501, "protocol upgrades are not supported")
+        method = parser.get_method()
+        if method == b"CONNECT":
+            raise _Rejected(405, "CONNECT is not supported")
+        exchange = Exchange(
+            self,
+            method,
+            self._url,
+            self._headers,
+            parser.should_keep_alive(),
+            parser.get_http_version() == "1.0",
+        )
+        self._watch_from(BODY, self.router.config.timeouts.client_body)
+        if self.current is None:
+            self.current = exchange
+            self._parsing = exchange
+            exchange.start()
+        else:
+            queued = _Queued(exchange)
+            self._queue.append(queued)
+            self._parsing = queued
+            self._pause(PIPELINE)
+
+    def on_body(self, body: bytes) -> None:
+        parsing = self._parsing
+        if isinstance(parsing, _Queued):
+            parsing.body.append(body)
+        elif parsing is not None:
+            parsing.request_body(body)
+
+    def on_message_complete(self) -> None:
+        parsing, self._parsing = self._parsing, None
+        if self._watch == BODY:
+            self._watch = NOTHING  # the response side has its own deadlines
+        if isinstance(parsing, _Queued):
+            parsing.complete = True
+        elif parsing is not None:
+            parsing.request_end()
+
+    # -- used by Exchange --------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(data)
+
+    def pause_reading_for_upstream(self, pause: bool) -> None:
+        if pause:
+            self._pause(UPSTREAM_BUSY)
+        else:
+            self._resume(UPSTREAM_BUSY)
+
+    def exchange_done(self, exchange: Exchange) -> None:
+        """The current exchange ended: close, start the next queued one, or idle."""
+        if exchange is not self.current:
+            return
+        self.current = None
+        self._resume(UPSTREAM_BUSY)
+        if not exchange.client_keep_alive or self._doomed or self.router.stopping:
+            self._close(lingering=exchange is self._parsing)
+            return
+        if self._queue:
+            self._start_queued()
+        else:
+            self._resume(PIPELINE)
+            if self._parsing is None:
+                self._watch_from(IDLE, self.router.config.timeouts.keepalive)
+
+    def _start_queued(self) -> None:
+        queued = self._queue.popleft()
+        exchange = queued.exchange
+        self.current = exchange
+        if self._parsing is queued:
+            self._parsing = exchange  # the rest of its body goes straight to it
+        exchange.start()
+        for piece in queued.body:
+            exchange.request_body(piece)
+        if queued.complete:
+            exchange.request_end()
+        if not self._queue:
+            self._resume(PIPELINE)
+
+    # -- flow control ----------------------------------------------------------
+
+    def _pause(self, reason: int) -> None:
+        if not self._paused and not self._closing:
+            self.transport.pause_reading()
+        self._paused |= reason
+
+    def _resume(self, reason: int) -> None:
+        if self._paused & reason:
+            self._paused &= ~reason
+            if not self._paused and not self._closing:
+                self.transport.resume_reading()
+
+    # -- deadlines -------------------------------------------------------------
+
+    def _watch_from(self, what: int, timeout: float) -> None:
+        loop = self.router.loop
+        now = loop.time()
+        self._watch = what
+        self._watch_since = now
+        self._watch_timeout = timeout
+        due = now + timeout
+        timer = self._timer
+        if timer is None or timer.when() > due:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(due, self._on_timer)
+        # else: the timer fires earlier, sees this phase and re-arms for its due time
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._closing or self._watch == NOTHING:
+            return
+        loop = self.router.loop
+        if self._watch == BODY:
+            if self._paused:  # we stopped reading: the client did not stall
+                self._last_data = loop.time()
+            due = self._last_data + self._watch_timeout
+        else:
+            due = self._watch_since + self._watch_timeout
+        if loop.time() < due:
+            self._timer = loop.call_at(due, self._on_timer)
+        elif self._watch == IDLE:
+            self._close(lingering=False)
+        elif self._watch == HEAD:
+            self._refuse(408, "request head not received in time")
+        else:
+            self._refuse(408, "request body stalled")
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- endings ---------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str) -> None:
+        """A request we will not serve: answer if we still can, then close."""
+        current = self.current
+        if current is not None and self._parsing is current:
+            current.abort_request(status, message)  # its end closes the connection
+        elif current is not None:
+            # A bad request pipelined behind a running one: finish that, then close.
+            self._queue.clear()
+            self._parsing = None
+            self._doomed = True
+            self._pause(PIPELINE)
+        else:
+            self.write(error_response(status, message, close=True, date=self.router.date.value))
+            self._close(lingering=True)
+
+    def _close(self, lingering: bool) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._cancel_timer()
+        transport = self.transport
+        if lingering and transport.can_write_eof():
+            # Half-close and drain what the client is still sending, so it can
+            # read our answer before the kernel resets the connection.
+            self._paused = 0
+            transport.resume_reading()
+            transport.write_eof()
+            self.router.loop.call_later(LINGER_SECONDS, transport.close)
+        else:
+            transport.close()

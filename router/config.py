@@ -1,0 +1,200 @@
+"""Configuration: frozen msgspec Structs, validated once at start-up.
+
+Contract:
+- ``Config`` is everything ``prefix-router serve`` needs.  It is built from a
+  plain dict (the TOML file, with command-line flags laid over it) by one
+  ``msgspec.convert`` call, so every error names its field, e.g.
+  ``Expected `int` >= 1024 - at `$.RoutingConfig.PrefixAwareRoutingConfig.PrefixLength```.
+- Routing uses SageMaker's shape so users can paste theirs:
+  ``{"RoutingConfig": {"RoutingStrategy": "PREFIX_AWARE",
+  "PrefixAwareRoutingConfig": {"PrefixLength": 4096, "ConcurrencyThreshold": 10}}}``
+  with SageMaker's ranges (PrefixLength 1,024-65,536, ConcurrencyThreshold
+  1-1,024) and one extension, ``BalanceFactor`` (>= 1.0; absent = off).
+- Nothing here does I/O except ``load_toml``; nothing is probed per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "BackendSpec",
+    "Config",
+    "ConfigError",
+    "Limits",
+    "PrefixAwareRoutingConfig",
+    "RoutingConfig",
+    "Strategy",
+    "Timeouts",
+    "build_config",
+    "load_toml",
+    "parse_address",
+    "parse_routing",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field."""
+
+
+class Strategy(enum.Enum):
+    RANDOM = "RANDOM"
+    LEAST_OUTSTANDING_REQUESTS = "LEAST_OUTSTANDING_REQUESTS"
+    PREFIX_AWARE = "PREFIX_AWARE"
+
+
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+
+
+class PrefixAwareRoutingConfig(
+    msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True
+):
+    prefix_length: Annotated[int, Meta(ge=1024, le=65_536)] = 4096
+    concurrency_threshold: Annotated[int, Meta(ge=1, le=1024)] = 10
+    balance_factor: Annotated[float, Meta(ge=1.0, le=1000.0)] | None = None
+
+
+class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True):
+    routing_strategy: Strategy = Strategy.PREFIX_AWARE
+    prefix_aware_routing_config: PrefixAwareRoutingConfig = msgspec.field(
+        default_factory=PrefixAwareRoutingConfig
+    )
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.routing_strategy
+
+    @property
+    def prefix_aware(self) -> PrefixAwareRoutingConfig:
+        return self.prefix_aware_routing_config
+
+    def document(self) -> dict[str, Any]:
+        """The SageMaker-shaped JSON document, ``{"RoutingConfig": {...}}``."""
+        return {"RoutingConfig": msgspec.to_builtins(self)}
+
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+
+
+class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    name: Annotated[str, Meta(pattern=_NAME)]
+    url: str
+    weight: Annotated[int, Meta(ge=1, le=1000)] = 1
+
+    def __post_init__(self) -> None:
+        self.address()  # raises ValueError, which msgspec reports with the field path
+
+    def address(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        if parts.scheme != "http":
+            raise ValueError(f"backend url {self.url!r} must start with http://")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"backend url {self.url!r} must not have a path or query")
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise ValueError(f"backend url {self.url!r} has an invalid port") from None
+        if not parts.hostname:
+            raise ValueError(f"backend url {self.url!r} has no host")
+        return parts.hostname, port
+
+
+class Timeouts(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    connect: Seconds = 5.0  # TCP connect to a backend
+    first_byte: Seconds = 300.0  # request sent -> response head (long prefills queue)
+    idle: Seconds = 120.0  # between two reads of a response body
+    client_header: Seconds = 10.0  # request line + headers (slowloris)
+    client_body: Seconds = 60.0  # between two reads of a request body
+    keepalive: Seconds = 75.0  # idle client connection between requests
+    # uvicorn (vLLM, SGLang) closes idle connections after 5 s: reuse ours for less.
+    upstream_keepalive: Seconds = 4.0
+    shutdown_grace: Seconds = 30.0  # in-flight requests may finish on SIGTERM
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 32 * 1024
+    max_headers: Annotated[int, Meta(ge=8, le=1000)] = 100
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 32 * 1024 * 1024  # OpenAI kinds
+    max_idle_upstream: Annotated[int, Meta(ge=0, le=10_000)] = 64  # pooled per backend
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
+        raise ValueError(f"{what} {text!r} must look like HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    listen: str = "127.0.0.1:8080"
+    backends: list[BackendSpec] = msgspec.field(default_factory=list)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig, name="RoutingConfig")
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    # Other backends tried when one cannot be reached.
+    retries: Annotated[int, Meta(ge=0, le=10)] = 2
+    vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
+    access_log: str = "-"  # a path, "-" for stdout, "off"
+
+    def __post_init__(self) -> None:
+        parse_address(self.listen, "listen")
+        names = [b.name for b in self.backends]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate backend names: {', '.join(duplicates)}")
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_address(self.listen, "listen")
+
+
+def build_config(data: dict[str, Any]) -> Config:
+    """Validate a plain dict into a Config, or raise ConfigError naming the field."""
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_routing(document: bytes | str | dict[str, Any]) -> RoutingConfig:
+    """Parse ``{"RoutingConfig": {...}}`` (JSON text or a dict); bare inner objects too."""
+    try:
+        data = msgspec.json.decode(document) if isinstance(document, bytes | str) else document
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"routing config is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and set(data) == {"RoutingConfig"}:
+        data = data["RoutingConfig"]
+    try:
+        return msgspec.convert(data, RoutingConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"RoutingConfig: {exc}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def backend_flag(text: str) -> dict[str, Any]:
+    """Parse ``--backend NAME=URL[,weight=W]`` into a backend dict (validated later)."""
+    match = re.fullmatch(r"([^=]+)=([^,]+)(?:,weight=(\d+))?", text)
+    if match is None:
+        raise ConfigError(f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W]")
+    name, url, weight = match.groups()
+    spec: dict[str, Any] = {"name": name, "url": url}
+    if weight is not None:
+        spec["weight"] = int(weight)
+    return spec

@@ -1,0 +1,560 @@
+"""One request crossing the router: route it, stream it both ways, account for it.
+
+Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
+- The key is computed from the head and as much body as routing needs:
+  nothing for passthroughs, the whole (bounded) body for OpenAI kinds, the
+  first ``PrefixLength`` bytes for native kinds, hashed as they arrive
+  (``PrefixHasher``), never gathered.  Body pieces are forwarded as the
+  objects they arrived in; the only body copies are the ones asyncio makes
+  when a socket cannot take a write at once.
+- ``Balancer.choose`` takes the lease in the same step as the pick; the
+  lease is released exactly once, in ``_finish``, which every ending path
+  (complete, error, timeout, client gone) goes through once.
+- Retries: a connect failure moves on to the next backend of the walk
+  (``avoid``), at most ``retries`` times; a reused keep-alive connection that
+  dies before any response byte is replaced by a fresh one to the same
+  backend, but only when the router still holds the whole request.  Nothing
+  is replayed once the backend may have started on it otherwise.
+- Errors before any response byte reached the client become a JSON error
+  (502/503/504); after that, the client connection is closed so a truncated
+  response never looks complete.
+- One read deadline at a time, re-armed lazily: ``first_byte`` from the end
+  of the request to the response head, then ``idle`` between reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
+
+from .extract import OPENAI_PATHS, BadRequest, decode_openai, prompt_key
+from .wire import CHUNKED_END, CONTINUE_100, HOP_BY_HOP, error_response, status_line
+
+if TYPE_CHECKING:
+    from .balancer import Choice
+    from .client import ClientConnection
+    from .upstream import UpstreamConnection
+
+__all__ = ["Exchange", "Kind"]
+
+
+class Kind:
+    PASSTHROUGH = "passthrough"
+    OPENAI = "openai"
+    NATIVE = "native"
+
+
+TENANT_HEADER = b"x-amzn-sagemaker-prefix-aware-id"
+
+# Response framing towards the client.
+NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
+
+
+class Exchange:
+    __slots__ = (
+        "_attempts",
+        "_body",
+        "_conn",
+        "_connecting",
+        "_content_length",
+        "_framing",
+        "_hasher",
+        "_head_sent",
+        "_headers",
+        "_last_read",
+        "_read_timeout",
+        "_replayable",
+        "_request_chunked",
+        "_router",
+        "_stale_retried",
+        "_timer",
+        "_tried",
+        "_upstream_bytes",
+        "_xff",
+        "bytes_in",
+        "bytes_out",
+        "choice",
+        "client_keep_alive",
+        "done",
+        "ended",
+        "http10",
+        "key_hash",
+        "kind",
+        "method",
+        "path",
+        "request_complete",
+        "request_id",
+        "started",
+        "status",
+        "target",
+        "tenant",
+        "ttft",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        conn: ClientConnection,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+        http10: bool,
+    ):
+        self._conn = conn
+        self._router = conn.router
+        self.method = method
+        self.target = target
+        self.path = target.partition(b"?")[0]
+        self._headers = headers
+        self.client_keep_alive = keep_alive
+        self.http10 = http10
+        self.kind = Kind.PASSTHROUGH
+        self.started = 0.0
+        self.ended = 0.0
+        self.ttft = 0.0
+        self.status = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.key_hash: int | None = None
+        self.tenant = False
+        self.request_id = b""
+        self.choice: Choice | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.done = False
+        self.request_complete = False
+        self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
+        self._replayable = True  # _body holds every body piece sent upstream so far
+        self._hasher: PrefixHasher | None = None
+        self._content_length: int | None = None
+        self._request_chunked = False
+        self._connecting = False
+        self._head_sent = False  # to the client
+        self._framing = NO_BODY
+        self._tried: set[str] = set()  # backends that could not be reached
+        self._attempts = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
+        self._read_timeout = 0.0
+        self._upstream_bytes = False
+        self._stale_retried = False
+        self._xff = b""
+
+    # -- request side (driven by ClientConnection) ------------------------------
+
+    def start(self) -> None:
+        """The head is complete and this exchange is the connection's current one."""
+        router = self._router
+        self.started = perf_counter()  # loop.time() is millisecond-grained on uvloop
+        router.exchange_started()
+        forwarded: list[tuple[bytes, bytes]] = []
+        tenant: bytes | None = None
+        expect_continue = False
+        xff = b""
+        drop: set[bytes] = set()
+        for name, value in self._headers:
+            lower = name.lower()
+            if lower in HOP_BY_HOP:
+                if lower == b"content-length":
+                    self._content_length = int(value)  # llhttp has checked it
+                elif lower == b"transfer-encoding":
+                    self._request_chunked = True
+                elif lower == b"expect":
+                    expect_continue = value.lower() == b"100-continue"
+                elif lower == b"connection":
+                    drop.update(t.strip().lower() for t in value.split(b","))
+                continue
+            if lower == TENANT_HEADER:
+                tenant = value
+            elif lower == b"x-forwarded-for":
+                xff = value + b", "
+                continue
+            elif lower == b"x-request-id":
+                self.request_id = value
+                continue
+            elif lower == b"x-forwarded-proto":
+                continue
+            forwarded.append((name, value))
+        if drop:
+            forwarded = [(n, v) for n, v in forwarded if n.lower() not in drop]
+        if not self.request_id:
+            self.request_id = router.next_request_id()
+        self._headers = forwarded
+        self._xff = xff
+        has_body = self._request_chunked or bool(self._content_length)
+
+        if self.method == b"POST":
+            self.kind = Kind.OPENAI if self.path in OPENAI_PATHS else Kind.NATIVE
+        if self.kind is Kind.OPENAI:
+            if (self._content_length or 0) > router.config.limits.max_body_bytes:
+                limit = router.config.limits.max_body_bytes
+                self._fail(413, f"request body is larger than {limit} bytes")
+                return
+        elif self.kind is Kind.NATIVE:
+            try:
+                seed = tenant_seed(tenant)
+            except TenantKeyError as exc:
+                self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
+                return
+            self.tenant = tenant is not None and seed != 0
+            self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
+        else:
+            self._route()
+        if expect_continue and has_body and not self.done:
+            self._conn.write(CONTINUE_100)
+
+    def request_body(self, data: bytes) -> None:
+        self.bytes_in += len(data)
+        if self.done:
+            return
+        upstream = self.upstream
+        if upstream is not None:  # streaming: straight through
+            self._replayable = False
+            self._write_body(upstream, data)
+            return
+        if self.kind is Kind.OPENAI:
+            limit = self._router.config.limits.max_body_bytes
+            if self.bytes_in > limit:
+                self._fail(413, f"request body is larger than {limit} bytes")
+                return
+        self._body.append(data)
+        hasher = self._hasher
+        if hasher is not None and self.choice is None and hasher.feed(data):
+            self.key_hash = hasher.digest()
+            self._route()
+
+    def request_end(self) -> None:
+        self.request_complete = True
+        if self.done:
+            return
+        if self.kind is Kind.OPENAI:
+            self._route_openai()
+        elif self.choice is None:
+            assert self._hasher is not None
+            self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
+            self._route()
+        elif self.upstream is not None:
+            if self._request_chunked:
+                self.upstream.transport.write(CHUNKED_END)
+            self._last_read = self._router.loop.time()
+        # else: still connecting; _attach sends everything, end included
+
+    def _route_openai(self) -> None:
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = [body]
+        limit = self._router.balancer.config.prefix_aware.prefix_length
+        try:
+            request = decode_openai(body)
+            seed = tenant_seed(request.prompt_cache_key)
+            key = prompt_key(request, limit)
+        except BadRequest as exc:
+            self._fail(400, str(exc), param=exc.param)
+            return
+        except TenantKeyError as exc:
+            self._fail(400, f"invalid prompt_cache_key: {exc}", param="prompt_cache_key")
+            return
+        self.tenant = seed != 0
+        self.key_hash = hash_key(key, seed)
+        self._content_length = len(body)
+        self._request_chunked = False
+        self._route()
+
+    # -- routing and connecting ------------------------------------------------
+
+    def _route(self) -> None:
+        choice = self._router.balancer.choose(self.key_hash, self._tried)
+        if choice is None:
+            if self._tried:
+                self._fail(502, "no backend could be reached")
+            else:
+                self._fail(503, "no backend is available")
+            return
+        self.choice = choice
+        conn = self._router.pools[choice.backend.name].take()
+        if conn is not None:
+            self._attach(conn)
+        else:
+            self._connect()
+
+    def _connect(self) -> None:
+        assert self.choice is not None
+        router = self._router
+        self._connecting = True
+        self._conn.pause_reading_for_upstream(True)  # hold the body until we can send it
+        pool = router.pools[self.choice.backend.name]
+        pool.connect(router.config.timeouts.connect).add_done_callback(self._connected)
+
+    def _connected(self, future: asyncio.Future[UpstreamConnection]) -> None:
+        self._connecting = False
+        exc = None if future.cancelled() else future.exception()
+        if self.done:  # the client left while we were connecting
+            if exc is None and not future.cancelled():
+                conn = future.result()
+                conn.pool.give_back(conn)
+            return
+        choice = self.choice
+        assert choice is not None
+        if future.cancelled() or exc is not None:
+            self._router.backend_failed(choice.backend, f"connect failed: {exc!r}")
+            choice.lease.release()
+            self._tried.add(choice.backend.name)
+            self._attempts += 1
+            self.choice = None
+            if self._attempts > self._router.config.retries:
+                self._fail(502, f"could not connect to backend {choice.backend.name}")
+            else:
+                self._route()  # the next backend of the walk
+            return
+        self._attach(future.result())
+
+    def _attach(self, upstream: UpstreamConnection) -> None:
+        upstream.attach(self)
+        self.upstream = upstream
+        self._upstream_bytes = False
+        pieces = [self._request_head()]
+        if self._request_chunked:
+            for piece in self._body:
+                if piece:
+                    pieces += (b"%x\r\n" % len(piece), piece, b"\r\n")
+            if self.request_complete:
+                pieces.append(CHUNKED_END)
+        else:
+            pieces += self._body
+        upstream.transport.writelines(pieces)
+        if not self.request_complete:
+            # The rest streams through; what was sent cannot be replayed.
+            self._replayable = False
+            self._body = []
+        self._arm_read_deadline()
+        self._conn.pause_reading_for_upstream(False)
+
+    def _request_head(self) -> bytes:
+        pieces = [self.method, b" ", self.target, b" HTTP/1.1\r\n"]
+        for name, value in self._headers:
+            pieces += (name, b": ", value, b"\r\n")
+        if self._request_chunked:
+            pieces.append(b"transfer-encoding: chunked\r\n")
+        elif self._content_length is not None:
+            pieces.append(b"content-length: %d\r\n" % self._content_length)
+        pieces += (
+            b"x-forwarded-for: ",
+            self._xff,
+            self._conn.peer_ip,
+            b"\r\nx-forwarded-proto: http\r\nx-request-id: ",
+            self.request_id,
+            b"\r\n\r\n",
+        )
+        return b"".join(pieces)
+
+    def _write_body(self, upstream: UpstreamConnection, data: bytes) -> None:
+        if not self._request_chunked:
+            upstream.transport.write(data)
+        elif data:
+            upstream.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        self._last_read = self._router.loop.time()  # progress either way defers the deadline
+
+    # -- response side (driven by UpstreamConnection) ---------------------------
+
+    def upstream_read(self) -> None:
+        self._upstream_bytes = True
+        self._last_read = self._router.loop.time()
+
+    def response_head(
+        self, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> None:
+        if self.done:
+            return
+        self.status = status
+        self._read_timeout = self._router.config.timeouts.idle
+        content_length = None
+        pieces = [status_line(status)]
+        for name, value in headers:
+            lower = name.lower()
+            if lower in HOP_BY_HOP:
+                if lower == b"content-length":
+                    content_length = value
+                continue
+            pieces += (name, b": ", value, b"\r\n")
+        if content_length is not None:
+            pieces += (b"content-length: ", content_length, b"\r\n")
+        if self.method == b"HEAD" or status in (204, 304):
+            self._framing = NO_BODY
+        elif content_length is not None:
+            self._framing = LENGTH
+        elif self.http10:
+            self._framing = UNTIL_CLOSE
+            self.client_keep_alive = False
+        else:
+            self._framing = CHUNKED
+            pieces.append(b"transfer-encoding: chunked\r\n")
+        if not self.request_complete:
+            self.client_keep_alive = False  # the backend answered before reading it all
+        if not self.client_keep_alive:
+            pieces.append(b"connection: close\r\n")
+        elif self.http10:
+            pieces.append(b"connection: keep-alive\r\n")
+        pieces += (b"x-request-id: ", self.request_id, b"\r\n\r\n")
+        self._head_sent = True
+        self._conn.write(b"".join(pieces))
+        if self.method == b"HEAD":
+            # httptools cannot be told that a response answers HEAD and would wait
+            # for a body that never comes: end here, and drop the connection.
+            self._finish(upstream_reusable=False)
+
+    def response_body(self, data: bytes) -> None:
+        if self.done:
+            return
+        if not self.ttft:
+            self.ttft = perf_counter()
+        self.bytes_out += len(data)
+        transport = self._conn.transport
+        if self._framing == CHUNKED:
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            transport.write(data)
+
+    def response_end(self, keep_alive: bool) -> None:
+        if self.done:
+            return
+        if self._framing == CHUNKED:
+            self._conn.write(CHUNKED_END)
+        assert self.choice is not None
+        self._router.backend_answered(self.choice.backend, self.status)
+        self._finish(upstream_reusable=keep_alive and self.request_complete)
+
+    def upstream_lost(self, reason: str | None) -> None:
+        """The backend connection ended (or sent garbage) before the response did."""
+        if self.done:
+            return
+        upstream, self.upstream = self.upstream, None
+        if self._framing == UNTIL_CLOSE and reason is None:
+            self._finish(upstream_reusable=False)  # the close is the end of the body
+            return
+        choice = self.choice
+        assert choice is not None
+        assert upstream is not None
+        if (
+            not self._head_sent
+            and upstream.reused
+            and not self._upstream_bytes
+            and self._replayable
+            and self.request_complete
+            and not self._stale_retried
+        ):
+            # The stale keep-alive race: the backend closed an idle connection as
+            # we wrote to it.  We hold the whole request: resend it on a new one.
+            self._stale_retried = True
+            self._connect()
+            return
+        self._router.backend_failed(choice.backend, reason or "connection closed")
+        if self._head_sent:
+            self._truncate()
+        else:
+            self._fail(
+                502, f"backend {choice.backend.name} closed the connection before responding"
+            )
+
+    # -- deadlines ----------------------------------------------------------------
+
+    def _arm_read_deadline(self) -> None:
+        router = self._router
+        self._read_timeout = router.config.timeouts.first_byte
+        self._last_read = router.loop.time()
+        if self._timer is None:
+            self._timer = router.loop.call_at(self._last_read + self._read_timeout, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.done:
+            return
+        loop = self._router.loop
+        due = self._last_read + self._read_timeout
+        if loop.time() < due:  # there was progress since the timer was set
+            self._timer = loop.call_at(due, self._on_timer)
+            return
+        assert self.choice is not None
+        backend = self.choice.backend
+        self._router.backend_failed(backend, "timeout")
+        if self._head_sent:
+            self._truncate()
+        else:
+            self._fail(
+                504, f"backend {backend.name} did not answer within {self._read_timeout:g} s"
+            )
+
+    # -- endings: every path comes through _finish exactly once ---------------------
+
+    def _fail(self, status: int, message: str, param: str | None = None) -> None:
+        """Answer with a JSON error; only possible before the response head left."""
+        if self._head_sent:
+            self._truncate()
+            return
+        self.status = status
+        keep_alive = self.client_keep_alive and self.request_complete and status < 500
+        self.client_keep_alive = keep_alive
+        self._conn.write(
+            error_response(
+                status,
+                message,
+                param=param,
+                close=not keep_alive,
+                date=self._router.date.value,
+                request_id=self.request_id,
+            )
+        )
+        self._finish(upstream_reusable=False)
+
+    def _truncate(self) -> None:
+        """The response already started: close so the client sees it incomplete."""
+        self.client_keep_alive = False
+        self._finish(upstream_reusable=False)
+
+    def abort_request(self, status: int, message: str) -> None:
+        """The client's request went wrong mid-way (malformed, stalled)."""
+        if not self.done:
+            self._fail(status, message)
+
+    def client_gone(self) -> None:
+        if not self.done:
+            self.client_keep_alive = False
+            self.status = self.status or 499  # nginx's "client closed request"
+            self._finish(upstream_reusable=False)
+
+    def _finish(self, upstream_reusable: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        router = self._router
+        self.ended = perf_counter()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.choice is not None:
+            self.choice.lease.release()
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            if upstream_reusable:
+                upstream.pool.give_back(upstream)
+            else:
+                upstream.close()
+        router.exchange_finished(self)
+        self._conn.exchange_done(self)
+
+    # -- flow control ----------------------------------------------------------
+
+    def upstream_write_paused(self) -> None:
+        self._conn.pause_reading_for_upstream(True)
+
+    def upstream_write_resumed(self) -> None:
+        self._conn.pause_reading_for_upstream(False)
+
+    def client_write_paused(self) -> None:
+        if self.upstream is not None:
+            self.upstream.transport.pause_reading()
+
+    def client_write_resumed(self) -> None:
+        if self.upstream is not None:
+            self.upstream.transport.resume_reading()

@@ -1,0 +1,221 @@
+"""Connections to backends: a keep-alive pool per backend, response heads and
+bodies parsed by httptools and handed to the exchange that owns the connection.
+
+Contract:
+- An ``UpstreamConnection`` belongs to at most one exchange at a time; while
+  it is idle it sits in its ``Pool``.  Every parser event goes to the owner
+  (``response_head``/``response_body``/``response_end``/``upstream_lost``).
+- A connection goes back to the pool only when its exchange says so, after
+  a complete response on a connection the backend keeps alive.  An idle
+  connection the backend closes is dropped from the pool at once; one idle
+  longer than ``keepalive`` is closed when met (backends close theirs at
+  about 5 s, and a write into a half-closed socket is the classic stale race).
+- ``reused`` tells the exchange whether a failure before any response byte
+  may just be that race, so that it can try again on a fresh connection.
+- Interim 1xx responses are swallowed: the router answers ``Expect`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+__all__ = ["Pool", "UpstreamConnection"]
+
+WRITE_HIGH_WATER = 64 * 1024
+
+
+class UpstreamConnection(asyncio.Protocol):
+    __slots__ = (
+        "_headers",
+        "_interim",
+        "exchange",
+        "idle_since",
+        "open",
+        "parser",
+        "pool",
+        "reused",
+        "transport",
+    )
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
+        self.parser = httptools.HttpResponseParser(self)
+        self.exchange: Exchange | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._interim = False
+        self.open = False
+        self.reused = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.open = True
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:  # bytes from an idle backend: nothing can follow them
+            self.close()
+            return
+        exchange.upstream_read()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            pass  # the exchange already acted on its own exception
+        except httptools.HttpParserError as exc:
+            self.exchange = None
+            self.close()
+            exchange.upstream_lost(f"invalid response from backend: {exc}")
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        exchange = self.exchange
+        if exchange is not None:
+            self.exchange = None
+            # A close-delimited body ends with the connection: feed_data(b"")
+            # does not signal it, so the exchange decides from its framing.
+            exchange.upstream_lost(f"backend closed the connection: {exc}" if exc else None)
+        else:
+            self.pool.forget(self)
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.upstream_write_paused()
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.upstream_write_resumed()
+
+    # -- httptools callbacks ---------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        headers, self._headers = self._headers, []
+        if 100 <= status < 200:
+            self._interim = True
+            return
+        assert self.exchange is not None
+        self.exchange.response_head(status, headers, self.parser.should_keep_alive())
+
+    def on_body(self, body: bytes) -> None:
+        assert self.exchange is not None
+        self.exchange.response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        exchange = self.exchange
+        assert exchange is not None
+        exchange.response_end(self.parser.should_keep_alive())
+
+    # -- ownership -------------------------------------------------------------
+
+    def attach(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+
+    def close(self) -> None:
+        self.exchange = None
+        self.open = False
+        self.transport.close()
+
+
+class Pool:
+    """Idle keep-alive connections to one backend, most recently used first."""
+
+    __slots__ = ("_idle", "closed", "host", "keepalive", "loop", "max_idle", "port")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        *,
+        max_idle: int,
+        keepalive: float,
+    ):
+        self.loop = loop
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self.keepalive = keepalive
+        self._idle: list[UpstreamConnection] = []
+        self.closed = False  # the backend was removed: nothing comes back in
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def take(self) -> UpstreamConnection | None:
+        """An open idle connection, or None; connections idle too long are closed."""
+        idle = self._idle
+        oldest_allowed = self.loop.time() - self.keepalive
+        while idle:
+            conn = idle.pop()
+            if conn.open and conn.idle_since > oldest_allowed:
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def connect(self, timeout: float) -> asyncio.Future[UpstreamConnection]:
+        """Open a new connection; the future fails with OSError or TimeoutError."""
+        return asyncio.ensure_future(asyncio.wait_for(self._open(), timeout))
+
+    async def _open(self) -> UpstreamConnection:
+        factory: Callable[[], UpstreamConnection] = lambda: UpstreamConnection(self)  # noqa: E731
+        _, conn = await self.loop.create_connection(factory, self.host, self.port)
+        return conn
+
+    def give_back(self, conn: UpstreamConnection) -> None:
+        conn.exchange = None
+        if self.closed or not conn.open or len(self._idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.transport.resume_reading()  # idempotent; the exchange may have paused it
+        conn.idle_since = self.loop.time()
+        self._idle.append(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        """Drop a connection the backend closed while it was idle."""
+        with contextlib.suppress(ValueError):
+            self._idle.remove(conn)
+
+    def sweep(self) -> None:
+        """Close connections idle past ``keepalive`` (called every few seconds)."""
+        oldest_allowed = self.loop.time() - self.keepalive
+        keep = []
+        for conn in self._idle:
+            if conn.open and conn.idle_since > oldest_allowed:
+                keep.append(conn)
+            else:
+                conn.close()
+        self._idle = keep
+
+    def close(self) -> None:
+        self.closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,118 @@
+"""HTTP/1.1 wire helpers shared by both sides of the proxy (pure, no I/O).
+
+Status lines are built once at import; error bodies are OpenAI-style JSON so
+that an OpenAI client shows the router's message as it would the server's.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http
+import time
+
+import msgspec
+
+__all__ = [
+    "CHUNKED_END",
+    "HOP_BY_HOP",
+    "DateHeader",
+    "error_response",
+    "status_line",
+]
+
+# RFC 9110 7.6.1: connection-specific fields, never forwarded; plus the
+# framing fields we set ourselves and Proxy-* credentials meant for us.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"expect",
+    }
+)
+
+CHUNKED_END = b"0\r\n\r\n"
+CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+_STATUS_LINES = {
+    status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()
+    for status in http.HTTPStatus
+}
+
+
+def status_line(code: int) -> bytes:
+    line = _STATUS_LINES.get(code)
+    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % code
+
+
+class DateHeader:
+    """The ``Date`` header, formatted at most once a second (not per request)."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    @property
+    def value(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = b"date: " + email.utils.formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._value
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    414: "invalid_request_error",
+    431: "invalid_request_error",
+    501: "invalid_request_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    close: bool = False,
+    date: bytes = b"",
+    request_id: bytes = b"",
+) -> bytes:
+    """A complete response with an OpenAI-style JSON error body."""
+    body = _encoder.encode(
+        {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "router_error"),
+                "param": param,
+                "code": status,
+            }
+        }
+    )
+    head = [
+        status_line(status),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        date,
+    ]
+    if request_id:
+        head.append(b"x-request-id: " + request_id + b"\r\n")
+    head.append(b"connection: close\r\n\r\n" if close else b"\r\n")
+    return b"".join(head) + body

@@ -1,0 +1,216 @@
+"""Routing decisions end to end: tenants, bounded loads, failover, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import aiohttp
+
+from hashring import hash_key, tenant_seed
+from router.app import Router
+from router.extract import decode_openai, prompt_key
+from tests.conftest import SimFleet, StartRouter
+
+SYSTEM = "Warehouse robot safety manual, section 4: lifting limits. " * 100
+
+
+def chat(question: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+def walk_of(router: Router, body: dict[str, Any]) -> list[str]:
+    """The preference walk the router will use for this body (computed independently)."""
+    request = decode_openai(json.dumps(body).encode())
+    limit = router.balancer.config.prefix_aware.prefix_length
+    key_hash = hash_key(prompt_key(request, limit), tenant_seed(request.prompt_cache_key))
+    return list(router.fleet.ring.walk(key_hash))
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, str, dict[str, Any]]:
+    async with http.post(url, json=body, headers=headers) as resp:
+        payload = await resp.json()
+        return resp.status, resp.headers.get("x-sim-instance", ""), payload
+
+
+async def test_tenant_keys_separate_the_same_prompt_deterministically(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(4)
+    router = await start_router(sims)
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        placement = {}
+        for tenant in range(50):
+            body = chat("Can I lift 40 kg?", prompt_cache_key=f"tenant-{tenant}")
+            _, first, _ = await post(http, url, body)
+            _, again, _ = await post(
+                http, url, chat("Other question", prompt_cache_key=f"tenant-{tenant}")
+            )
+            assert first == again  # deterministic per tenant, whatever the question
+            assert first == walk_of(router, body)[0]
+            placement[tenant] = first
+        assert len(set(placement.values())) >= 3, Counter(placement.values())
+
+        # Native requests take the tenant from the SageMaker header.
+        native = f"http://127.0.0.1:{router.port}/invocations"
+        doc = {"inputs": "Shared contract text. " * 300}
+        spots = Counter()
+        for tenant in range(50):
+            header = {"X-Amzn-SageMaker-Prefix-Aware-Id": f"customer-{tenant}"}
+            _, first, _ = await post(http, native, doc, header)
+            _, again, _ = await post(http, native, doc, header)
+            assert first == again
+            spots[first] += 1
+        assert len(spots) >= 3, spots
+
+
+async def test_bad_tenant_keys_are_rejected_with_400(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(1)
+    router = await start_router(sims)
+    base = f"http://127.0.0.1:{router.port}"
+    async with aiohttp.ClientSession() as http:
+        status, _, body = await post(
+            http, base + "/v1/chat/completions", chat("q", prompt_cache_key="k" * 65)
+        )
+        assert status == 400
+        assert body["error"]["param"] == "prompt_cache_key"
+        assert "at most 64" in body["error"]["message"]
+        status, _, body = await post(
+            http,
+            base + "/invocations",
+            {"inputs": "x"},
+            {"X-Amzn-SageMaker-Prefix-Aware-Id": "t" * 70},
+        )
+        assert status == 400
+        assert "x-amzn-sagemaker-prefix-aware-id" in body["error"]["message"]
+        assert "t" * 70 not in body["error"]["message"]  # never echo the key
+        # Other traffic is unaffected.
+        status, instance, _ = await post(http, base + "/v1/chat/completions", chat("q"))
+        assert (status, instance) == (200, "sim-0")
+
+
+async def wait_running(router: Router, sims: list[Any], expected: dict[str, int]) -> None:
+    by_name = {s.name: s for s in sims}
+    async with asyncio.timeout(10):
+        for name, count in expected.items():
+            await by_name[name].instance.wait_for(lambda e, c=count: e.running + e.waiting == c)
+
+
+async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # Every instance holds its requests for a long time, so they stay in flight.
+    sims = await sim_fleet(4, extra_ttft_s=30)
+    router = await start_router(
+        sims, routing={"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2}}
+    )
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    walk = walk_of(router, chat("q"))
+    expected = dict.fromkeys(walk, 0)
+    tasks = []
+    async with aiohttp.ClientSession() as http:
+        try:
+            for i, target in enumerate([walk[0], walk[0], walk[1], walk[1], walk[2], walk[2]]):
+                # Different questions, same prefix: the same key.
+                tasks.append(asyncio.create_task(post(http, url, chat(f"question {i}"))))
+                expected[target] += 1
+                await wait_running(router, sims, expected)
+            backends = router.fleet.backends
+            assert backends[walk[1]].overflow == 2  # always the next one of the walk
+            assert backends[walk[2]].overflow == 2
+            assert dict(router.fleet.loads.counts) == {walk[0]: 2, walk[1]: 2, walk[2]: 2}
+            for i in range(2):
+                tasks.append(asyncio.create_task(post(http, url, chat(f"more {i}"))))
+                expected[walk[3]] += 1
+                await wait_running(router, sims, expected)
+            # Everyone is at the threshold: fallback to the least loaded, first in the walk.
+            tasks.append(asyncio.create_task(post(http, url, chat("one too many"))))
+            expected[walk[0]] += 1
+            await wait_running(router, sims, expected)
+            assert backends[walk[0]].fallback == 1
+            assert router.fleet.loads.total == 9
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    # The clients went away: every lease comes back.
+    async with asyncio.timeout(10):
+        await router.wait_quiet()
+    assert router.fleet.loads.total == 0
+    assert dict(router.fleet.loads.counts) == {}
+
+
+async def test_a_stopped_instance_is_routed_around_without_client_errors(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(3)
+    router = await start_router(sims)
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    body = chat("where do I go?")
+    walk = walk_of(router, body)
+    async with aiohttp.ClientSession() as http:
+        status, instance, _ = await post(http, url, body)
+        assert (status, instance) == (200, walk[0])
+        primary = next(s for s in sims if s.name == walk[0])
+        await primary.close()
+        for i in range(5):
+            status, instance, _ = await post(http, url, chat(f"still there {i}?"))
+            assert (status, instance) == (200, walk[1])
+    assert router.fleet.backends[walk[0]].errors >= 1
+
+
+async def test_every_backend_down_is_a_502_and_no_backend_a_503(
+    start_router: StartRouter,
+) -> None:
+    # Ports that refuse connections: bind, note the port, close.
+    refused = []
+    for _ in range(2):
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        refused.append(server.sockets[0].getsockname()[1])
+        server.close()
+        await server.wait_closed()
+    router = await start_router([(f"dead-{p}", f"http://127.0.0.1:{p}") for p in refused])
+    empty = await start_router([])
+    async with aiohttp.ClientSession() as http:
+        status, _, body = await post(
+            http, f"http://127.0.0.1:{router.port}/v1/completions", {"prompt": "x"}
+        )
+        assert status == 502
+        assert body["error"]["type"] == "bad_gateway"
+        status, _, body = await post(
+            http, f"http://127.0.0.1:{empty.port}/v1/completions", {"prompt": "x"}
+        )
+        assert status == 503
+        assert "no backend" in body["error"]["message"]
+
+
+async def test_a_client_leaving_mid_stream_frees_its_lease_and_the_backend_slot(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(2, extra_token_s=0.05)
+    router = await start_router(sims)
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url, json=chat("stream please", stream=True, max_tokens=500))
+        assert resp.status == 200
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        assert router.fleet.loads.total == 1
+        resp.close()  # the client goes away mid-stream
+    async with asyncio.timeout(10):
+        await router.wait_quiet()
+        for sim in sims:
+            await sim.instance.wait_idle()  # the router aborted its upstream request
+    assert router.fleet.loads.total == 0
