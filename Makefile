@@ -27,7 +27,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 demo: $(STAMP)
-	@echo "make demo arrives with the router data plane (issue 3)." >&2; exit 1
+	$(BIN)/prefix-router demo
 
 bench-hashring: $(STAMP)
 	$(BIN)/python loadtests/bench_hashring.py
