@@ -123,9 +123,21 @@ def main(argv: list[str] | None = None) -> int:
 
     configure()
     if args.command == "demo":
-        from .demo import run_demo
+        # The demo lives in the repository's loadtests/, which is not installed.
+        root = Path(__file__).resolve().parent.parent
+        if not (root / "loadtests" / "demo.py").is_file():
+            where = root / "loadtests"
+            print(f"prefix-router demo: {where} not found; run it from a clone", file=sys.stderr)
+            return 2
+        import subprocess
 
-        return run_demo(serve=args.serve)
+        demo_cmd = [sys.executable, "-m", "loadtests.demo", *(["--serve"] if args.serve else [])]
+        child = subprocess.Popen(demo_cmd, cwd=root)
+        # Not subprocess.run: on Ctrl-C it SIGKILLs the demo, orphaning the demo's children.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+        code = child.wait()
+        return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N
     try:
         config = config_from_args(args)
     except ConfigError as exc:
