@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 
 __all__ = ["configure", "get_logger"]
+
+
+class _Stderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the call.
+
+    structlog's print logger keeps the stream it was created with; a test
+    harness that swaps stderr and closes the old one would then break every
+    later log line (and the router start-up with it).
+    """
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    debug = info = warning = error = critical = exception = msg
 
 
 def configure(level: int = logging.INFO) -> None:
@@ -18,11 +33,11 @@ def configure(level: int = logging.INFO) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=lambda *args: _Stderr(),
         cache_logger_on_first_use=True,
     )
 
 
-def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+def get_logger(name: str) -> Any:
     """A lazy logger: safe to create at import, configured at first use."""
-    return structlog.get_logger(component=name)  # type: ignore[no-any-return]
+    return structlog.get_logger(component=name)

@@ -104,8 +104,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
 
     async def start(backends: list[Any], **overrides: Any) -> Router:
         router = Router(build_config(router_config(backends, **overrides)))
+        routers.append(router)  # shut down at teardown even if start fails half-way
         await router.start()
-        routers.append(router)
         return router
 
     try:
