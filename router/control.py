@@ -1,0 +1,132 @@
+"""The control interface: everything the admin API may ask of the router.
+
+Contract:
+- ``Control`` is a ``typing.Protocol``; the admin app depends on it alone, so
+  it can be tested against a fake, and the router can change behind it.
+- Reads are synchronous snapshots.  Changes are coroutines: they are applied
+  one at a time, and each is written to the state file (when there is one)
+  *before* it returns, so a 2xx answer means the change survives a restart.
+- Errors form a small tree translated to HTTP by the admin app:
+  ``NotFound`` -> 404, ``Conflict`` -> 409, ``Invalid`` -> 422.
+- Views are msgspec Structs: they encode straight to the JSON the admin API
+  returns, and their JSON Schemas go into its OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+from msgspec import Meta
+
+from .config import BackendSpec, RoutingConfig
+
+__all__ = [
+    "BackendPatch",
+    "BackendView",
+    "Conflict",
+    "Control",
+    "ControlError",
+    "Decisions",
+    "DrainView",
+    "Invalid",
+    "NotFound",
+    "Stats",
+    "Totals",
+]
+
+State = Literal["active", "draining"]
+
+
+class ControlError(Exception):
+    """Base of the errors a control operation reports to its caller."""
+
+
+class NotFound(ControlError):
+    pass
+
+
+class Conflict(ControlError):
+    pass
+
+
+class Invalid(ControlError):
+    pass
+
+
+class BackendPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Fields of ``PATCH /admin/backends/{name}``; absent fields are left alone."""
+
+    weight: Annotated[int, Meta(ge=1, le=1000)] | None = None
+    state: State | None = None
+
+
+class BackendView(msgspec.Struct, frozen=True):
+    name: str
+    url: str
+    weight: int
+    state: State
+    healthy: bool
+    in_flight: int
+    requests: int
+    share: float  # of all requests routed since start
+    overflow: int  # received as an overflow from an earlier backend of the walk
+    fallback: int  # received because every backend was at its bound
+    errors: int
+    ttft_p50_ms: float | None  # over the last requests (a bounded window)
+    ttft_p90_ms: float | None
+    prefix_cache_hit_rate: float | None  # scraped from the backend's /metrics, if enabled
+    num_requests_running: float | None = None
+    num_requests_waiting: float | None = None
+    kv_cache_usage: float | None = None
+
+
+class DrainView(msgspec.Struct, frozen=True):
+    name: str
+    state: Literal["draining", "removed"]
+    in_flight: int
+    timeout_s: float
+    forced: bool = False  # removed at the timeout with requests still in flight
+
+
+class Decisions(msgspec.Struct, frozen=True):
+    primary: int
+    overflow: int
+    fallback: int
+    other: int  # RANDOM, LEAST_OUTSTANDING_REQUESTS and passthrough choices
+
+
+class Totals(msgspec.Struct, frozen=True):
+    requests: int
+    in_flight: int
+    errors: int
+    no_backend: int  # answered 502/503 because no backend could take them
+
+
+class Stats(msgspec.Struct, frozen=True):
+    strategy: str
+    backends: list[BackendView]
+    totals: Totals
+    decisions: Decisions
+
+
+class Control(Protocol):
+    def backends(self) -> list[BackendView]: ...
+
+    def backend(self, name: str) -> BackendView: ...
+
+    async def add_backend(self, spec: BackendSpec) -> BackendView: ...
+
+    async def update_backend(self, name: str, patch: BackendPatch) -> BackendView: ...
+
+    async def remove_backend(self, name: str, *, timeout: float, wait: bool) -> DrainView: ...
+
+    def routing(self) -> RoutingConfig: ...
+
+    async def set_routing(self, routing: RoutingConfig) -> RoutingConfig: ...
+
+    def stats(self) -> Stats: ...
+
+    def ready(self) -> bool: ...
+
+    def metrics(self) -> bytes: ...
