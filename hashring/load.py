@@ -7,6 +7,8 @@ Contract:
 - ``counts`` is a live read-only mapping (absent means 0; members at zero are
   dropped, so the map stays as small as the set of busy members) and
   ``total`` is its sum, kept incrementally.
+- ``on_idle``, when set, is called with a member's name when its count falls
+  to zero (a drain waits on it instead of polling).
 - This is the seam for sharing counts between worker processes later: the
   balancer reads loads only through ``counts``/``total`` and writes them only
   through ``acquire``/``release``.
@@ -14,7 +16,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
 
 __all__ = ["Lease", "LoadTracker"]
@@ -56,12 +58,13 @@ class Lease:
 
 
 class LoadTracker:
-    __slots__ = ("_counts", "_view", "total")
+    __slots__ = ("_counts", "_view", "on_idle", "total")
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
         self._view = MappingProxyType(self._counts)
         self.total = 0
+        self.on_idle: Callable[[str], None] | None = None
 
     @property
     def counts(self) -> Mapping[str, int]:
@@ -79,8 +82,10 @@ class LoadTracker:
     def _release(self, member: str) -> None:
         counts = self._counts
         left = counts[member] - 1
+        self.total -= 1
         if left:
             counts[member] = left
         else:
             del counts[member]
-        self.total -= 1
+            if self.on_idle is not None:
+                self.on_idle(member)

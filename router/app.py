@@ -22,7 +22,9 @@ from .accesslog import AccessLog
 from .balancer import Backend, Balancer, Fleet
 from .client import ClientConnection
 from .config import BackendSpec, Config, RoutingConfig
+from .health import HealthMonitor
 from .log import get_logger
+from .metrics import Recorder, RouterCollector
 from .upstream import Pool
 from .wire import DateHeader
 
@@ -44,6 +46,9 @@ class Router:
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
         self.access = AccessLog(config.access_log)
+        self.recorder = Recorder()
+        self.collector = RouterCollector(self)
+        self.health = HealthMonitor(self.fleet, config.health)
         self.stopping = False
         self.active = 0  # exchanges started and not finished
         self._quiet = asyncio.Event()  # set while no exchange is active
@@ -65,6 +70,7 @@ class Router:
             lambda: ClientConnection(self), host, port, backlog=1024, reuse_address=True
         )
         self.access.start(self.loop)
+        self.health.start()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
         log.info(
             "listening",
@@ -97,6 +103,7 @@ class Router:
                 log.warning("grace period over", in_flight=self.active)
         for conn in list(self.connections):
             conn.transport.abort()
+        await self.health.close()
         for pool in self.pools.values():
             pool.close()
         if self._sweeper is not None:
@@ -126,10 +133,12 @@ class Router:
     def add_backend(self, spec: BackendSpec) -> Backend:
         backend = self.fleet.add(spec)
         self._open_pool(backend)
+        self.health.watch(backend)
         return backend
 
     def remove_backend(self, name: str) -> Backend:
         backend = self.fleet.remove(name)
+        self.health.unwatch(name)
         # In-flight exchanges keep their connections; idle ones go now.
         self.pools.pop(name).close()
         return backend
@@ -154,13 +163,19 @@ class Router:
 
     def exchange_finished(self, exchange: Exchange) -> None:
         self.active -= 1
+        self.recorder.observe(exchange)
         self.access.record(exchange)
         if not self.active:
             self._quiet.set()
 
     def backend_failed(self, backend: Backend, reason: str) -> None:
+        """A connect failure, reset, timeout or garbled answer (passive health)."""
         backend.errors += 1
+        self.health.failed(backend, reason)
 
     def backend_answered(self, backend: Backend, status: int) -> None:
         if status >= 500:
             backend.errors += 1
+            self.health.failed(backend, f"answered {status}")
+        else:
+            self.health.answered(backend)

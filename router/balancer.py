@@ -48,12 +48,14 @@ class Backend:
         "overflow",
         "port",
         "requests",
+        "spec",
         "state",
         "url",
         "weight",
     )
 
     def __init__(self, spec: BackendSpec):
+        self.spec = spec  # as added: persisted as is, with its health override
         self.name = spec.name
         self.url = spec.url
         self.host, self.port = spec.address()
@@ -74,14 +76,26 @@ class Backend:
 
 
 class Choice:
-    """A routing decision with its lease; ``label`` is what the access log says."""
+    """A routing decision and its lease.
 
-    __slots__ = ("backend", "label", "lease")
+    ``decision`` is one of primary, overflow, fallback (PREFIX_AWARE), random,
+    least_outstanding or passthrough; ``position`` is the place in the walk.
+    """
 
-    def __init__(self, backend: Backend, lease: Lease, label: str):
+    __slots__ = ("backend", "decision", "lease", "position")
+
+    def __init__(self, backend: Backend, lease: Lease, decision: str, position: int):
         self.backend = backend
         self.lease = lease
-        self.label = label
+        self.decision = decision
+        self.position = position
+
+    @property
+    def label(self) -> str:
+        """What the access log says: "overflow 2" names the place in the walk."""
+        if self.decision == "overflow":
+            return f"overflow {self.position}"
+        return self.decision
 
 
 class Fleet:
@@ -145,6 +159,9 @@ class Fleet:
         return self._available
 
 
+_Picked = tuple[Backend, str, int]
+
+
 class Balancer:
     """Applies the live routing config to the fleet."""
 
@@ -172,18 +189,18 @@ class Balancer:
             picked = self._least_outstanding(0, avoid)
             if picked is None:
                 return None
-            backend, label = picked[0], "passthrough"
+            backend, decision, position = picked[0], "passthrough", 0
         else:
             picked = self._select_keyed(key_hash, avoid)
             if picked is None:
                 return None
-            backend, label = picked
+            backend, decision, position = picked
         backend.requests += 1
-        return Choice(backend, self.fleet.loads.acquire(backend.name), label)
+        return Choice(backend, self.fleet.loads.acquire(backend.name), decision, position)
 
-    # -- strategies: each returns (backend, label) or None; none of them counts --
+    # -- strategies: each returns (backend, decision, position) or None; none counts --
 
-    def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+    def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
@@ -193,15 +210,13 @@ class Balancer:
         if chosen is None:
             return None
         backend = fleet.backends[chosen.member]
-        if chosen.decision is Decision.PRIMARY:
-            return backend, "primary"
         if chosen.decision is Decision.OVERFLOW:
             backend.overflow += 1
-            return backend, f"overflow {chosen.position}"
-        backend.fallback += 1
-        return backend, "fallback"
+        elif chosen.decision is Decision.FALLBACK:
+            backend.fallback += 1
+        return backend, chosen.decision.value, chosen.position
 
-    def _random(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+    def _random(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         fleet = self.fleet
         candidates = fleet.available
         cum_weights: list[int] | None = fleet._cum_weights
@@ -211,10 +226,12 @@ class Balancer:
         if not candidates:
             return None
         if cum_weights is None:
-            return self._rng.choices(candidates, [b.weight for b in candidates])[0], "random"
-        return self._rng.choices(candidates, cum_weights=cum_weights)[0], "random"
+            chosen = self._rng.choices(candidates, [b.weight for b in candidates])[0]
+        else:
+            chosen = self._rng.choices(candidates, cum_weights=cum_weights)[0]
+        return chosen, "random", 0
 
-    def _least_outstanding(self, key_hash: int, avoid: Set[str]) -> tuple[Backend, str] | None:
+    def _least_outstanding(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         counts = self.fleet.loads.counts
         best: Backend | None = None
         best_load = best_weight = 0
@@ -232,4 +249,4 @@ class Balancer:
                     best, best_load, best_weight = backend, load, backend.weight
         if best is None:
             return None
-        return best, "least_outstanding"
+        return best, "least_outstanding", 0

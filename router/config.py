@@ -29,6 +29,8 @@ __all__ = [
     "BackendSpec",
     "Config",
     "ConfigError",
+    "HealthConfig",
+    "HealthOverride",
     "Limits",
     "PrefixAwareRoutingConfig",
     "RoutingConfig",
@@ -84,10 +86,19 @@ class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True,
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
 
 
-class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Per-backend health settings; absent fields take the global ``[health]`` ones."""
+
+    path: Annotated[str, Meta(pattern=r"^/")] | None = None
+    interval: Seconds | None = None
+    timeout: Seconds | None = None
+
+
+class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Annotated[str, Meta(pattern=_NAME)]
     url: str
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
+    health: HealthOverride | None = None
 
     def __post_init__(self) -> None:
         self.address()  # raises ValueError, which msgspec reports with the field path
@@ -126,6 +137,24 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_idle_upstream: Annotated[int, Meta(ge=0, le=10_000)] = 64  # pooled per backend
 
 
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    active: bool = True  # poll each backend's health path
+    path: Annotated[str, Meta(pattern=r"^/")] = "/health"
+    interval: Seconds = 5.0
+    timeout: Seconds = 2.0
+    healthy_threshold: Annotated[int, Meta(ge=1, le=100)] = 2  # successes in a row to come back
+    unhealthy_threshold: Annotated[int, Meta(ge=1, le=100)] = 3  # failures in a row to go down
+    # Passive: connect failures, resets, timeouts and 5xx answers in a row on real
+    # traffic mark a backend down at once; a probe after the backoff (doubling up
+    # to backoff_max) brings it back.
+    passive_failures: Annotated[int, Meta(ge=1, le=1000)] = 3
+    backoff_initial: Seconds = 1.0
+    backoff_max: Seconds = 30.0
+    # Scrape each backend's Prometheus /metrics (vLLM names) for /admin/stats.
+    scrape_metrics: bool = False
+    scrape_interval: Seconds = 10.0
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -139,6 +168,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig, name="RoutingConfig")
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     limits: Limits = msgspec.field(default_factory=Limits)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    admin_listen: str = "127.0.0.1:9091"  # "off" disables the admin API
+    state_file: str | None = None
     # Other backends tried when one cannot be reached.
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
     vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
@@ -146,6 +178,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")
+        if self.admin_listen != "off":
+            parse_address(self.admin_listen, "admin_listen")
         names = [b.name for b in self.backends]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:

@@ -187,3 +187,15 @@ def test_a_lease_is_released_exactly_once() -> None:
     assert "a" not in tracker.counts
     with pytest.raises(TypeError):
         tracker.counts["a"] = 1  # type: ignore[index]
+
+
+def test_on_idle_fires_when_a_member_has_nothing_left_in_flight() -> None:
+    tracker = LoadTracker()
+    idle: list[str] = []
+    tracker.on_idle = idle.append
+    first, second = tracker.acquire("a"), tracker.acquire("a")
+    first.release()
+    assert idle == []
+    second.release()
+    second.release()
+    assert idle == ["a"]

@@ -1,0 +1,243 @@
+"""Health: active polls, passive failure counting, half-open probes, scraping.
+
+Contract:
+- Active: each backend's health path (``[health].path`` or its own override)
+  is polled every ``interval``; ``unhealthy_threshold`` failures in a row mark
+  it down, ``healthy_threshold`` successes in a row bring it back.  A success
+  is a 2xx answer within ``timeout``.
+- Passive: the data plane reports connect failures, resets, timeouts and 5xx
+  answers (``failed``) and good answers (``answered``).  ``passive_failures``
+  failures in a row mark the backend down at once; after a backoff (doubling
+  from ``backoff_initial`` to ``backoff_max``) one probe is sent: success
+  brings it back (half-open), failure doubles the backoff.
+- Down backends stay on the ring and are skipped by the walk (``Fleet``), so
+  their keys go to the next backend and come back when they recover.  Every
+  transition is logged and counted (``transitions``).
+- Scraping (``scrape_metrics``): each backend's ``/metrics`` is read every
+  ``scrape_interval`` for vLLM's prefix-cache and queue figures.
+- Everything here runs on the control side of the loop: tasks and timers, no
+  work on the request path beyond two integer updates per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .log import get_logger
+
+if TYPE_CHECKING:
+    from .balancer import Backend, Fleet
+    from .config import HealthConfig
+
+__all__ = ["HealthMonitor", "Scraped"]
+
+log = get_logger("health")
+
+# vLLM V1 names first, then the V0 ones some deployments still expose.
+_SCRAPED = {
+    "vllm:prefix_cache_queries": "queries",
+    "vllm:prefix_cache_hits": "hits",
+    "vllm:gpu_prefix_cache_queries": "queries",
+    "vllm:gpu_prefix_cache_hits": "hits",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+}
+# Without "# TYPE" lines the parser names a counter family after its sample.
+_SCRAPED.update({f"{name}_total": field for name, field in list(_SCRAPED.items())})
+
+
+class Scraped:
+    """The last figures read from one backend's /metrics."""
+
+    __slots__ = ("hits", "kv_usage", "queries", "running", "waiting")
+
+    def __init__(self) -> None:
+        self.queries: float | None = None
+        self.hits: float | None = None
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.kv_usage: float | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.queries or self.hits is None:
+            return None
+        return self.hits / self.queries
+
+
+class _Watch:
+    __slots__ = ("backoff", "failed_in_row", "ok_in_row", "passive_in_row", "probe", "tasks")
+
+    def __init__(self) -> None:
+        self.ok_in_row = 0
+        self.failed_in_row = 0
+        self.passive_in_row = 0
+        self.backoff = 0.0
+        self.probe: asyncio.TimerHandle | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+class HealthMonitor:
+    def __init__(self, fleet: Fleet, config: HealthConfig):
+        self.fleet = fleet
+        self.config = config
+        self.transitions: Counter[tuple[str, str]] = Counter()  # (backend, "up"/"down")
+        self.scraped: dict[str, Scraped] = {}
+        self._watches: dict[str, _Watch] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, force_close=True),
+            skip_auto_headers=("User-Agent",),
+        )
+        for backend in self.fleet.backends.values():
+            self.watch(backend)
+
+    async def close(self) -> None:
+        for name in list(self._watches):
+            self.unwatch(name)
+        if self._session is not None:
+            await self._session.close()
+
+    def watch(self, backend: Backend) -> None:
+        watch = self._watches[backend.name] = _Watch()
+        if self._session is None:
+            return  # not started: start() watches everyone
+        if self.config.active:
+            watch.tasks.append(asyncio.create_task(self._poll(backend, watch)))
+        if self.config.scrape_metrics:
+            self.scraped[backend.name] = Scraped()
+            watch.tasks.append(asyncio.create_task(self._scrape(backend)))
+
+    def unwatch(self, name: str) -> None:
+        watch = self._watches.pop(name, None)
+        self.scraped.pop(name, None)
+        if watch is None:
+            return
+        for task in watch.tasks:
+            task.cancel()
+        if watch.probe is not None:
+            watch.probe.cancel()
+
+    # -- passive: reported by the data plane ---------------------------------------
+
+    def failed(self, backend: Backend, reason: str) -> None:
+        watch = self._watches.get(backend.name)
+        if watch is None:
+            return
+        watch.passive_in_row += 1
+        if backend.healthy and watch.passive_in_row >= self.config.passive_failures:
+            self._set(backend, False, f"{watch.passive_in_row} failures in a row: {reason}")
+            watch.backoff = self.config.backoff_initial
+            self._schedule_probe(backend, watch)
+
+    def answered(self, backend: Backend) -> None:
+        watch = self._watches.get(backend.name)
+        if watch is not None:
+            watch.passive_in_row = 0
+
+    def _schedule_probe(self, backend: Backend, watch: _Watch) -> None:
+        loop = asyncio.get_running_loop()
+        watch.probe = loop.call_later(watch.backoff, self._start_probe, backend, watch)
+
+    def _start_probe(self, backend: Backend, watch: _Watch) -> None:
+        watch.probe = None
+        if self._watches.get(backend.name) is watch and not backend.healthy:
+            watch.tasks.append(asyncio.create_task(self._half_open(backend, watch)))
+
+    async def _half_open(self, backend: Backend, watch: _Watch) -> None:
+        task = asyncio.current_task()
+        try:
+            if await self._check(backend):
+                watch.passive_in_row = 0
+                self._set(backend, True, "half-open probe succeeded")
+            elif self._watches.get(backend.name) is watch and not backend.healthy:
+                watch.backoff = min(watch.backoff * 2, self.config.backoff_max)
+                self._schedule_probe(backend, watch)
+        finally:
+            with contextlib.suppress(ValueError):
+                watch.tasks.remove(task)  # type: ignore[arg-type]
+
+    # -- active ---------------------------------------------------------------------
+
+    async def _poll(self, backend: Backend, watch: _Watch) -> None:
+        interval = (backend.spec.health and backend.spec.health.interval) or self.config.interval
+        while True:
+            await asyncio.sleep(interval)  # a period, not a synchronisation
+            if await self._check(backend):
+                watch.ok_in_row += 1
+                watch.failed_in_row = 0
+                if not backend.healthy and watch.ok_in_row >= self.config.healthy_threshold:
+                    watch.passive_in_row = 0
+                    self._set(backend, True, f"{watch.ok_in_row} health checks passed")
+            else:
+                watch.failed_in_row += 1
+                watch.ok_in_row = 0
+                if backend.healthy and watch.failed_in_row >= self.config.unhealthy_threshold:
+                    self._set(backend, False, f"{watch.failed_in_row} health checks failed")
+
+    async def _check(self, backend: Backend) -> bool:
+        override = backend.spec.health
+        path = (override and override.path) or self.config.path
+        timeout = (override and override.timeout) or self.config.timeout
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                backend.url.rstrip("/") + path,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+            ) as response:
+                await response.read()
+                return 200 <= response.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    def _set(self, backend: Backend, healthy: bool, reason: str) -> None:
+        if backend.name not in self.fleet.backends or backend.healthy == healthy:
+            return
+        self.fleet.set_healthy(backend.name, healthy)
+        direction = "up" if healthy else "down"
+        self.transitions[backend.name, direction] += 1
+        log.warning("backend " + direction, backend=backend.name, reason=reason)
+
+    # -- scraping ---------------------------------------------------------------------
+
+    async def _scrape(self, backend: Backend) -> None:
+        assert self._session is not None
+        url = backend.url.rstrip("/") + "/metrics"
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+        while True:
+            try:
+                async with self._session.get(url, timeout=timeout) as response:
+                    if response.status == 200:
+                        self._parse(backend.name, await response.text())
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                pass  # the health checks report an unreachable backend; keep the last figures
+            await asyncio.sleep(self.config.scrape_interval)
+
+    def _parse(self, name: str, text: str) -> None:
+        scraped = self.scraped.get(name)
+        if scraped is None:
+            return
+        sums: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            field = _SCRAPED.get(family.name)
+            if field is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_created", "_bucket")):
+                    continue
+                sums[field] = sums.get(field, 0.0) + sample.value  # summed over engines
+        for field, value in sums.items():
+            setattr(scraped, field, value)

@@ -1,0 +1,267 @@
+"""``RouterControl``: the ``Control`` interface implemented over a live ``Router``.
+
+Contract (see router/control.py for the interface):
+- Changes run one at a time under a lock.  Each builds the next ``State``,
+  writes it to the state file (in a thread: fsync blocks) and only then
+  applies it, so a failed write changes nothing and a 2xx answer is durable.
+- Draining: ``remove_backend`` marks the backend draining (no new requests),
+  waits until its last request finishes or the timeout passes, then removes
+  it.  The wait is an event fired by the lease tracker when the backend's
+  in-flight count reaches zero, not a poll.  Setting the backend ``active``
+  again while it drains cancels the removal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from .balancer import AdminState, Backend
+from .config import BackendSpec, RoutingConfig
+from .control import (
+    BackendPatch,
+    BackendView,
+    Conflict,
+    Decisions,
+    DrainView,
+    NotFound,
+    Stats,
+    Totals,
+)
+from .log import get_logger
+from .metrics import percentile
+from .state import SavedBackend, State, StateFile
+
+if TYPE_CHECKING:
+    from .app import Router
+
+__all__ = ["RouterControl", "snapshot"]
+
+log = get_logger("admin")
+
+
+def snapshot(router: Router) -> State:
+    """The router's fleet and routing config as a state-file document."""
+    return State(
+        version=1,
+        backends=[
+            SavedBackend(b.name, b.url, b.weight, b.state.value, b.spec.health)
+            for b in router.fleet.backends.values()
+        ],
+        routing=router.balancer.config,
+    )
+
+
+class _Drain:
+    __slots__ = ("done", "forced", "idle", "task", "timeout")
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.idle = asyncio.Event()
+        self.done = asyncio.Event()
+        self.forced = False
+        self.task: asyncio.Task[None] | None = None
+
+
+class RouterControl:
+    def __init__(self, router: Router, state_file: StateFile | None = None):
+        self._router = router
+        self._state_file = state_file
+        self._lock = asyncio.Lock()
+        self._drains: dict[str, _Drain] = {}
+        router.fleet.loads.on_idle = self._backend_idle
+
+    # -- reads ---------------------------------------------------------------------
+
+    def backends(self) -> list[BackendView]:
+        return [self._view(b) for _, b in sorted(self._router.fleet.backends.items())]
+
+    def backend(self, name: str) -> BackendView:
+        return self._view(self._get(name))
+
+    def routing(self) -> RoutingConfig:
+        return self._router.balancer.config
+
+    def ready(self) -> bool:
+        return bool(self._router.fleet.available) and not self._router.stopping
+
+    def metrics(self) -> bytes:
+        return self._router.collector.render()
+
+    def stats(self) -> Stats:
+        router = self._router
+        recorder = router.recorder
+        decisions = recorder.decisions
+        primary, overflow, fallback = (
+            decisions["primary"],
+            decisions["overflow"],
+            decisions["fallback"],
+        )
+        return Stats(
+            strategy=router.balancer.config.strategy.value,
+            backends=self.backends(),
+            totals=Totals(
+                requests=sum(recorder.requests.values()),
+                in_flight=router.fleet.loads.total,
+                errors=sum(b.errors for b in router.fleet.backends.values()),
+                no_backend=recorder.no_backend,
+            ),
+            decisions=Decisions(
+                primary=primary,
+                overflow=overflow,
+                fallback=fallback,
+                other=sum(decisions.values()) - primary - overflow - fallback,
+            ),
+        )
+
+    def _get(self, name: str) -> Backend:
+        backend = self._router.fleet.backends.get(name)
+        if backend is None:
+            raise NotFound(f"no backend named {name!r}")
+        return backend
+
+    def _view(self, backend: Backend) -> BackendView:
+        router = self._router
+        total = sum(b.requests for b in router.fleet.backends.values())
+        window = list(router.recorder.windows.get(backend.name, ()))
+        scraped = router.health.scraped.get(backend.name)
+        return BackendView(
+            name=backend.name,
+            url=backend.url,
+            weight=backend.weight,
+            state=backend.state.value,
+            healthy=backend.healthy,
+            in_flight=router.fleet.loads.get(backend.name),
+            requests=backend.requests,
+            share=backend.requests / total if total else 0.0,
+            overflow=backend.overflow,
+            fallback=backend.fallback,
+            errors=backend.errors,
+            ttft_p50_ms=percentile(window, 0.5),
+            ttft_p90_ms=percentile(window, 0.9),
+            prefix_cache_hit_rate=scraped.hit_rate if scraped else None,
+            num_requests_running=scraped.running if scraped else None,
+            num_requests_waiting=scraped.waiting if scraped else None,
+            kv_cache_usage=scraped.kv_usage if scraped else None,
+        )
+
+    # -- changes -------------------------------------------------------------------
+
+    async def _persist(self, state: State) -> None:
+        if self._state_file is not None:
+            await asyncio.to_thread(self._state_file.save, state)
+
+    def _state_with(
+        self,
+        *,
+        backends: list[SavedBackend] | None = None,
+        routing: RoutingConfig | None = None,
+    ) -> State:
+        current = snapshot(self._router)
+        return State(
+            version=current.version,
+            backends=current.backends if backends is None else backends,
+            routing=current.routing if routing is None else routing,
+        )
+
+    async def add_backend(self, spec: BackendSpec) -> BackendView:
+        async with self._lock:
+            if spec.name in self._router.fleet.backends:
+                raise Conflict(f"a backend named {spec.name!r} already exists")
+            saved = SavedBackend(spec.name, spec.url, spec.weight, "active", spec.health)
+            await self._persist(
+                self._state_with(backends=[*snapshot(self._router).backends, saved])
+            )
+            backend = self._router.add_backend(spec)
+            log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
+            return self._view(backend)
+
+    async def update_backend(self, name: str, patch: BackendPatch) -> BackendView:
+        async with self._lock:
+            backend = self._get(name)
+            weight = backend.weight if patch.weight is None else patch.weight
+            state = backend.state.value if patch.state is None else patch.state
+            backends = [
+                SavedBackend(s.name, s.url, weight, state, s.health) if s.name == name else s
+                for s in snapshot(self._router).backends
+            ]
+            await self._persist(self._state_with(backends=backends))
+            fleet = self._router.fleet
+            if weight != backend.weight:
+                fleet.set_weight(name, weight)
+            if state != backend.state.value:
+                fleet.set_state(name, AdminState(state))
+                if state == "active":
+                    self._cancel_drain(name)
+            log.info("backend changed", backend=name, weight=weight, state=state)
+            return self._view(backend)
+
+    async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
+        async with self._lock:
+            await self._persist(self._state_with(routing=routing))
+            self._router.configure_routing(routing)
+            log.info("routing changed", routing=routing.document())
+            return routing
+
+    async def remove_backend(self, name: str, *, timeout: float, wait: bool) -> DrainView:
+        async with self._lock:
+            backend = self._get(name)
+            drain = self._drains.get(name)
+            if drain is None:
+                backends = [
+                    SavedBackend(s.name, s.url, s.weight, "draining", s.health)
+                    if s.name == name
+                    else s
+                    for s in snapshot(self._router).backends
+                ]
+                await self._persist(self._state_with(backends=backends))
+                self._router.fleet.set_state(name, AdminState.DRAINING)
+                drain = self._drains[name] = _Drain(timeout)
+                if not self._router.fleet.loads.get(name):
+                    drain.idle.set()
+                drain.task = asyncio.create_task(self._drain(backend, drain))
+                log.info("backend draining", backend=name, timeout_s=timeout)
+        if wait:
+            await drain.done.wait()
+            if name in self._router.fleet.backends:
+                raise Conflict(f"the drain of {name!r} was cancelled: it is active again")
+            return DrainView(name, "removed", 0, drain.timeout, drain.forced)
+        return DrainView(name, "draining", self._router.fleet.loads.get(name), drain.timeout)
+
+    async def _drain(self, backend: Backend, drain: _Drain) -> None:
+        name = backend.name
+        try:
+            try:
+                async with asyncio.timeout(drain.timeout):
+                    await drain.idle.wait()
+            except TimeoutError:
+                drain.forced = True
+            async with self._lock:
+                if self._drains.get(name) is not drain:
+                    return  # cancelled by a PATCH back to active
+                remaining = [s for s in snapshot(self._router).backends if s.name != name]
+                await self._persist(self._state_with(backends=remaining))
+                self._router.remove_backend(name)
+                del self._drains[name]
+                log.info("backend removed", backend=name, forced=drain.forced)
+        finally:
+            drain.done.set()
+
+    def _cancel_drain(self, name: str) -> None:
+        drain = self._drains.pop(name, None)
+        if drain is not None and drain.task is not None:
+            drain.task.cancel()
+
+    def _backend_idle(self, name: str) -> None:
+        drain = self._drains.get(name)
+        if drain is not None:
+            drain.idle.set()
+
+    async def close(self) -> None:
+        for name in list(self._drains):
+            drain = self._drains.pop(name)
+            if drain.task is not None:
+                drain.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drain.task

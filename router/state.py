@@ -1,0 +1,99 @@
+"""The state file: the fleet and routing config the admin API was told about.
+
+Contract:
+- ``save`` is atomic and durable: write a temporary file in the same
+  directory, fsync it, rename it over the state file, fsync the directory.
+  A crash at any point leaves either the old file or the new one, whole.
+- ``load`` returns None when there is no file, the saved ``State`` when there
+  is, and raises ``StateError`` with a clear message when the file cannot be
+  read or does not parse: a corrupt state file stops start-up, it is never
+  silently replaced (the next save would destroy what it held).
+- At start-up the state file, when present, wins over the config file and
+  the flags for backends and routing (the README says so).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from .config import BackendSpec, HealthOverride, RoutingConfig
+
+__all__ = ["SavedBackend", "State", "StateError", "StateFile"]
+
+VERSION = 1
+
+
+class StateError(Exception):
+    """The state file exists but cannot be used."""
+
+
+class SavedBackend(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
+    name: str
+    url: str
+    weight: int = 1
+    state: Literal["active", "draining"] = "active"
+    health: HealthOverride | None = None
+
+    def spec(self) -> BackendSpec:
+        """The backend as the admin API accepted it (validated again on load)."""
+        data = msgspec.to_builtins(self)
+        data.pop("state", None)
+        return msgspec.convert(data, BackendSpec)
+
+
+class State(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    version: int
+    backends: list[SavedBackend]
+    routing: RoutingConfig = msgspec.field(name="RoutingConfig")
+
+
+class StateFile:
+    __slots__ = ("path",)
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+
+    def load(self) -> State | None:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"cannot read state file {self.path}: {exc.strerror}") from None
+        try:
+            state = msgspec.json.decode(raw, type=State)
+            for backend in state.backends:
+                backend.spec()  # the same validation as the API applied when it was saved
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise StateError(
+                f"state file {self.path} is corrupt ({exc}); fix or move it away to start"
+                " from the configuration instead"
+            ) from None
+        if state.version != VERSION:
+            raise StateError(f"state file {self.path} has version {state.version}, not {VERSION}")
+        return state
+
+    def save(self, state: State) -> None:
+        """Replace the state file atomically (blocking: call it from a thread)."""
+        directory = self.path.parent
+        data = msgspec.json.format(msgspec.json.encode(state), indent=2) + b"\n"
+        fd, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temp, self.path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
