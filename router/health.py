@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -93,6 +94,7 @@ class HealthMonitor:
         self.scraped: dict[str, Scraped] = {}
         self._watches: dict[str, _Watch] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -129,6 +131,23 @@ class HealthMonitor:
             task.cancel()
         if watch.probe is not None:
             watch.probe.cancel()
+
+    async def wait(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds, re-checked after every transition and
+        scrape: the synchronisation point for tests and operators' tooling."""
+        if predicate():
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((predicate, future))
+        try:
+            await future
+        finally:
+            self._waiters = [w for w in self._waiters if w[1] is not future]
+
+    def _changed(self) -> None:
+        for predicate, future in self._waiters:
+            if not future.done() and predicate():
+                future.set_result(None)
 
     # -- passive: reported by the data plane ---------------------------------------
 
@@ -210,6 +229,7 @@ class HealthMonitor:
         direction = "up" if healthy else "down"
         self.transitions[backend.name, direction] += 1
         log.warning("backend " + direction, backend=backend.name, reason=reason)
+        self._changed()
 
     # -- scraping ---------------------------------------------------------------------
 
@@ -241,3 +261,4 @@ class HealthMonitor:
                 sums[field] = sums.get(field, 0.0) + sample.value  # summed over engines
         for field, value in sums.items():
             setattr(scraped, field, value)
+        self._changed()
