@@ -4,10 +4,16 @@ Contract:
 - Bytes go straight into the C parser; its callbacks build the head (URL and
   headers, counted against ``max_header_bytes`` / ``max_headers``) and hand
   body pieces to the request's ``Exchange`` as they arrive.
-- One exchange at a time is *current*.  Pipelined requests that arrive while
-  it runs are parsed into a queue (reading paused, so the queue holds at
-  most what one read delivered) and started in order, each when the one
-  before it has finished: responses go out in request order.
+- One exchange at a time is *current*.  Every request is first parsed into a
+  queue and started only once ``feed_data`` has returned without error:
+  llhttp checks some framing (an invalid Transfer-Encoding, say) only after
+  the head callbacks, and nothing may reach a backend before that.
+  Pipelined requests wait in the queue (reading paused, so it holds at most
+  what one read delivered) and start in order, each when the one before has
+  finished: responses go out in request order.
+- Trailers are read and dropped; ``Upgrade`` offers (curl's ``h2c``) on
+  body-less requests are ignored, as RFC 9110 allows, and the connection
+  goes on as HTTP/1.1.
 - Reading pauses for three reasons, tracked as bits so that each resume
   undoes only its own pause: the upstream socket is full, the upstream
   connection is not there yet, pipelined requests wait.
@@ -32,12 +38,15 @@ from typing import TYPE_CHECKING, cast
 import httptools
 
 from .exchange import Exchange
+from .log import get_logger
 from .wire import error_response
 
 if TYPE_CHECKING:
     from .app import Router
 
 __all__ = ["ClientConnection"]
+
+log = get_logger("client")
 
 WRITE_HIGH_WATER = 64 * 1024
 LINGER_SECONDS = 2.0
@@ -71,9 +80,12 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = (
         "_closing",
         "_doomed",
+        "_feeding",
+        "_head_fed",
         "_header_bytes",
         "_header_count",
         "_headers",
+        "_in_head",
         "_last_data",
         "_parsing",
         "_paused",
@@ -105,6 +117,9 @@ class ClientConnection(asyncio.Protocol):
         self._paused = 0
         self._closing = False
         self._doomed = False  # a bad pipelined request: close once the current one ends
+        self._feeding = False  # inside parser.feed_data: heads not yet fully checked
+        self._in_head = False  # a request head has begun and not ended
+        self._head_fed = 0  # bytes received while the head is incomplete
         self._timer: asyncio.TimerHandle | None = None
         self._watch = IDLE
         self._watch_since = 0.0
@@ -130,18 +145,43 @@ class ClientConnection(asyncio.Protocol):
         if self._closing:
             return  # lingering close: read and drop
         self._last_data = self.router.loop.time()
+        self._feeding = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
+            self._feeding = False
             cause = exc.__context__
             if isinstance(cause, _Rejected):
                 self._refuse(cause.status, str(cause))
             else:
-                raise
-        except httptools.HttpParserUpgrade:
-            self._refuse(501, "protocol upgrades are not supported")
+                log.error("request handling failed", exc_info=cause)
+                self._refuse(500, "internal error")
+            return
+        except httptools.HttpParserUpgrade as exc:
+            # An ignored upgrade offer: llhttp stops after the head; carry on
+            # with a fresh parser from where it stopped.
+            self._feeding = False
+            self.parser = httptools.HttpRequestParser(self)
+            rest = data[exc.args[0] :]
+            if rest:
+                self.data_received(rest)
+            elif self.current is None and self._queue:
+                self._start_queued()
+            return
         except httptools.HttpParserError as exc:
+            self._feeding = False
             self._refuse(400, f"malformed request: {exc}")
+            return
+        self._feeding = False
+        if self._in_head:
+            # llhttp buffers a header line until its end: count what it holds.
+            self._head_fed += len(data)
+            limit = self.router.config.limits.max_header_bytes
+            if self._head_fed > limit:
+                self._refuse(431, f"request head is larger than {limit} bytes")
+                return
+        if self.current is None and self._queue:
+            self._start_queued()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -167,6 +207,8 @@ class ClientConnection(asyncio.Protocol):
         self._headers = []
         self._header_bytes = 0
         self._header_count = 0
+        self._in_head = True
+        self._head_fed = 0
         self._watch_from(HEAD, self.router.config.timeouts.client_header)
 
     def on_url(self, url: bytes) -> None:
@@ -187,11 +229,15 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        if parser.should_upgrade():
-            raise _Rejected(501, "protocol upgrades are not supported")
+        self._in_head = False
         method = parser.get_method()
         if method == b"CONNECT":
             raise _Rejected(405, "CONNECT is not supported")
+        if parser.should_upgrade() and any(
+            name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self._headers
+        ):
+            # llhttp would hand us the body as the new protocol's first bytes.
+            raise _Rejected(501, "protocol upgrades are not supported")
         exchange = Exchange(
             self,
             method,
@@ -200,15 +246,12 @@ class ClientConnection(asyncio.Protocol):
             parser.should_keep_alive(),
             parser.get_http_version() == "1.0",
         )
+        self._headers = []  # trailers, if any, land here and are dropped
         self._watch_from(BODY, self.router.config.timeouts.client_body)
-        if self.current is None:
-            self.current = exchange
-            self._parsing = exchange
-            exchange.start()
-        else:
-            queued = _Queued(exchange)
-            self._queue.append(queued)
-            self._parsing = queued
+        queued = _Queued(exchange)
+        self._queue.append(queued)
+        self._parsing = queued
+        if self.current is not None:
             self._pause(PIPELINE)
 
     def on_body(self, body: bytes) -> None:
@@ -248,14 +291,17 @@ class ClientConnection(asyncio.Protocol):
         if not exchange.client_keep_alive or self._doomed or self.router.stopping:
             self._close(lingering=exchange is self._parsing)
             return
-        if self._queue:
+        if self._queue and not self._feeding:
             self._start_queued()
-        else:
+        elif not self._queue:
             self._resume(PIPELINE)
-            if self._parsing is None:
+            if self._parsing is None and not self._in_head:
                 self._watch_from(IDLE, self.router.config.timeouts.keepalive)
+        # else: data_received starts the next one once its head is checked
 
     def _start_queued(self) -> None:
+        if self._closing:
+            return
         queued = self._queue.popleft()
         exchange = queued.exchange
         self.current = exchange
@@ -326,19 +372,26 @@ class ClientConnection(asyncio.Protocol):
     # -- endings ---------------------------------------------------------------
 
     def _refuse(self, status: int, message: str) -> None:
-        """A request we will not serve: answer if we still can, then close."""
-        current = self.current
-        if current is not None and self._parsing is current:
+        """A request we will not serve: answer if we still can, then close.
+
+        Requests before it on the connection were good: they are answered
+        first, then the connection closes (the client retries the rest).
+        """
+        current, parsing = self.current, self._parsing
+        if current is not None and parsing is current:
             current.abort_request(status, message)  # its end closes the connection
-        elif current is not None:
-            # A bad request pipelined behind a running one: finish that, then close.
-            self._queue.clear()
-            self._parsing = None
-            self._doomed = True
-            self._pause(PIPELINE)
-        else:
+            return
+        if isinstance(parsing, _Queued):
+            self._queue.remove(parsing)
+        self._parsing = None
+        if current is None and not self._queue:
             self.write(error_response(status, message, close=True, date=self.router.date.value))
             self._close(lingering=True)
+            return
+        self._doomed = True
+        self._pause(PIPELINE)
+        if current is None:
+            self._start_queued()
 
     def _close(self, lingering: bool) -> None:
         if self._closing:

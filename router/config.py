@@ -125,6 +125,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     client_header: Seconds = 10.0  # request line + headers (slowloris)
     client_body: Seconds = 60.0  # between two reads of a request body
     keepalive: Seconds = 75.0  # idle client connection between requests
+    client_send: Seconds = 60.0  # a client that reads none of the response for this long
     # uvicorn (vLLM, SGLang) closes idle connections after 5 s: reuse ours for less.
     upstream_keepalive: Seconds = 4.0
     shutdown_grace: Seconds = 30.0  # in-flight requests may finish on SIGTERM

@@ -18,8 +18,11 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
 - Errors before any response byte reached the client become a JSON error
   (502/503/504); after that, the client connection is closed so a truncated
   response never looks complete.
-- One read deadline at a time, re-armed lazily: ``first_byte`` from the end
-  of the request to the response head, then ``idle`` between reads.
+- One read deadline at a time, re-armed lazily: ``first_byte`` from the
+  moment the request head is sent to the response head (any progress either
+  way, such as body bytes still being forwarded, defers it), then ``idle``
+  between reads.  Time the client spends not reading (so that we stopped
+  reading the backend) is the client's, bounded by ``client_send``.
 """
 
 from __future__ import annotations
@@ -56,11 +59,14 @@ NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
 class Exchange:
     __slots__ = (
         "_attempts",
+        "_bodiless",
         "_body",
+        "_client_paused_at",
         "_conn",
         "_connecting",
         "_content_length",
         "_framing",
+        "_has_host",
         "_hasher",
         "_head_sent",
         "_headers",
@@ -73,6 +79,7 @@ class Exchange:
         "_timer",
         "_tried",
         "_upstream_bytes",
+        "_upstream_framed",
         "_xff",
         "bytes_in",
         "bytes_out",
@@ -142,6 +149,10 @@ class Exchange:
         self._upstream_bytes = False
         self._stale_retried = False
         self._xff = b""
+        self._bodiless = False  # no Content-Length (or 0) and not chunked
+        self._has_host = False
+        self._upstream_framed = False  # the backend's response has a length or chunks
+        self._client_paused_at = 0.0  # loop time the client stopped reading, or 0
 
     # -- request side (driven by ClientConnection) ------------------------------
 
@@ -152,7 +163,7 @@ class Exchange:
         router.exchange_started()
         forwarded: list[tuple[bytes, bytes]] = []
         tenant: bytes | None = None
-        expect_continue = False
+        expect: bytes | None = None
         xff = b""
         drop: set[bytes] = set()
         for name, value in self._headers:
@@ -163,20 +174,22 @@ class Exchange:
                 elif lower == b"transfer-encoding":
                     self._request_chunked = True
                 elif lower == b"expect":
-                    expect_continue = value.lower() == b"100-continue"
+                    expect = value.lower()
                 elif lower == b"connection":
                     drop.update(t.strip().lower() for t in value.split(b","))
                 continue
             if lower == TENANT_HEADER:
                 tenant = value
             elif lower == b"x-forwarded-for":
-                xff = value + b", "
+                xff += value + b", "  # every line of it, in order
                 continue
             elif lower == b"x-request-id":
                 self.request_id = value
                 continue
             elif lower == b"x-forwarded-proto":
                 continue
+            elif lower == b"host":
+                self._has_host = True
             forwarded.append((name, value))
         if drop:
             forwarded = [(n, v) for n, v in forwarded if n.lower() not in drop]
@@ -184,7 +197,10 @@ class Exchange:
             self.request_id = router.next_request_id()
         self._headers = forwarded
         self._xff = xff
-        has_body = self._request_chunked or bool(self._content_length)
+        self._bodiless = not self._request_chunked and not self._content_length
+        if expect is not None and expect != b"100-continue":
+            self._fail(417, "only Expect: 100-continue is supported")
+            return
 
         if self.method == b"POST":
             self.kind = Kind.OPENAI if self.path in OPENAI_PATHS else Kind.NATIVE
@@ -203,8 +219,8 @@ class Exchange:
             self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
         else:
             self._route()
-        if expect_continue and has_body and not self.done:
-            self._conn.write(CONTINUE_100)
+        if expect is not None and not self._bodiless and not self.http10 and not self.done:
+            self._conn.write(CONTINUE_100)  # we read the body now: no need to wait for a backend
 
     def request_body(self, data: bytes) -> None:
         self.bytes_in += len(data)
@@ -324,7 +340,7 @@ class Exchange:
         else:
             pieces += self._body
         upstream.transport.writelines(pieces)
-        if not self.request_complete:
+        if not self.request_complete and not self._bodiless:
             # The rest streams through; what was sent cannot be replayed.
             self._replayable = False
             self._body = []
@@ -339,6 +355,10 @@ class Exchange:
             pieces.append(b"transfer-encoding: chunked\r\n")
         elif self._content_length is not None:
             pieces.append(b"content-length: %d\r\n" % self._content_length)
+        if not self._has_host:  # HTTP/1.0 clients may omit it; HTTP/1.1 servers require it
+            assert self.choice is not None
+            backend = self.choice.backend
+            pieces.append(b"host: %s:%d\r\n" % (backend.host.encode(), backend.port))
         pieces += (
             b"x-forwarded-for: ",
             self._xff,
@@ -368,16 +388,26 @@ class Exchange:
         if self.done:
             return
         self.status = status
-        self._read_timeout = self._router.config.timeouts.idle
+        self._use_read_timeout(self._router.config.timeouts.idle)
         content_length = None
         pieces = [status_line(status)]
+        drop: tuple[bytes, ...] = ()
         for name, value in headers:
             lower = name.lower()
             if lower in HOP_BY_HOP:
                 if lower == b"content-length":
                     content_length = value
+                    self._upstream_framed = True
+                elif lower == b"transfer-encoding":
+                    self._upstream_framed = True
+                elif lower == b"connection":
+                    drop += tuple(t.strip().lower() for t in value.split(b","))
                 continue
+            if lower == b"x-request-id" or (drop and lower in drop):
+                continue  # ours is added below
             pieces += (name, b": ", value, b"\r\n")
+        if drop:  # a Connection header may come after the fields it names
+            pieces = _without_fields(pieces, drop)
         if content_length is not None:
             pieces += (b"content-length: ", content_length, b"\r\n")
         if self.method == b"HEAD" or status in (204, 304):
@@ -400,9 +430,11 @@ class Exchange:
         self._head_sent = True
         self._conn.write(b"".join(pieces))
         if self.method == b"HEAD":
-            # httptools cannot be told that a response answers HEAD and would wait
-            # for a body that never comes: end here, and drop the connection.
-            self._finish(upstream_reusable=False)
+            # httptools cannot be told that a response answers HEAD and would
+            # wait for a body that never comes: end here, on a fresh parser.
+            assert self.upstream is not None
+            self.upstream.expect_new_response()
+            self._finish(upstream_reusable=keep_alive and self.request_complete)
 
     def response_body(self, data: bytes) -> None:
         if self.done:
@@ -430,8 +462,13 @@ class Exchange:
         if self.done:
             return
         upstream, self.upstream = self.upstream, None
-        if self._framing == UNTIL_CLOSE and reason is None:
-            self._finish(upstream_reusable=False)  # the close is the end of the body
+        if self._head_sent and not self._upstream_framed and reason is None:
+            # A response without length or chunks ends when the backend closes.
+            if self._framing == CHUNKED:
+                self._conn.write(CHUNKED_END)
+            assert self.choice is not None
+            self._router.backend_answered(self.choice.backend, self.status)
+            self._finish(upstream_reusable=False)
             return
         choice = self.choice
         assert choice is not None
@@ -450,29 +487,51 @@ class Exchange:
             self._connect()
             return
         self._router.backend_failed(choice.backend, reason or "connection closed")
+        name = choice.backend.name
         if self._head_sent:
             self._truncate()
+        elif reason is not None and reason.startswith("invalid"):
+            self._fail(502, f"backend {name} sent an {reason}")
         else:
-            self._fail(
-                502, f"backend {choice.backend.name} closed the connection before responding"
-            )
+            self._fail(502, f"backend {name} closed the connection before responding")
 
     # -- deadlines ----------------------------------------------------------------
 
     def _arm_read_deadline(self) -> None:
-        router = self._router
-        self._read_timeout = router.config.timeouts.first_byte
-        self._last_read = router.loop.time()
-        if self._timer is None:
-            self._timer = router.loop.call_at(self._last_read + self._read_timeout, self._on_timer)
+        self._last_read = self._router.loop.time()
+        self._use_read_timeout(self._router.config.timeouts.first_byte)
+
+    def _use_read_timeout(self, timeout: float) -> None:
+        """Switch the read deadline; move the timer only if it must fire earlier."""
+        self._read_timeout = timeout
+        due = self._last_read + timeout
+        timer = self._timer
+        if timer is None or timer.when() > due:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._router.loop.call_at(due, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         if self.done:
             return
         loop = self._router.loop
+        now = loop.time()
+        paused_at = self._client_paused_at
+        if paused_at:
+            # We stopped reading the backend because the client does not read:
+            # the client's stall, bounded by client_send, not the backend's.
+            limit = self._router.config.timeouts.client_send
+            if now - paused_at >= limit:
+                self.status = self.status or 408
+                self._truncate()
+                return
+            self._last_read = now
+            due = min(now + self._read_timeout, paused_at + limit)
+            self._timer = loop.call_at(due, self._on_timer)
+            return
         due = self._last_read + self._read_timeout
-        if loop.time() < due:  # there was progress since the timer was set
+        if now < due:  # there was progress since the timer was set
             self._timer = loop.call_at(due, self._on_timer)
             return
         assert self.choice is not None
@@ -553,8 +612,20 @@ class Exchange:
 
     def client_write_paused(self) -> None:
         if self.upstream is not None:
+            self._client_paused_at = self._router.loop.time()
             self.upstream.transport.pause_reading()
 
     def client_write_resumed(self) -> None:
+        self._client_paused_at = 0.0
         if self.upstream is not None:
+            self._last_read = self._router.loop.time()
             self.upstream.transport.resume_reading()
+
+
+def _without_fields(pieces: list[bytes], names: tuple[bytes, ...]) -> list[bytes]:
+    """Drop the fields a response's Connection header names (4 pieces per field)."""
+    kept = pieces[:1]
+    for index in range(1, len(pieces), 4):
+        if pieces[index].lower() not in names:
+            kept += pieces[index : index + 4]
+    return kept

@@ -119,7 +119,11 @@ def prompt_text(request: OpenAIRequest, limit: int) -> str:
         parts += (RS, "tools", US, "[")
         size = 8
         for index, tool in enumerate(request.tools):
-            canonical = _canonical.encode(_any_decoder.decode(tool)).decode()
+            try:
+                canonical = _canonical.encode(_any_decoder.decode(tool)).decode()
+            except (msgspec.MsgspecError, RecursionError) as exc:
+                # e.g. 1e400: valid JSON syntax, no float to hold it
+                raise BadRequest(f"invalid tools[{index}]: {exc}", "tools") from None
             parts += ("," if index else "", canonical)
             size += len(canonical) + (1 if index else 0)
             if size >= limit:

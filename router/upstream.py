@@ -25,16 +25,26 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
+from .log import get_logger
+
 if TYPE_CHECKING:
     from .exchange import Exchange
 
 __all__ = ["Pool", "UpstreamConnection"]
 
+log = get_logger("upstream")
+
 WRITE_HIGH_WATER = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # a response head larger than this is not an LLM server's
+
+
+class _HeadTooLarge(Exception):
+    pass
 
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
+        "_head_bytes",
         "_headers",
         "_interim",
         "exchange",
@@ -52,6 +62,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.exchange: Exchange | None = None
         self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
         self._interim = False
         self.open = False
         self.reused = False
@@ -76,12 +87,18 @@ class UpstreamConnection(asyncio.Protocol):
         exchange.upstream_read()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError:
-            pass  # the exchange already acted on its own exception
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if not isinstance(cause, _HeadTooLarge):
+                log.error("response handling failed", exc_info=cause)
+            self._give_up(exchange, str(cause) if cause else "invalid response")
         except httptools.HttpParserError as exc:
-            self.exchange = None
-            self.close()
-            exchange.upstream_lost(f"invalid response from backend: {exc}")
+            self._give_up(exchange, f"invalid response from backend: {exc}")
+
+    def _give_up(self, exchange: Exchange, reason: str) -> None:
+        self.exchange = None
+        self.close()
+        exchange.upstream_lost(reason)
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -107,7 +124,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        self._headers = []  # trailers of the last response must not leak into this one
+        self._head_bytes = 0
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge(f"invalid response from backend: head over {MAX_HEAD_BYTES} bytes")
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -120,16 +144,20 @@ class UpstreamConnection(asyncio.Protocol):
         self.exchange.response_head(status, headers, self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        assert self.exchange is not None
-        self.exchange.response_body(body)
+        if self.exchange is not None:
+            self.exchange.response_body(body)
 
     def on_message_complete(self) -> None:
         if self._interim:
             self._interim = False
             return
         exchange = self.exchange
-        assert exchange is not None
-        exchange.response_end(self.parser.should_keep_alive())
+        if exchange is not None:
+            exchange.response_end(self.parser.should_keep_alive())
+
+    def expect_new_response(self) -> None:
+        """Forget the response in progress (it answered HEAD: it has no body)."""
+        self.parser = httptools.HttpResponseParser(self)
 
     # -- ownership -------------------------------------------------------------
 

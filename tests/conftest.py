@@ -118,4 +118,5 @@ async def start_router() -> AsyncIterator[StartRouter]:
     finally:
         for router in routers:
             with contextlib.suppress(Exception):
-                await router.shutdown(grace=1)
+                async with asyncio.timeout(10):
+                    await router.shutdown(grace=1)

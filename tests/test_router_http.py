@@ -10,9 +10,6 @@ framing they read back (``Client``); backends are hand-written ``asyncio``
 servers (``Backend``) that record every request head and body they receive
 and answer with exact bytes.  Every wait is bounded (``WAIT``); nothing waits
 on a sleep, except where a test plays a slow peer on purpose and says so.
-
-Tests marked ``xfail(strict=True)`` pin bugs found in ``router/``: each reason
-says what is wrong; remove the marker with the fix.
 """
 
 from __future__ import annotations
@@ -66,7 +63,9 @@ def req(
 
 
 def chunked(*pieces: bytes, trailers: bytes = b"") -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n" + trailers + b"\r\n"
+    """Chunked framing; empty pieces are skipped (a zero-size chunk ends the body)."""
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p)
+    return body + b"0\r\n" + trailers + b"\r\n"
 
 
 def response(
@@ -533,12 +532,6 @@ async def test_a_held_openai_request_lost_on_a_reused_connection_is_resent_on_a_
     await quiet(router)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bodiless passthrough (GET) is never replayed after the stale keep-alive race: "
-    "exchange.py _attach runs from start() (on_headers_complete), before on_message_complete "
-    "sets request_complete, so it marks the exchange not replayable; the client gets a 502",
-)
 async def test_a_get_lost_on_a_reused_connection_is_resent_on_a_fresh_one(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -743,13 +736,6 @@ async def test_response_framings_are_relayed_to_an_http11_client(
     await quiet(router)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a close-delimited backend response (no Content-Length, not chunked) to an "
-    "HTTP/1.1 client is re-chunked, and when the backend closes, exchange.py upstream_lost "
-    "only treats the close as the end of the body for UNTIL_CLOSE framing (HTTP/1.0 "
-    "clients): it counts a backend error and truncates (no 0-chunk)",
-)
 async def test_a_close_delimited_response_reaches_an_http11_client_complete(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -865,11 +851,6 @@ async def test_hop_by_hop_headers_stay_on_their_hop_and_forwarding_headers_are_s
     assert len(made) == 2  # one per request
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py response_head drops the fixed HOP_BY_HOP names but never reads the "
-    "backend's Connection header, so fields it names (RFC 9110 7.6.1) reach the client",
-)
 async def test_headers_named_in_the_backends_connection_header_are_not_relayed(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -886,11 +867,6 @@ async def test_headers_named_in_the_backends_connection_header_are_not_relayed(
     assert resp.values("x-backend-hop") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py start keeps only the last X-Forwarded-For line (xff = value + ', ' "
-    "overwrites): earlier hops of a multi-line X-Forwarded-For are lost",
-)
 async def test_several_x_forwarded_for_lines_are_all_kept(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -903,11 +879,6 @@ async def test_several_x_forwarded_for_lines_are_all_kept(
     assert backend.requests[0].value("x-forwarded-for") == b"198.51.100.1, 203.0.113.7, 127.0.0.1"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py response_head relays the backend's own x-request-id (vLLM echoes it "
-    "with --enable-request-id-headers) and then appends the router's: two x-request-id fields",
-)
 async def test_a_backend_echoing_x_request_id_does_not_duplicate_it(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -924,12 +895,6 @@ async def test_a_backend_echoing_x_request_id_does_not_duplicate_it(
     assert resp.values("x-request-id") == [b"abc"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="httptools reports request trailers through on_header; client.py on_header appends "
-    "them to the head list that a queued (pipelined) Exchange still holds, so start() "
-    "forwards trailers as headers (they could set X-Forwarded-For, tenant ids...)",
-)
 async def test_trailers_of_a_pipelined_request_are_not_forwarded_as_headers(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -945,12 +910,6 @@ async def test_trailers_of_a_pipelined_request_are_not_forwarded_as_headers(
     assert backend.requests[1].values("x-injected") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="upstream.py on_header appends response trailers to self._headers, which "
-    "on_headers_complete had just reset for the next response: the trailers of one response "
-    "become headers of the next response on that pooled connection (maybe another client's)",
-)
 async def test_response_trailers_do_not_leak_into_the_next_response(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -975,12 +934,6 @@ async def test_response_trailers_do_not_leak_into_the_next_response(
     assert resp.values("x-usage") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py _request_head always sends HTTP/1.1 upstream but copies the client's "
-    "headers as they are: an HTTP/1.0 request without Host goes out as an HTTP/1.1 request "
-    "without Host, which RFC 9112 3.2 says a server must reject (h11/uvicorn do, with 400)",
-)
 async def test_an_http10_request_without_host_gets_a_host_upstream(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -992,13 +945,6 @@ async def test_an_http10_request_without_host_gets_a_host_upstream(
     assert backend.requests[0].values("host") != []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py on_headers_complete answers 501 to any upgrade offer; a proxy must "
-    "ignore Upgrade it does not take (RFC 9110 7.8) and serve HTTP/1.1. curl --http2 and "
-    "Java's HttpClient (HTTP_2 default) send 'Connection: Upgrade, HTTP2-Settings' + "
-    "'Upgrade: h2c' on http:// URLs, so they all get 501",
-)
 async def test_an_h2c_upgrade_offer_is_ignored_not_refused(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -1116,12 +1062,6 @@ async def test_oversized_request_heads_are_refused(
     await quiet(router)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the head limits are checked only when httptools calls on_header with a complete "
-    "header; until its CRLF arrives httptools concatenates the value in memory (quadratic "
-    "bytes +=), unbounded, so an endless header line is buffered until client_header (408)",
-)
 async def test_an_endless_header_line_is_refused_without_waiting_for_its_end(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -1225,16 +1165,7 @@ async def test_a_bare_lf_request_gets_400(
         "cl-then-te",
         "duplicate-cl",
         "obs-fold",
-        pytest.param(
-            "te-not-chunked",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="llhttp rejects a request Transfer-Encoding that does not end in chunked "
-                "only after on_headers_complete; client.py starts the Exchange inside that "
-                "callback and a passthrough routes at once, so on a pooled connection the "
-                "head (re-framed as chunked) is already written to the backend",
-            ),
-        ),
+        "te-not-chunked",
     ],
 )
 async def test_a_bad_passthrough_request_never_reaches_a_pooled_backend_connection(
@@ -1298,13 +1229,6 @@ async def test_unreadable_openai_bodies_get_400_naming_the_problem(
     await quiet(router)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="extract.py prompt_text re-decodes each tool with msgspec, which raises "
-    "ValidationError ('Number out of range') for 1e400; exchange.py _route_openai only catches "
-    "BadRequest/TenantKeyError, so the error escapes data_received: no 400, the connection "
-    "is dropped and asyncio logs a fatal protocol error",
-)
 async def test_an_unroutable_tool_definition_gets_400(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -1357,12 +1281,6 @@ async def test_a_backend_stalling_mid_body_gives_a_truncated_response(
     await quiet(router)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py re-arms its read timer lazily: _arm_read_deadline schedules it at "
-    "first_byte, and response_head only lowers _read_timeout to idle without rescheduling, "
-    "so a stall after the head is noticed at max(first_byte, idle): 300 s by default, not 120",
-)
 async def test_an_idle_timeout_shorter_than_first_byte_is_honoured(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -1424,12 +1342,6 @@ async def test_an_idle_keep_alive_client_is_closed(
         await client.closed()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client.py exchange_done re-arms the IDLE (keepalive) deadline whenever no head "
-    "is complete, even when the next request's head has already begun: its client_header "
-    "deadline is replaced by keepalive and it ends in a silent close, not 408",
-)
 async def test_a_partial_head_pipelined_after_a_request_still_gets_408(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -1443,13 +1355,6 @@ async def test_a_partial_head_pipelined_after_a_request_still_gets_408(
     assert_error(resp, 408)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange.py _on_timer measures `idle` from the last upstream read, but the "
-    "router stops reading upstream on purpose while the client's socket is full "
-    "(client_write_paused); a slow reader is then cut off as a 'timeout' and the backend "
-    "charged an error. client.py already treats its own pause as progress; this side doesn't",
-)
 async def test_a_slow_reading_client_is_not_cut_off_by_the_upstream_idle_timeout(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
