@@ -1,0 +1,176 @@
+"""The admin aiohttp application and the server that runs it in the router's loop.
+
+Contract:
+- ``make_app(control, token=...)`` builds the app: the routes of ``routes.ROUTES``
+  behind two middlewares.  The outer one turns every error into the JSON error
+  shape with its status (``RequestError``, ``ControlError``, aiohttp's 404/405/413)
+  and any other exception into a bare 500, logged with its traceback here and
+  never sent to the client.  The inner one checks the bearer token, when there is
+  one, on every path but the probes, unknown paths included (their 404 is raised
+  by the handler it wraps), so an unauthenticated client cannot learn which paths
+  exist.
+- ``AdminServer`` runs the app with ``AppRunner`` + ``TCPSite`` on the running loop
+  (no thread, no loop of its own).  It refuses to listen off loopback without a
+  token.  Its access log is off: aiohttp's would be a second log of every request,
+  and a format change could put the Authorization header in it.  aiohttp's HTTP
+  parser errors (a malformed request, answered 400 before any middleware runs)
+  quote the offending line, which can be the Authorization header: they are logged
+  on ``prefix_router.admin.http`` with their type and status only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Middleware
+
+from router.config import ConfigError
+from router.control import Conflict, Control, ControlError, Invalid, NotFound
+
+from . import auth, openapi
+from .bodies import MAX_BODY
+from .errors import STATUS_TYPES, ErrorBody, ErrorDetail, FieldError, RequestError
+from .routes import CONTROL, OPENAPI, ROUTES, Handler, json_response
+
+__all__ = ["AdminServer", "make_app"]
+
+log = logging.getLogger("prefix_router.admin")
+
+# Seconds requests still running at close() may take (a ``?wait=true`` drain can be
+# long): the router is shutting down, and the drain goes on without the answer.
+CLOSE_GRACE = 5.0
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    kind = STATUS_TYPES.get(status, "bad_request" if status < 500 else "internal_error")
+    return json_response(ErrorBody(ErrorDetail(message, kind)), status=status, headers=headers)
+
+
+def _from_control(exc: ControlError) -> web.Response:
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, NotFound):
+        return _error(404, message)
+    if isinstance(exc, Conflict):
+        return _error(409, message)
+    if isinstance(exc, Invalid):
+        detail = ErrorDetail(message, "validation_error", [FieldError("$", message)])
+        return json_response(ErrorBody(detail), status=422)
+    raise exc  # a ControlError outside the tree is a bug: the 500 path logs it
+
+
+_HTTP_MESSAGES = {
+    404: "no such path",
+    413: f"request body is larger than {MAX_BODY} bytes",
+}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        try:
+            return await handler(request)
+        except ControlError as exc:
+            return _from_control(exc)
+    except RequestError as exc:
+        return json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:  # aiohttp's: unknown path, bad method, body too big
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers[hdrs.ALLOW]} if hdrs.ALLOW in exc.headers else None
+        message = _HTTP_MESSAGES.get(exc.status, exc.reason)
+        if exc.status == 405:
+            message = f"{request.method} is not allowed on {request.path}"
+        return _error(exc.status, message, headers)
+    except Exception:
+        # The traceback goes to the log, never to the client: it can hold internals.
+        log.exception("admin request failed: %s %s", request.method, request.path)
+        return _error(500, "internal error; see the router's log")
+
+
+def _auth(token: str) -> Middleware:
+    @web.middleware
+    async def check_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in auth.OPEN_PATHS:
+            auth.check(request.headers.get(hdrs.AUTHORIZATION), token)
+        return await handler(request)
+
+    return check_token
+
+
+def make_app(control: Control, *, token: str | None) -> web.Application:
+    """The admin API over ``control``; with ``token``, all but the probes need it."""
+    if token is not None:
+        auth.checked(token, "the admin token")
+    middlewares = [_errors] if token is None else [_errors, _auth(token)]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+    app[CONTROL] = control
+    app[OPENAPI] = msgspec.json.encode(openapi.document())
+    for method, path, handler in ROUTES:
+        if method == "GET":
+            # No implicit HEAD: the API is exactly what /openapi.json says.
+            app.router.add_get(path, handler, allow_head=False)
+        else:
+            app.router.add_route(method, path, handler)
+    return app
+
+
+class _WithoutRequestText(logging.Filter):
+    """Drop the quoted request text (and traceback) of aiohttp's HTTP parser errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.msg}: {type(exc).__name__} {exc.code} (request text withheld)"
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+http_log = logging.getLogger("prefix_router.admin.http")
+http_log.addFilter(_WithoutRequestText())
+
+
+class AdminServer:
+    """The admin API listening on one address, inside the running event loop."""
+
+    def __init__(self, control: Control, *, token: str | None) -> None:
+        self._token = token
+        self._runner = web.AppRunner(
+            make_app(control, token=token),
+            access_log=None,
+            handle_signals=False,  # the router owns the signals
+            shutdown_timeout=CLOSE_GRACE,
+            logger=http_log,
+        )
+        self._port: int | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on ``host:port`` (port 0: any free port, see ``.port``)."""
+        if self._token is None and auth.requires_token(host):
+            raise ConfigError(
+                f"the admin API on {host!r} is reachable from other hosts and needs a token: "
+                f"give a token file or set {auth.ENV_VAR}, or bind it to 127.0.0.1"
+            )
+        await self._runner.setup()
+        try:
+            site = web.TCPSite(self._runner, host, port)
+            await site.start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
+        # With a host name that resolves to several addresses, port 0 binds each to
+        # its own port; the first one is reported.
+        self._port = int(self._runner.addresses[0][1])
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the admin server is not started")
+        return self._port
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+        self._port = None

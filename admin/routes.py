@@ -1,0 +1,157 @@
+"""The admin API's handlers and its route table.
+
+Contract:
+- ``ROUTES`` is the whole API: (method, path, handler).  ``openapi`` describes the
+  same (method, path) pairs by hand, and a test holds the two equal.
+- A handler reads its input through ``bodies`` (which raises the 4xx errors), calls
+  one ``Control`` method, and encodes the view it gets back.  It never catches an
+  error: ``ControlError`` s and ``RequestError`` s are translated by the app's
+  error middleware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from router.config import BackendSpec, RoutingConfig
+from router.control import BackendPatch, Control
+
+from .bodies import convert, decode, parse, query_bool, query_seconds, read_json
+from .schemas import Probe, RoutingDocument
+
+__all__ = [
+    "CONTROL",
+    "DRAIN_TIMEOUT_DEFAULT",
+    "DRAIN_TIMEOUT_MAX",
+    "METRICS_CONTENT_TYPE",
+    "OPENAPI",
+    "ROUTES",
+    "json_response",
+]
+
+CONTROL = web.AppKey("control", Control)
+OPENAPI = web.AppKey("openapi", bytes)  # the encoded document, built once per app
+
+# A drain longer than an hour is a mistake (a typo of units), not a plan.
+DRAIN_TIMEOUT_DEFAULT = 30.0
+DRAIN_TIMEOUT_MAX = 3600.0
+# The Prometheus text exposition format, version 0.0.4: what every scraper accepts.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_encoder = msgspec.json.Encoder()
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(
+    value: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=_encoder.encode(value),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+# -- backends -----------------------------------------------------------------------
+
+
+async def list_backends(request: web.Request) -> web.Response:
+    return json_response(request.app[CONTROL].backends())
+
+
+async def add_backend(request: web.Request) -> web.Response:
+    # BackendSpec checks its url in __post_init__, which msgspec reports on the whole
+    # object: that check is the only one there, so its error belongs to $.url.
+    spec = decode(await read_json(request), BackendSpec, root_field="url")
+    view = await request.app[CONTROL].add_backend(spec)
+    return json_response(view, status=201, headers={"Location": f"/admin/backends/{view.name}"})
+
+
+async def get_backend(request: web.Request) -> web.Response:
+    return json_response(request.app[CONTROL].backend(request.match_info["name"]))
+
+
+async def patch_backend(request: web.Request) -> web.Response:
+    patch = decode(await read_json(request), BackendPatch)
+    view = await request.app[CONTROL].update_backend(request.match_info["name"], patch)
+    return json_response(view)
+
+
+async def delete_backend(request: web.Request) -> web.Response:
+    """Drain, then remove: 202 at once, or 200 with the final view when ``?wait=true``."""
+    wait = query_bool(request, "wait", False)
+    timeout = query_seconds(
+        request, "timeout", DRAIN_TIMEOUT_DEFAULT, low=0.0, high=DRAIN_TIMEOUT_MAX
+    )
+    view = await request.app[CONTROL].remove_backend(
+        request.match_info["name"], timeout=timeout, wait=wait
+    )
+    return json_response(view, status=200 if wait else 202)
+
+
+# -- routing config, stats ------------------------------------------------------------
+
+
+async def get_routing(request: web.Request) -> web.Response:
+    return json_response(request.app[CONTROL].routing().document())
+
+
+async def put_routing(request: web.Request) -> web.Response:
+    data = parse(await read_json(request))
+    # The SageMaker document or its bare inner object, told apart by the one key, as
+    # router.config.parse_routing does; unlike it, errors keep their field path.
+    if isinstance(data, dict) and "RoutingConfig" in data:
+        routing = convert(data, RoutingDocument).routing_config
+    else:
+        routing = convert(data, RoutingConfig)
+    applied = await request.app[CONTROL].set_routing(routing)
+    return json_response(applied.document())
+
+
+async def get_stats(request: web.Request) -> web.Response:
+    return json_response(request.app[CONTROL].stats())
+
+
+# -- probes, metrics, the document ------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    # Answering at all is the signal: the process and its event loop are up.
+    return json_response(Probe("ok"))
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if request.app[CONTROL].ready():
+        return json_response(Probe("ready"))
+    return json_response(Probe("not_ready"), status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[CONTROL].metrics()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("GET", "/admin/backends", list_backends),
+    ("POST", "/admin/backends", add_backend),
+    ("GET", "/admin/backends/{name}", get_backend),
+    ("PATCH", "/admin/backends/{name}", patch_backend),
+    ("DELETE", "/admin/backends/{name}", delete_backend),
+    ("GET", "/admin/routing", get_routing),
+    ("PUT", "/admin/routing", put_routing),
+    ("GET", "/admin/stats", get_stats),
+    ("GET", "/healthz", healthz),
+    ("GET", "/readyz", readyz),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+]

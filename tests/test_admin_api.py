@@ -1,0 +1,905 @@
+"""The admin REST API over real loopback HTTP, against an in-memory ``FakeControl``.
+
+``FakeControl`` implements ``router.control.Control`` the way ``RouterControl``
+behaves (a drain is a task that ends when the backend's last request finishes or
+its timeout passes; ``wait=True`` waits for that task), with switches a test can
+flip: in-flight requests (``hold``/``release``), readiness, and an exception the
+next read raises.  No sleeps: tests wait on the fake's events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from admin import AdminServer, load_token, make_app, requires_token
+from admin.openapi import document
+from admin.routes import ROUTES
+from router.config import BackendSpec, ConfigError, RoutingConfig
+from router.control import (
+    BackendPatch,
+    BackendView,
+    Conflict,
+    Control,
+    Decisions,
+    DrainView,
+    NotFound,
+    Stats,
+    Totals,
+)
+
+TOKEN = "s3cret-Token_for.tests~"
+METRICS = b"# HELP fake_requests_total Requests.\n# TYPE fake_requests_total counter\n"
+
+# -- the fake router ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Backend:
+    spec: BackendSpec
+    weight: int
+    state: str = "active"
+    in_flight: int = 0
+
+
+@dataclasses.dataclass
+class _Drain:
+    timeout: float
+    idle: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    forced: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+class FakeControl:
+    """``Control`` in memory, behaving like ``router.manage.RouterControl``."""
+
+    def __init__(self, *names: str) -> None:
+        self._backends: dict[str, _Backend] = {}
+        self._drains: dict[str, _Drain] = {}
+        self._routing = RoutingConfig()
+        self.is_ready = True
+        self.fail_next: Exception | None = None  # raised by the next stats()
+        self.drain_started = asyncio.Event()
+        for i, name in enumerate(names):
+            spec = BackendSpec(name=name, url=f"http://127.0.0.1:{9000 + i}")
+            self._backends[name] = _Backend(spec, spec.weight)
+
+    # -- switches for tests ------------------------------------------------------
+
+    def hold(self, name: str, count: int = 1) -> None:
+        self._backends[name].in_flight += count
+
+    def release(self, name: str) -> None:
+        backend = self._backends[name]
+        backend.in_flight -= 1
+        drain = self._drains.get(name)
+        if drain is not None and backend.in_flight == 0:
+            drain.idle.set()
+
+    async def drained(self, name: str) -> None:
+        drain = self._drains.get(name)
+        if drain is not None:
+            await drain.done.wait()
+
+    async def close(self) -> None:
+        for drain in self._drains.values():
+            if drain.task is not None:
+                drain.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drain.task
+
+    # -- Control: reads ------------------------------------------------------------
+
+    def _get(self, name: str) -> _Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise NotFound(f"no backend named {name!r}") from None
+
+    def _view(self, backend: _Backend) -> BackendView:
+        return BackendView(
+            name=backend.spec.name,
+            url=backend.spec.url,
+            weight=backend.weight,
+            state="draining" if backend.state == "draining" else "active",
+            healthy=True,
+            in_flight=backend.in_flight,
+            requests=0,
+            share=0.0,
+            overflow=0,
+            fallback=0,
+            errors=0,
+            ttft_p50_ms=None,
+            ttft_p90_ms=None,
+            prefix_cache_hit_rate=None,
+        )
+
+    def backends(self) -> list[BackendView]:
+        return [self._view(b) for _, b in sorted(self._backends.items())]
+
+    def backend(self, name: str) -> BackendView:
+        return self._view(self._get(name))
+
+    def routing(self) -> RoutingConfig:
+        return self._routing
+
+    def stats(self) -> Stats:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        in_flight = sum(b.in_flight for b in self._backends.values())
+        return Stats(
+            strategy=self._routing.strategy.value,
+            backends=self.backends(),
+            totals=Totals(requests=0, in_flight=in_flight, errors=0, no_backend=0),
+            decisions=Decisions(primary=0, overflow=0, fallback=0, other=0),
+        )
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def metrics(self) -> bytes:
+        return METRICS
+
+    # -- Control: changes ------------------------------------------------------------
+
+    async def add_backend(self, spec: BackendSpec) -> BackendView:
+        if spec.name in self._backends:
+            raise Conflict(f"a backend named {spec.name!r} already exists")
+        backend = self._backends[spec.name] = _Backend(spec, spec.weight)
+        return self._view(backend)
+
+    async def update_backend(self, name: str, patch: BackendPatch) -> BackendView:
+        backend = self._get(name)
+        if patch.weight is not None:
+            backend.weight = patch.weight
+        if patch.state is not None:
+            backend.state = patch.state
+            if patch.state == "active":
+                drain = self._drains.pop(name, None)
+                if drain is not None and drain.task is not None:
+                    drain.task.cancel()
+        return self._view(backend)
+
+    async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
+        self._routing = routing
+        return routing
+
+    # timeout= is how long the drain may last (the Protocol's signature), not a call limit.
+    async def remove_backend(self, name: str, *, timeout: float, wait: bool) -> DrainView:  # noqa: ASYNC109
+        backend = self._get(name)
+        drain = self._drains.get(name)
+        if drain is None:
+            backend.state = "draining"
+            drain = self._drains[name] = _Drain(timeout)
+            if backend.in_flight == 0:
+                drain.idle.set()
+            drain.task = asyncio.create_task(self._drain(name, drain))
+            self.drain_started.set()
+        if wait:
+            await drain.done.wait()
+            if name in self._backends:
+                raise Conflict(f"the drain of {name!r} was cancelled: it is active again")
+            return DrainView(name, "removed", 0, drain.timeout, drain.forced)
+        return DrainView(name, "draining", backend.in_flight, drain.timeout)
+
+    async def _drain(self, name: str, drain: _Drain) -> None:
+        try:
+            try:
+                async with asyncio.timeout(drain.timeout):
+                    await drain.idle.wait()
+            except TimeoutError:
+                drain.forced = True
+            if self._drains.get(name) is drain:
+                del self._backends[name], self._drains[name]
+        finally:
+            drain.done.set()
+
+
+def _conforms(control: Control) -> Control:
+    return control  # mypy: FakeControl implements the whole Protocol
+
+
+# -- a client that remembers every answer ---------------------------------------------
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        assert self.headers["Content-Type"].startswith("application/json"), self.headers
+        return msgspec.json.decode(self.body)
+
+    def error(self, status: int, kind: str) -> dict[str, Any]:
+        """The error object, after checking the status and the shape."""
+        assert self.status == status, (self.status, self.body)
+        detail: dict[str, Any] = self.json()["error"]
+        assert detail["type"] == kind
+        assert isinstance(detail["message"], str)
+        assert detail["message"]
+        assert ("fields" in detail) == (status == 422), detail
+        assert b"Traceback" not in self.body
+        return detail
+
+
+class Api:
+    def __init__(self, server: AdminServer, control: FakeControl, token: str | None) -> None:
+        self.server = server
+        self.control = control
+        self.token = token
+        self.base = f"http://127.0.0.1:{server.port}"
+        self.session = aiohttp.ClientSession()
+        self.replies: list[Reply] = []
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        data: Any = None,
+        headers: dict[str, str] | None = None,
+        authorized: bool = True,
+        skip_auto_headers: tuple[str, ...] = (),
+    ) -> Reply:
+        sent = dict(headers or {})
+        if authorized and self.token is not None:
+            sent.setdefault("Authorization", f"Bearer {self.token}")
+        if json is not None:
+            data = msgspec.json.encode(json)
+            sent.setdefault("Content-Type", "application/json")
+        async with self.session.request(
+            method,
+            self.base + path,
+            data=data,
+            headers=sent,
+            skip_auto_headers=skip_auto_headers,
+        ) as response:
+            reply = Reply(response.status, response.headers, await response.read())
+        self.replies.append(reply)
+        return reply
+
+    async def close(self) -> None:
+        await self.session.close()
+        await self.server.close()
+        await self.control.close()
+
+
+Serve = Callable[..., Awaitable[Api]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """``api = await serve(FakeControl("a"), token=...)``: the admin API on 127.0.0.1:0.
+
+    At teardown, no answer of a server with a token may contain the token.
+    """
+    apis: list[Api] = []
+
+    async def start(control: FakeControl | None = None, *, token: str | None = None) -> Api:
+        control = control if control is not None else FakeControl()
+        server = AdminServer(_conforms(control), token=token)
+        await server.start("127.0.0.1", 0)
+        api = Api(server, control, token)
+        apis.append(api)
+        return api
+
+    try:
+        yield start
+        for api in apis:
+            if api.token is not None:
+                for reply in api.replies:
+                    assert api.token.encode() not in reply.body
+                    assert all(api.token not in value for value in reply.headers.values())
+    finally:
+        for api in apis:
+            await api.close()
+
+
+@pytest.fixture
+async def api(serve: Serve) -> Api:
+    return await serve(FakeControl("a", "b"))
+
+
+# -- backends ---------------------------------------------------------------------------
+
+
+async def test_list_add_get_backends(api: Api) -> None:
+    reply = await api.call("GET", "/admin/backends")
+    assert reply.status == 200
+    assert [b["name"] for b in reply.json()] == ["a", "b"]
+
+    reply = await api.call(
+        "POST", "/admin/backends", json={"name": "c", "url": "http://10.0.0.3:8000", "weight": 3}
+    )
+    assert reply.status == 201
+    assert reply.headers["Location"] == "/admin/backends/c"
+    created = reply.json()
+    assert (created["name"], created["url"], created["weight"]) == ("c", "http://10.0.0.3:8000", 3)
+    assert created["state"] == "active"
+
+    reply = await api.call("GET", "/admin/backends/c")
+    assert reply.status == 200
+    assert reply.json() == created
+    names = [b["name"] for b in (await api.call("GET", "/admin/backends")).json()]
+    assert names == ["a", "b", "c"]
+
+
+async def test_add_backend_weight_defaults_to_one(api: Api) -> None:
+    reply = await api.call("POST", "/admin/backends", json={"name": "c", "url": "http://h:1"})
+    assert reply.status == 201
+    assert reply.json()["weight"] == 1
+
+
+async def test_add_duplicate_backend_is_409(api: Api) -> None:
+    reply = await api.call("POST", "/admin/backends", json={"name": "a", "url": "http://h:1"})
+    assert "already exists" in reply.error(409, "conflict")["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "words"),
+    [
+        ({"name": "c", "url": "ftp://h:1"}, "$.url", "http://"),
+        ({"name": "c", "url": "http://h:1/v1"}, "$.url", "path"),
+        ({"name": "c", "url": "http://h:99999"}, "$.url", "port"),
+        ({"name": "c", "url": "http://:80"}, "$.url", "host"),
+        ({"name": "c", "url": 5}, "$.url", "str"),
+        ({"name": "c", "url": "http://h:1", "weight": 0}, "$.weight", ">= 1"),
+        ({"name": "c", "url": "http://h:1", "weight": 1001}, "$.weight", "<= 1000"),
+        ({"name": "c", "url": "http://h:1", "weight": 1.5}, "$.weight", "int"),
+        ({"name": "c", "url": "http://h:1", "weight": "2"}, "$.weight", "int"),
+        ({"name": "c", "url": "http://h:1", "weight": True}, "$.weight", "int"),
+        ({"name": "c", "url": "http://h:1", "weight": 10**30}, "$.weight", ""),
+        ({"name": "-c", "url": "http://h:1"}, "$.name", "match"),
+        ({"name": "c" * 65, "url": "http://h:1"}, "$.name", "match"),
+        ({"url": "http://h:1"}, "$.name", "missing"),
+        ({"name": "c", "url": "http://h:1", "port": 1}, "$.port", "unknown"),
+        ([{"name": "c"}], "$", "object"),
+    ],
+)
+async def test_add_backend_bad_values_are_422_with_the_field(
+    api: Api, body: Any, path: str, words: str
+) -> None:
+    detail = (await api.call("POST", "/admin/backends", json=body)).error(422, "validation_error")
+    assert detail["fields"][0]["path"] == path
+    assert words in detail["fields"][0]["message"]
+    assert detail["message"] == detail["fields"][0]["message"]
+    assert len(api.control.backends()) == 2  # nothing was added
+
+
+async def test_unknown_backend_is_404(api: Api) -> None:
+    for method, body in [("GET", None), ("PATCH", {"weight": 2}), ("DELETE", None)]:
+        reply = await api.call(method, "/admin/backends/nope", json=body)
+        assert "nope" in reply.error(404, "not_found")["message"]
+
+
+async def test_patch_backend(api: Api) -> None:
+    reply = await api.call("PATCH", "/admin/backends/a", json={"weight": 7})
+    assert reply.status == 200
+    assert (reply.json()["weight"], reply.json()["state"]) == (7, "active")
+    reply = await api.call("PATCH", "/admin/backends/a", json={"state": "draining"})
+    assert (reply.json()["weight"], reply.json()["state"]) == (7, "draining")
+    reply = await api.call("PATCH", "/admin/backends/a", json={})
+    assert reply.status == 200
+    assert (reply.json()["weight"], reply.json()["state"]) == (7, "draining")
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        ({"state": "down"}, "$.state"),
+        ({"state": 1}, "$.state"),
+        ({"weight": 0}, "$.weight"),
+        ({"weight": 1001}, "$.weight"),
+        ({"weight": "heavy"}, "$.weight"),
+        ({"name": "b"}, "$.name"),
+        ("active", "$"),
+    ],
+)
+async def test_patch_bad_values_are_422(api: Api, body: Any, path: str) -> None:
+    detail = (await api.call("PATCH", "/admin/backends/a", json=body)).error(
+        422, "validation_error"
+    )
+    assert detail["fields"][0]["path"] == path
+    assert api.control.backend("a").weight == 1
+
+
+# -- drain and remove ---------------------------------------------------------------------
+
+
+async def test_delete_answers_202_at_once_then_removes_when_idle(api: Api) -> None:
+    api.control.hold("a")
+    reply = await api.call("DELETE", "/admin/backends/a")
+    assert reply.status == 202
+    assert reply.json() == {
+        "name": "a",
+        "state": "draining",
+        "in_flight": 1,
+        "timeout_s": 30.0,
+        "forced": False,
+    }
+    assert (await api.call("GET", "/admin/backends/a")).json()["state"] == "draining"
+    api.control.release("a")
+    await api.control.drained("a")
+    (await api.call("GET", "/admin/backends/a")).error(404, "not_found")
+
+
+async def test_delete_wait_answers_200_when_removed(api: Api) -> None:
+    api.control.hold("a")
+    pending = asyncio.create_task(api.call("DELETE", "/admin/backends/a?wait=true&timeout=60"))
+    await api.control.drain_started.wait()
+    assert not pending.done()
+    api.control.release("a")
+    reply = await pending
+    assert reply.status == 200
+    assert reply.json() == {
+        "name": "a",
+        "state": "removed",
+        "in_flight": 0,
+        "timeout_s": 60.0,
+        "forced": False,
+    }
+    names = [b["name"] for b in (await api.call("GET", "/admin/backends")).json()]
+    assert names == ["b"]
+
+
+async def test_delete_wait_forces_removal_at_the_timeout(api: Api) -> None:
+    api.control.hold("a")
+    reply = await api.call("DELETE", "/admin/backends/a?wait=TRUE&timeout=0")
+    assert reply.status == 200
+    assert (reply.json()["state"], reply.json()["forced"]) == ("removed", True)
+
+
+async def test_delete_of_an_idle_backend_with_wait_false(api: Api) -> None:
+    reply = await api.call("DELETE", "/admin/backends/b?wait=false&timeout=2.5")
+    assert reply.status == 202
+    assert (reply.json()["in_flight"], reply.json()["timeout_s"]) == (0, 2.5)
+    await api.control.drained("b")
+    (await api.call("GET", "/admin/backends/b")).error(404, "not_found")
+
+
+async def test_cancelled_drain_answers_409_to_the_waiting_delete(api: Api) -> None:
+    api.control.hold("a")
+    pending = asyncio.create_task(api.call("DELETE", "/admin/backends/a?wait=true"))
+    await api.control.drain_started.wait()
+    reply = await api.call("PATCH", "/admin/backends/a", json={"state": "active"})
+    assert reply.json()["state"] == "active"
+    (await pending).error(409, "conflict")
+
+
+@pytest.mark.parametrize(
+    ("query", "path"),
+    [
+        ("timeout=-1", "?timeout"),
+        ("timeout=3600.5", "?timeout"),
+        ("timeout=nan", "?timeout"),
+        ("timeout=inf", "?timeout"),
+        ("timeout=soon", "?timeout"),
+        ("timeout=", "?timeout"),
+        ("timeout=1&timeout=2", "?timeout"),
+        ("wait=yes", "?wait"),
+        ("wait=", "?wait"),
+    ],
+)
+async def test_delete_bad_query_is_422(api: Api, query: str, path: str) -> None:
+    detail = (await api.call("DELETE", f"/admin/backends/a?{query}")).error(422, "validation_error")
+    assert detail["fields"][0]["path"] == path
+    assert api.control.backend("a").state == "active"  # nothing started
+
+
+async def test_delete_timeout_bounds_are_inclusive(api: Api) -> None:
+    assert (await api.call("DELETE", "/admin/backends/a?timeout=3600")).status == 202
+    assert (await api.call("DELETE", "/admin/backends/b?timeout=0")).status == 202
+
+
+# -- routing config ------------------------------------------------------------------------
+
+
+async def test_routing_get_is_the_sagemaker_document(api: Api) -> None:
+    reply = await api.call("GET", "/admin/routing")
+    assert reply.status == 200
+    assert reply.json() == RoutingConfig().document()
+    assert reply.json()["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE"
+
+
+@pytest.mark.parametrize(("length", "threshold"), [(1024, 1), (65_536, 1024), (8192, 32)])
+async def test_routing_put_round_trip(api: Api, length: int, threshold: int) -> None:
+    document = {
+        "RoutingConfig": {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {
+                "PrefixLength": length,
+                "ConcurrencyThreshold": threshold,
+                "BalanceFactor": 1.25,
+            },
+        }
+    }
+    reply = await api.call("PUT", "/admin/routing", json=document)
+    assert reply.status == 200
+    assert reply.json() == document
+    assert (await api.call("GET", "/admin/routing")).json() == document
+    assert api.control.routing().prefix_aware.prefix_length == length
+
+
+async def test_routing_put_accepts_the_bare_inner_object(api: Api) -> None:
+    reply = await api.call("PUT", "/admin/routing", json={"RoutingStrategy": "RANDOM"})
+    assert reply.status == 200
+    inner = reply.json()["RoutingConfig"]
+    assert inner["RoutingStrategy"] == "RANDOM"
+    assert inner["PrefixAwareRoutingConfig"]["PrefixLength"] == 4096  # the default
+    assert api.control.routing().strategy.value == "RANDOM"
+
+
+@pytest.mark.parametrize(
+    ("inner", "path", "words"),
+    [
+        ({"PrefixAwareRoutingConfig": {"PrefixLength": 1023}}, "PrefixLength", ">= 1024"),
+        ({"PrefixAwareRoutingConfig": {"PrefixLength": 65_537}}, "PrefixLength", "<= 65536"),
+        ({"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 0}}, "ConcurrencyThreshold", ">= 1"),
+        (
+            {"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 1025}},
+            "ConcurrencyThreshold",
+            "<= 1024",
+        ),
+        ({"PrefixAwareRoutingConfig": {"BalanceFactor": 0.5}}, "BalanceFactor", ">= 1.0"),
+        ({"PrefixAwareRoutingConfig": {"Prefix": 1}}, "Prefix", "unknown"),
+        ({"RoutingStrategy": "ROUND_ROBIN"}, "", "ROUND_ROBIN"),
+    ],
+)
+async def test_routing_put_out_of_range_is_422_with_the_field(
+    api: Api, inner: dict[str, Any], path: str, words: str
+) -> None:
+    field = (
+        f"PrefixAwareRoutingConfig.{path}"
+        if "PrefixAwareRoutingConfig" in inner
+        else "RoutingStrategy"
+    )
+    for body, prefix in [({"RoutingConfig": inner}, "$.RoutingConfig."), (inner, "$.")]:
+        detail = (await api.call("PUT", "/admin/routing", json=body)).error(422, "validation_error")
+        assert detail["fields"] == [{"path": prefix + field, "message": detail["message"]}]
+        assert words in detail["message"]
+    assert api.control.routing() == RoutingConfig()  # unchanged
+
+
+@pytest.mark.parametrize(
+    ("body", "path"),
+    [
+        ({"RoutingConfig": 5}, "$.RoutingConfig"),
+        ({"RoutingConfig": {}, "Extra": 1}, "$.Extra"),
+        ([], "$"),
+        ("PREFIX_AWARE", "$"),
+    ],
+)
+async def test_routing_put_wrong_shapes_are_422(api: Api, body: Any, path: str) -> None:
+    detail = (await api.call("PUT", "/admin/routing", json=body)).error(422, "validation_error")
+    assert detail["fields"][0]["path"] == path
+
+
+# -- stats, probes, metrics -----------------------------------------------------------------
+
+
+async def test_stats(api: Api) -> None:
+    api.control.hold("b", 2)
+    reply = await api.call("GET", "/admin/stats")
+    assert reply.status == 200
+    stats = msgspec.json.decode(reply.body, type=Stats)
+    assert stats.strategy == "PREFIX_AWARE"
+    assert [b.name for b in stats.backends] == ["a", "b"]
+    assert stats.totals.in_flight == 2
+
+
+async def test_healthz_and_readyz(api: Api) -> None:
+    reply = await api.call("GET", "/healthz")
+    assert (reply.status, reply.json()) == (200, {"status": "ok"})
+    reply = await api.call("GET", "/readyz")
+    assert (reply.status, reply.json()) == (200, {"status": "ready"})
+    api.control.is_ready = False
+    reply = await api.call("GET", "/readyz")
+    assert (reply.status, reply.json()) == (503, {"status": "not_ready"})
+    assert (await api.call("GET", "/healthz")).status == 200
+
+
+async def test_metrics_are_prometheus_text(api: Api) -> None:
+    reply = await api.call("GET", "/metrics")
+    assert reply.status == 200
+    assert reply.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert reply.body == METRICS
+
+
+# -- bad requests ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [b'{"name": "c", ', b"{'name': 'c'}", b"\xff\xfe", b"  ", b""])
+async def test_unreadable_json_is_400(api: Api, body: bytes) -> None:
+    reply = await api.call(
+        "POST", "/admin/backends", data=body, headers={"Content-Type": "application/json"}
+    )
+    reply.error(400, "bad_request")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"],
+)
+async def test_non_json_content_type_is_415(api: Api, content_type: str) -> None:
+    reply = await api.call(
+        "PUT", "/admin/routing", data=b"{}", headers={"Content-Type": content_type}
+    )
+    reply.error(415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=UTF-8", "application/merge-patch+json"]
+)
+async def test_json_content_types_are_accepted(api: Api, content_type: str) -> None:
+    reply = await api.call(
+        "PATCH", "/admin/backends/a", data=b'{"weight": 2}', headers={"Content-Type": content_type}
+    )
+    assert reply.status == 200
+
+
+async def test_a_body_without_content_type_is_read_as_json(api: Api) -> None:
+    reply = await api.call(
+        "PATCH", "/admin/backends/a", data=b'{"weight": 2}', skip_auto_headers=("Content-Type",)
+    )
+    assert reply.status == 200
+    assert reply.json()["weight"] == 2
+
+
+async def test_oversize_body_is_413(api: Api) -> None:
+    padding = "x" * (64 * 1024)
+    reply = await api.call(
+        "PUT", "/admin/routing", json={"RoutingStrategy": "RANDOM", "p": padding}
+    )
+    assert "65536" in reply.error(413, "payload_too_large")["message"]
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: aiohttp's own check
+        yield b'{"RoutingStrategy": "RANDOM", "p": "'
+        for _ in range(70):
+            yield b"x" * 1024
+        yield b'"}'
+
+    reply = await api.call(
+        "PUT", "/admin/routing", data=chunks(), headers={"Content-Type": "application/json"}
+    )
+    reply.error(413, "payload_too_large")
+    assert api.control.routing() == RoutingConfig()
+
+
+async def test_unknown_path_is_404_json(api: Api) -> None:
+    for path in ["/", "/admin", "/admin/backends/a/b", "/v1/chat/completions", "/healthz/"]:
+        (await api.call("GET", path)).error(404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("PUT", "/admin/backends", {"GET", "POST"}),
+        ("POST", "/admin/backends/a", {"GET", "PATCH", "DELETE"}),
+        ("DELETE", "/admin/routing", {"GET", "PUT"}),
+        ("POST", "/healthz", {"GET"}),
+        ("HEAD", "/admin/stats", {"GET"}),
+    ],
+)
+async def test_wrong_method_is_405_json(
+    api: Api, method: str, path: str, allowed: set[str]
+) -> None:
+    reply = await api.call(method, path)
+    assert reply.status == 405
+    assert {m.strip() for m in reply.headers["Allow"].split(",")} == allowed
+    if method != "HEAD":  # a HEAD answer has no body
+        assert method in reply.error(405, "method_not_allowed")["message"]
+
+
+async def test_control_invalid_is_422(api: Api) -> None:
+    from router.control import Invalid
+
+    async def refuse(routing: RoutingConfig) -> RoutingConfig:
+        raise Invalid("PREFIX_AWARE needs at least one backend")
+
+    api.control.set_routing = refuse  # type: ignore[method-assign]
+    detail = (await api.call("PUT", "/admin/routing", json={})).error(422, "validation_error")
+    assert detail["fields"] == [{"path": "$", "message": "PREFIX_AWARE needs at least one backend"}]
+
+
+async def test_unexpected_exception_is_500_without_details(
+    api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.control.fail_next = RuntimeError("internal detail /etc/secret")
+    with caplog.at_level(logging.ERROR, logger="prefix_router.admin"):
+        reply = await api.call("GET", "/admin/stats")
+    detail = reply.error(500, "internal_error")
+    assert b"secret" not in reply.body
+    assert "RuntimeError" not in detail["message"]
+    assert "internal detail /etc/secret" in caplog.text  # the log has it, with the traceback
+    assert "Traceback" in caplog.text
+    assert (await api.call("GET", "/admin/stats")).status == 200  # the server carries on
+
+
+# -- auth ------------------------------------------------------------------------------------
+
+
+async def test_token_is_required_everywhere_but_the_probes(serve: Serve) -> None:
+    api = await serve(FakeControl("a"), token=TOKEN)
+    for method, path, _ in ROUTES:
+        path = path.replace("{name}", "a")
+        if path in ("/healthz", "/readyz"):
+            reply = await api.call(method, path, authorized=False)
+            assert reply.status == 200
+            continue
+        reply = await api.call(method, path, json={}, authorized=False)
+        assert "missing" in reply.error(401, "unauthorized")["message"]
+        assert reply.headers["WWW-Authenticate"] == 'Bearer realm="prefix-router"'
+    assert api.control.backend("a").state == "active"  # the DELETE did nothing
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Bearer wrong",
+        f"Bearer {TOKEN}x",
+        f"Bearer {TOKEN[:-1]}",
+        f"Basic {TOKEN}",
+        TOKEN,
+        "Bearer ",
+        "Bearer caf\u00e9",
+    ],
+)
+async def test_wrong_token_is_401(serve: Serve, header: str) -> None:
+    api = await serve(FakeControl("a"), token=TOKEN)
+    reply = await api.call("GET", "/admin/backends", headers={"Authorization": header})
+    detail = reply.error(401, "unauthorized")
+    assert reply.headers["WWW-Authenticate"].startswith('Bearer realm="prefix-router"')
+    assert "wrong" not in detail["message"]
+    assert "caf" not in detail["message"]
+
+
+async def test_right_token_is_accepted(serve: Serve) -> None:
+    api = await serve(FakeControl("a"), token=TOKEN)
+    assert (await api.call("GET", "/admin/backends")).status == 200
+    reply = await api.call("GET", "/admin/backends", headers={"Authorization": f"bearer  {TOKEN}"})
+    assert reply.status == 200
+    assert (await api.call("GET", "/openapi.json")).status == 200
+    # Unknown paths answer 401 too: no probing for what exists without the token.
+    (await api.call("GET", "/admin/nothing", authorized=False)).error(401, "unauthorized")
+    (await api.call("GET", "/admin/nothing")).error(404, "not_found")
+
+
+async def test_token_never_logged(serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        api = await serve(FakeControl("a"), token=TOKEN)
+        await api.call("GET", "/admin/backends")
+        await api.call("GET", "/admin/backends", headers={"Authorization": "Bearer guess"})
+        api.control.fail_next = RuntimeError("boom")
+        await api.call("GET", "/admin/stats")
+    assert "boom" in caplog.text
+    assert TOKEN not in caplog.text
+    assert "guess" not in caplog.text
+
+
+async def test_malformed_request_does_not_log_its_headers(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp's parser answers this itself (400, before any middleware) and its error
+    # quotes the bad line: here, the Authorization header.
+    api = await serve(FakeControl("a"), token=TOKEN)
+    reader, writer = await asyncio.open_connection("127.0.0.1", api.server.port)
+    with caplog.at_level(logging.DEBUG):
+        writer.write(
+            b"GET /admin/backends HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\x01\r\n\r\n"
+        )
+        head = await reader.readline()
+        await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    assert head.startswith(b"HTTP/1.0 400")
+    assert "request text withheld" in caplog.text
+    assert TOKEN not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("host", "needed"),
+    [
+        ("127.0.0.1", False),
+        ("127.8.9.10", False),
+        ("::1", False),
+        ("[::1]", False),
+        ("::ffff:127.0.0.1", False),
+        ("localhost", False),
+        ("LocalHost.", False),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("", True),
+        ("10.1.2.3", True),
+        ("192.168.0.1", True),
+        ("fe80::1%eth0", True),
+        ("router.internal", True),
+        ("localhost.example.com", True),
+    ],
+)
+def test_requires_token(host: str, needed: bool) -> None:
+    assert requires_token(host) is needed
+
+
+async def test_server_refuses_a_public_address_without_token() -> None:
+    server = AdminServer(FakeControl(), token=None)
+    with pytest.raises(ConfigError, match="needs a token"):
+        await server.start("0.0.0.0", 0)
+    await server.close()
+
+
+def test_make_app_refuses_a_token_no_client_can_send() -> None:
+    with pytest.raises(ConfigError, match="visible ASCII"):
+        make_app(FakeControl(), token="two words")
+
+
+def test_load_token(tmp_path: Path) -> None:
+    file = tmp_path / "token"
+    file.write_text("  from-file\n")
+    env = {"PREFIX_ROUTER_ADMIN_TOKEN": " from-env "}
+    assert load_token(str(file), env) == "from-file"  # the file wins
+    assert load_token(None, env) == "from-env"
+    assert load_token(None, {}) is None
+    assert load_token(None, {"PREFIX_ROUTER_ADMIN_TOKEN": "  "}) is None
+
+
+def test_load_token_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n \n")
+    with pytest.raises(ConfigError, match=re.escape(f"admin token file {empty} is empty")):
+        load_token(str(empty), {"PREFIX_ROUTER_ADMIN_TOKEN": "ignored"})
+    with pytest.raises(ConfigError, match=r"cannot read admin token file .*missing"):
+        load_token(str(tmp_path / "missing"), {})
+    spaced = tmp_path / "spaced"
+    spaced.write_text("two words\n")
+    with pytest.raises(ConfigError, match="visible ASCII") as info:
+        load_token(str(spaced), {})
+    assert "two words" not in str(info.value)
+    with pytest.raises(ConfigError, match="PREFIX_ROUTER_ADMIN_TOKEN"):
+        load_token(None, {"PREFIX_ROUTER_ADMIN_TOKEN": "caf\u00e9"})
+
+
+# -- the document ------------------------------------------------------------------------------
+
+
+async def test_openapi_document_matches_the_routes(api: Api) -> None:
+    reply = await api.call("GET", "/openapi.json")
+    assert reply.status == 200
+    served = reply.json()
+    assert served == msgspec.json.decode(msgspec.json.encode(document()))
+    assert served["openapi"] == "3.1.0"
+    documented = {
+        (method.upper(), path)
+        for path, item in served["paths"].items()
+        for method in item
+        if method != "parameters"
+    }
+    assert documented == {(method, path) for method, path, _ in ROUTES}
+    app_routes = {
+        (route.method, route.resource.canonical)
+        for route in make_app(FakeControl(), token=None).router.routes()
+        if route.resource is not None
+    }
+    assert app_routes == documented
+    assert served["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    for path in ("/healthz", "/readyz"):
+        assert served["paths"][path]["get"]["security"] == []
+    error = served["components"]["schemas"]["ErrorDetail"]
+    assert set(error["properties"]) == {"message", "type", "fields"}
+    for status in ("401", "404", "409", "422"):
+        assert status in served["paths"]["/admin/backends/{name}"]["delete"]["responses"]
