@@ -198,7 +198,7 @@ async def start_router(
     child = await spawn(
         children, f"router ({strategy})", "router", "serve", "--listen", "127.0.0.1:0",
         "--strategy", strategy, "--prefix-length", "4096", "--concurrency-threshold", "4",
-        "--access-log", "off", *backends,
+        "--access-log", "off", "--admin-listen", "127.0.0.1:0", *backends,
     )  # fmt: skip
     address = None
     while address is None:

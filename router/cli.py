@@ -5,20 +5,37 @@
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
-names the field.  SIGTERM and SIGINT drain in-flight requests (up to
+names the field.  A state file, when it exists, then wins for backends and
+routing.  SIGTERM and SIGINT drain in-flight requests (up to
 ``timeouts.shutdown_grace``) and exit 0.
+
+This module is the composition root of the whole daemon: the one place that
+imports both ``router`` and ``admin`` (lazily, in ``_serve``), so that the
+dependency direction hashring <- router <- admin holds everywhere else.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, backend_flag, build_config, load_toml, parse_routing
+import msgspec
+
+from .config import (
+    Config,
+    ConfigError,
+    backend_flag,
+    build_config,
+    load_toml,
+    parse_address,
+    parse_routing,
+)
+from .state import State, StateError, StateFile
 
 __all__ = ["main"]
 
@@ -52,6 +69,26 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("--balance-factor", type=float, metavar="C", help=">= 1.0; off if unset")
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
+    serve.add_argument(
+        "--admin-listen", metavar="HOST:PORT", help='admin API listener (127.0.0.1:9091) or "off"'
+    )
+    serve.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="bearer token for the admin API (else $PREFIX_ROUTER_ADMIN_TOKEN);"
+        " required off loopback",
+    )
+    serve.add_argument(
+        "--state-file", metavar="FILE", help="persist admin changes here; wins at start-up"
+    )
+    serve.add_argument("--health-path", metavar="PATH", help="active health check path (/health)")
+    serve.add_argument("--health-interval", type=float, metavar="S", help="between checks (5)")
+    serve.add_argument(
+        "--no-health-checks", action="store_true", help="no active checks (passive ones stay)"
+    )
+    serve.add_argument(
+        "--scrape-metrics", action="store_true", help="read backends' vLLM metrics for stats"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -65,6 +102,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["retries"] = args.retries
     if args.access_log is not None:
         data["access_log"] = args.access_log
+    if args.admin_listen is not None:
+        data["admin_listen"] = args.admin_listen
+    if args.state_file is not None:
+        data["state_file"] = args.state_file
+    health = dict(data.get("health", {}))
+    if args.health_path is not None:
+        health["path"] = args.health_path
+    if args.health_interval is not None:
+        health["interval"] = args.health_interval
+    if args.no_health_checks:
+        health["active"] = False
+    if args.scrape_metrics:
+        health["scrape_metrics"] = True
+    if health:
+        data["health"] = health
     routing = data.get("RoutingConfig", {})
     if args.routing_config is not None:
         text = args.routing_config
@@ -98,17 +150,52 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return build_config(data)
 
 
-async def _serve(config: Config) -> None:
-    from .app import Router
+def with_state(config: Config, state: State | None) -> Config:
+    """The state file's backends and routing over the configured ones."""
+    if state is None:
+        return config
+    return msgspec.structs.replace(
+        config, backends=[saved.spec() for saved in state.backends], routing=state.routing
+    )
 
-    router = Router(config)
-    await router.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await router.shutdown()
+
+async def _serve(
+    config: Config, token: str | None, state_file: StateFile | None, state: State | None
+) -> None:
+    from admin import AdminServer
+
+    from .app import Router
+    from .balancer import AdminState
+    from .log import get_logger
+    from .manage import RouterControl
+
+    router = Router(with_state(config, state))
+    for saved in state.backends if state else ():
+        if saved.state == "draining":
+            router.fleet.set_state(saved.name, AdminState.DRAINING)
+    control = RouterControl(router, state_file)
+    admin = None
+    try:
+        await router.start()
+        if config.admin_listen != "off":
+            admin = AdminServer(control, token=token)
+            host, port = parse_address(config.admin_listen, "admin_listen")
+            await admin.start(host, port)
+            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        # A second signal while we drain must not kill us half-way (nor after the
+        # loop is gone and its handlers with it): from here on, signals are ignored.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        await router.shutdown()
+        if admin is not None:
+            await admin.close()
+        await control.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,14 +225,29 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
         code = child.wait()
         return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N
+    from admin import load_token, requires_token
+
     try:
         config = config_from_args(args)
+        token = load_token(args.admin_token_file, os.environ)
+        if config.admin_listen != "off":
+            host, _ = parse_address(config.admin_listen, "admin_listen")
+            if requires_token(host) and token is None:
+                raise ConfigError(
+                    f"the admin API on {config.admin_listen} is not on loopback: give it a"
+                    " token (--admin-token-file or PREFIX_ROUTER_ADMIN_TOKEN)"
+                )
+        state_file = StateFile(config.state_file) if config.state_file else None
+        state = state_file.load() if state_file else None
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StateError as exc:
+        print(f"prefix-router: {exc}", file=sys.stderr)
+        return 2
     import uvloop
 
-    uvloop.run(_serve(config))
+    uvloop.run(_serve(config, token, state_file, state))
     return 0
 
 

@@ -31,6 +31,11 @@ from schemathesis.specs.openapi.checks import (
 
 from admin import AdminServer
 from admin.openapi import document
+from router.app import Router
+from router.config import build_config
+from router.manage import RouterControl
+from router.state import StateFile
+from tests.conftest import router_config
 from tests.test_admin_api import TOKEN, FakeControl
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -42,24 +47,45 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def admin_url() -> Iterator[str]:
-    """The admin API over a ``FakeControl``, served from a loop in its own thread."""
+@pytest.fixture(scope="module", params=["fake", "router"])
+def admin_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The admin API served from a loop in its own thread, over a ``FakeControl``
+    or over a real ``Router`` and its ``RouterControl`` (with a state file)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="admin-api", daemon=True)
     thread.start()
-    control = FakeControl("a", "b", "c")
-    server = AdminServer(control, token=TOKEN)
 
     def run(coroutine: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=10)
 
+    router: Router | None = None
+    control: FakeControl | RouterControl
+    if request.param == "fake":
+        control = FakeControl("a", "b", "c")
+    else:
+        # Backends on ports nobody listens on; no active health checks, so
+        # whatever backends schemathesis adds are never dialled.
+        config = build_config(
+            router_config(
+                [("a", "http://127.0.0.1:9"), ("b", "http://127.0.0.1:9")],
+                health={"active": False},
+            )
+        )
+        router = Router(config)
+        state = StateFile(tmp_path_factory.mktemp("state") / "state.json")
+        control = RouterControl(router, state)
+        run(router.start())
+    server = AdminServer(control, token=TOKEN)
     try:
         run(server.start("127.0.0.1", 0))
         yield f"http://127.0.0.1:{server.port}"
     finally:
         run(server.close())
         run(control.close())
+        if router is not None:
+            run(router.shutdown(grace=1))
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()

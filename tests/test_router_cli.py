@@ -17,10 +17,12 @@ from router.config import ConfigError, Strategy
 from tests.conftest import SimFleet
 
 ROOT = Path(__file__).resolve().parent.parent
+ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
 
 
 async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
-    """Start ``python -m router serve ARGS`` and return it with its port."""
+    """Start ``python -m router serve ARGS`` and return it with its port (the
+    admin API, on an ephemeral port, is up too once this returns)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -30,19 +32,26 @@ async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
         "127.0.0.1:0",
         "--access-log",
         "off",
+        "--admin-listen",
+        "127.0.0.1:0",
         *args,
         cwd=ROOT,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.stderr is not None
+    port = None
     async with asyncio.timeout(20):
         while True:
             line = await proc.stderr.readline()
             assert line, "router exited before listening"
             event = json.loads(line)
             if event["event"] == "listening":
-                return proc, int(event["address"].rpartition(":")[2])
+                port = int(event["address"].rpartition(":")[2])
+            elif event["event"] == "admin listening":
+                assert port is not None
+                ADMIN_PORTS[proc.pid] = int(event["address"].rpartition(":")[2])
+                return proc, port
 
 
 def parse(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -149,3 +158,143 @@ async def test_sigterm_lets_the_stream_in_flight_finish_then_exits_0(sim_fleet: 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def admin_call(
+    http: aiohttp.ClientSession,
+    proc: asyncio.subprocess.Process,
+    method: str,
+    path: str,
+    body: object = None,
+    token: str | None = None,
+) -> tuple[int, dict[str, object]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}{path}"
+    async with http.request(method, url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def stop(proc: asyncio.subprocess.Process) -> bytes:
+    """SIGTERM, expect exit 0, return what it logged after start-up."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stderr is not None
+    async with asyncio.timeout(20):
+        rest = await proc.stderr.read()
+        assert await proc.wait() == 0
+    return rest
+
+
+async def test_the_state_file_brings_back_membership_and_routing_after_a_restart(
+    sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    sims = await sim_fleet(3)
+    state = tmp_path / "state.json"
+    flags = ["--state-file", str(state), "--no-health-checks"]
+    proc, _ = await spawn_router(
+        *flags, "--backend", f"sim-0={sims[0].url}", "--backend", f"sim-1={sims[1].url}"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, _ = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": "sim-2", "url": sims[2].url}
+            )
+            assert status == 201
+            assert state.exists()  # written before the 201
+            status, _ = await admin_call(
+                http, proc, "PATCH", "/admin/backends/sim-0", {"weight": 2}
+            )
+            assert status == 200
+            status, _ = await admin_call(
+                http, proc, "PATCH", "/admin/backends/sim-1", {"state": "draining"}
+            )
+            assert status == 200
+            routing = {
+                "RoutingConfig": {
+                    "RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS",
+                    "PrefixAwareRoutingConfig": {"PrefixLength": 8192, "ConcurrencyThreshold": 5},
+                }
+            }
+            status, _ = await admin_call(http, proc, "PUT", "/admin/routing", routing)
+            assert status == 200
+        await stop(proc)
+        # Restarted with other flags: the state file wins for backends and routing.
+        proc, port = await spawn_router(
+            *flags, "--backend", f"other={sims[0].url}", "--strategy", "random"
+        )
+        async with aiohttp.ClientSession() as http:
+            status, backends = await admin_call(http, proc, "GET", "/admin/backends")
+            assert status == 200
+            assert [(b["name"], b["weight"], b["state"]) for b in backends] == [  # type: ignore[attr-defined]
+                ("sim-0", 2, "active"),
+                ("sim-1", 1, "draining"),
+                ("sim-2", 1, "active"),
+            ]
+            status, saved_routing = await admin_call(http, proc, "GET", "/admin/routing")
+            assert saved_routing["RoutingConfig"]["RoutingStrategy"] == "LEAST_OUTSTANDING_REQUESTS"  # type: ignore[index]
+            assert (
+                saved_routing["RoutingConfig"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"]
+                == 5
+            )  # type: ignore[index]
+            async with http.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1}
+            ) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-sim-instance"] in ("sim-0", "sim-2")  # not the draining one
+    finally:
+        if proc.returncode is None:
+            await stop(proc)
+
+
+async def test_a_corrupt_state_file_stops_start_up_and_is_left_alone(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    state.write_bytes(b'{"version": 1, "backends": [{"name": "a"')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "--listen", "127.0.0.1:0",
+        "--admin-listen", "off", "--state-file", str(state),
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    async with asyncio.timeout(20):
+        _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"corrupt" in err
+    assert str(state).encode() in err
+    assert state.read_bytes() == b'{"version": 1, "backends": [{"name": "a"'
+
+
+def test_the_admin_api_off_loopback_needs_a_token(capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("PREFIX_ROUTER_ADMIN_TOKEN", None)
+    assert main(["serve", "--admin-listen", "0.0.0.0:9091"]) == 2
+    assert "not on loopback: give it a token" in capsys.readouterr().err
+
+
+async def test_admin_token_is_required_and_never_logged(
+    sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    sims = await sim_fleet(1)
+    token = "tok-" + os.urandom(8).hex()
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    proc, _ = await spawn_router(
+        "--admin-token-file", str(token_file), "--backend", f"sim-0={sims[0].url}"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await admin_call(http, proc, "GET", "/admin/backends")
+            assert status == 401
+            status, body = await admin_call(http, proc, "GET", "/admin/backends", token="wrong")
+            assert status == 401
+            assert token not in str(body)
+            status, _ = await admin_call(http, proc, "GET", "/admin/backends", token=token)
+            assert status == 200
+            status, _ = await admin_call(
+                http,
+                proc,
+                "POST",
+                "/admin/backends",
+                {"name": "x", "url": "http://127.0.0.1:9"},
+                token=token,
+            )
+            assert status == 201
+    finally:
+        logged = await stop(proc)
+    assert token.encode() not in logged
