@@ -101,7 +101,9 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
     health: HealthOverride | None = None
 
     def __post_init__(self) -> None:
-        self.address()  # raises ValueError, which msgspec reports with the field path
+        # A ValueError here is reported by msgspec at the backend object's path
+        # (``$.backends[0]``); its message names the url.
+        self.address()
 
     def address(self) -> tuple[str, int]:
         parts = urlsplit(self.url)

@@ -104,13 +104,19 @@ class Totals(msgspec.Struct, frozen=True):
 
 
 class Stats(msgspec.Struct, frozen=True):
-    strategy: str
+    strategy: Literal["RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"]
     backends: list[BackendView]
     totals: Totals
     decisions: Decisions
 
 
 class Control(Protocol):
+    """Errors: ``backend``, ``update_backend`` and ``remove_backend`` raise
+    NotFound for an unknown name; ``add_backend`` raises Conflict for a taken
+    one, and ``remove_backend(wait=True)`` when the drain is cancelled (the
+    backend was set active again); any change may raise Invalid.
+    ``metrics`` returns Prometheus text exposition format 0.0.4."""
+
     def backends(self) -> list[BackendView]: ...
 
     def backend(self, name: str) -> BackendView: ...
