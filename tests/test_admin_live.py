@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from admin import AdminServer
 from router.app import Router
@@ -160,6 +161,32 @@ async def test_membership_weights_drain_and_routing_change_live_without_failures
     assert names == sorted([sims[0].name, sims[2].name, sims[3].name])
     assert body["totals"]["requests"] == sum(load.statuses.values())
     assert router.balancer.config.prefix_aware.concurrency_threshold == 3
+    by_name = {b["name"]: b for b in body["backends"]}
+    assert by_name[sims[3].name]["requests"] == load.served[sims[3].name]
+    assert by_name[sims[0].name]["ttft_p50_ms"] is not None
+    assert body["decisions"]["primary"] + body["decisions"]["overflow"] >= 900
+
+    # Prometheus agrees with what the clients saw.
+    async with admin.http.get(admin.url + "/metrics", headers=AUTH) as resp:
+        assert resp.status == 200
+        families = {f.name: f for f in text_string_to_metric_families(await resp.text())}
+    requests = families["prefix_router_requests"].samples
+    assert sum(s.value for s in requests if s.name.endswith("_total")) == sum(
+        load.statuses.values()
+    )
+    assert {s.labels["status"] for s in requests} == {"200"}
+    assert all(s.value == 0 for s in families["prefix_router_in_flight"].samples)
+    assert families["prefix_router_ring_members"].samples[0].value == 3
+    ttft_count = [
+        s for s in families["prefix_router_ttft_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert sum(s.value for s in ttft_count) == sum(load.statuses.values())
+    for name in (
+        "prefix_router_overflow",
+        "prefix_router_fallback",
+        "prefix_router_backend_healthy",
+    ):
+        assert families[name].samples
 
 
 async def placements(url: str, prompts: list[str]) -> dict[str, str]:
