@@ -42,169 +42,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import math
 import random
-import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+from .fleet import (
+    Child,
+    FleetError,
+    counters,
+    hit_rate,
+    reset_caches,
+    say,
+    start_router,
+    start_sims,
+    stop_checked,
+)
+
 SIM_COUNT = 4
 MODEL = "sim-llama-3.1-70b"  # the simulator's default served model name
-START_TIMEOUT_S = 20.0  # imports alone take seconds on a busy 2-core machine
-STOP_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 60.0
 
-
-class DemoError(Exception):
-    """A failure the user should read; the message says what and where."""
+DemoError = FleetError
 
 
-def say(*parts: object) -> None:
-    print(*parts, flush=True)  # stdout is a pipe under make and in tests
-
-
-# ---------------------------------------------------------------- child processes
-
-
-@dataclass
-class Child:
-    """A subprocess we started; its stderr is always drained (a full pipe would block it)."""
-
-    name: str
-    proc: asyncio.subprocess.Process
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
-    lines: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)  # None: EOF
-    drain: asyncio.Task[None] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def explain(self) -> str:
-        code = self.proc.returncode
-        status = "running" if code is None else f"exit code {code}"
-        log = "".join(f"\n    {line}" for line in self.tail) or " (none)"
-        return f"{self.name} (pid {self.pid}, {status}); its last stderr lines:{log}"
-
-    async def stop(self) -> None:
-        """SIGTERM, SIGKILL after STOP_TIMEOUT_S; reaped. Idempotent."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await self.proc.wait()
-            except TimeoutError:
-                say(f"{self.name} (pid {self.pid}) ignored SIGTERM; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
-        if self.drain is not None:
-            await self.drain  # reaches EOF now that the process is gone
-
-
-async def spawn(children: list[Child], name: str, *argv: str, stdout: bool = False) -> Child:
-    """``python -m argv`` in the repository root, registered in ``children`` at once."""
-    pipe, devnull = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
-    # process_group=0: a terminal's Ctrl-C reaches only us, and we stop each child
-    # with one SIGTERM. Had the child got the SIGINT too, our SIGTERM could land
-    # after its loop has removed its handlers and kill it mid-exit (seen: -15).
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", *argv, cwd=ROOT, stdin=devnull,
-        stdout=pipe if stdout else devnull, stderr=pipe, process_group=0,
-    )  # fmt: skip
-    child = Child(name, proc)
-    children.append(child)  # no await since the fork: an interrupt still finds it
-
-    async def drain() -> None:
-        assert proc.stderr is not None
-        async for raw in proc.stderr:
-            child.tail.append(raw.decode(errors="replace").rstrip())
-            child.lines.put_nowait(child.tail[-1])
-        child.lines.put_nowait(None)
-
-    child.drain = asyncio.create_task(drain())
-    return child
-
-
-async def next_line(child: Child, what: str, deadline: float, stdout: bool = False) -> str:
-    """The child's next stdout (or stderr) line; DemoError if it exits or is too slow."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            if stdout:
-                assert child.proc.stdout is not None
-                line = (await child.proc.stdout.readline()).decode() or None
-            else:
-                line = await child.lines.get()
-    except TimeoutError:
-        await child.stop()
-        raise DemoError(f"no {what} within {START_TIMEOUT_S:.0f} s: {child.explain()}") from None
-    if line is None:
-        await child.stop()  # reaps it, and its stderr is complete
-        raise DemoError(f"{child.name} exited before {what}: {child.explain()}")
-    return line
-
-
-async def start_fleet(
+async def start_demo_fleet(
     children: list[Child], args: argparse.Namespace
 ) -> tuple[Child, dict[str, str]]:
-    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-    child = await spawn(
-        children, "simulated fleet", "loadtests.simserver", "--name", "sim",
-        "--count", str(SIM_COUNT), "--port", "0", "--time-scale", str(args.time_scale),
-        "--capacity-blocks", str(args.capacity_blocks), stdout=True,
+    child, sims = await start_sims(
+        children, SIM_COUNT, "--time-scale", str(args.time_scale),
+        "--capacity-blocks", str(args.capacity_blocks),
     )  # fmt: skip
-    sims: dict[str, str] = {}
-    while len(sims) < SIM_COUNT:
-        line = await next_line(child, "instance addresses", deadline, stdout=True)
-        try:
-            entry = json.loads(line)
-            sims[entry["name"]] = entry["url"]
-        except (ValueError, TypeError, KeyError):
-            raise DemoError(f"unexpected line from the simulated fleet: {line!r}") from None
     urls = ", ".join(f"{name} {url}" for name, url in sims.items())
     say(f"fleet: {SIM_COUNT} simulated instances, pid {child.pid}: {urls}")
     return child, sims
 
 
-# router/log.py renders structlog events as JSON lines; the regex also reads
-# key=value renderings, so a change of log format does not break the demo.
-_ADDRESS = re.compile(r"""\baddress["'=:\s]+([\w.\-\[\]]+:\d+)""")
-
-
-def listening_address(line: str) -> str | None:
-    with contextlib.suppress(ValueError):
-        event = json.loads(line)
-        if isinstance(event, dict):
-            address = event.get("address") if event.get("event") == "listening" else None
-            return address if isinstance(address, str) else None
-    match = _ADDRESS.search(line) if "listening" in line else None
-    return match.group(1) if match else None
-
-
-async def start_router(
+async def start_demo_router(
     children: list[Child], sims: dict[str, str], strategy: str
 ) -> tuple[Child, str]:
-    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-    backends = [arg for name, url in sims.items() for arg in ("--backend", f"{name}={url}")]
-    child = await spawn(
-        children, f"router ({strategy})", "router", "serve", "--listen", "127.0.0.1:0",
-        "--strategy", strategy, "--prefix-length", "4096", "--concurrency-threshold", "4",
-        "--access-log", "off", "--admin-listen", "127.0.0.1:0", *backends,
+    child, url, _ = await start_router(
+        children, sims, "--strategy", strategy, "--prefix-length", "4096",
+        "--concurrency-threshold", "4", "--access-log", "off", label=f"router ({strategy})",
     )  # fmt: skip
-    address = None
-    while address is None:
-        address = listening_address(await next_line(child, "'listening' log line", deadline))
-    say(f"router: http://{address} --strategy {strategy}, pid {child.pid}")
-    return child, f"http://{address}"
+    say(f"router: {url} --strategy {strategy}, pid {child.pid}")
+    return child, url
 
 
 # ---------------------------------------------------------------- workload
@@ -288,39 +175,6 @@ async def run_workload(url: str, bodies: list[bytes], concurrency: int) -> list[
     return results
 
 
-_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
-
-
-async def hit_rate(sims: dict[str, str]) -> float:
-    """Prefix-cache hits / queries (tokens, as vLLM counts them), summed over instances."""
-    totals = {"hits": 0.0, "queries": 0.0}
-    async with aiohttp.ClientSession(raise_for_status=True) as session:
-        for name, url in sims.items():
-            async with session.get(f"{url}/metrics") as resp:
-                samples = _COUNTER.findall(await resp.text())
-            if len(samples) != 2:
-                raise DemoError(f"{name}: no vllm:prefix_cache_{{hits,queries}}_total in /metrics")
-            for counter, value in samples:
-                totals[counter] += float(value)
-    return totals["hits"] / totals["queries"] if totals["queries"] else math.nan
-
-
-async def reset_caches(sims: dict[str, str]) -> None:
-    async with aiohttp.ClientSession() as session:
-        for name, url in sims.items():
-            # 409 = blocks still pinned: an instance retires a request just after its
-            # client read the last byte. A documented conflict: retry with backoff.
-            for attempt in range(10):
-                async with session.post(f"{url}/reset_prefix_cache") as resp:
-                    if resp.status == 200:
-                        break
-                    if resp.status != 409:
-                        raise DemoError(f"{name}: reset_prefix_cache: HTTP {resp.status}")
-                await asyncio.sleep(0.01 * 2**attempt)
-            else:
-                raise DemoError(f"{name}: cache still in use after the workload ended")
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -357,14 +211,8 @@ def report(runs: list[Run], names: list[str]) -> str:
 # ---------------------------------------------------------------- modes
 
 
-async def stop_checked(child: Child) -> None:
-    await child.stop()
-    if child.proc.returncode != 0:
-        raise DemoError(f"{child.name} did not exit cleanly on SIGTERM: {child.explain()}")
-
-
 async def compare(args: argparse.Namespace, children: list[Child]) -> None:
-    fleet, sims = await start_fleet(children, args)
+    fleet, sims = await start_demo_fleet(children, args)
     bodies, sizes = workload(args.seed, args.requests)
     say(
         f"workload: {len(sizes)} documents of {min(sizes)}-{max(sizes)} tokens, "
@@ -373,11 +221,11 @@ async def compare(args: argparse.Namespace, children: list[Child]) -> None:
     runs = []
     for label, strategy in (("RANDOM", "random"), ("PREFIX_AWARE", "prefix")):
         await reset_caches(sims)
-        router, url = await start_router(children, sims, strategy)
+        router, url = await start_demo_router(children, sims, strategy)
         started = time.perf_counter()
         results = await run_workload(url, bodies, args.concurrency)
         run = Run(label, [t for t, _ in results], collections.Counter(i for _, i in results))
-        run.hit_rate = await hit_rate(sims)
+        run.hit_rate = hit_rate(await counters(sims))
         elapsed = time.perf_counter() - started
         say(f"{label}: {len(results)} requests in {elapsed:.1f} s, hit rate {run.hit_rate:.0%}")
         runs.append(run)
@@ -387,8 +235,8 @@ async def compare(args: argparse.Namespace, children: list[Child]) -> None:
 
 
 async def serve(args: argparse.Namespace, children: list[Child], stop: asyncio.Event) -> None:
-    fleet, sims = await start_fleet(children, args)
-    router, url = await start_router(children, sims, "prefix")
+    fleet, sims = await start_demo_fleet(children, args)
+    router, url = await start_demo_router(children, sims, "prefix")
     hello = '[{"role": "user", "content": "Hello!"}]'
     say(f"""
 Router (PREFIX_AWARE) at {url}  (pids: fleet {fleet.pid}, router {router.pid})
