@@ -198,33 +198,44 @@ async def _serve(
         await control.close()
 
 
+def _run_loadtests(module: str, argv: list[str]) -> int:
+    """Run ``python -m loadtests.MODULE`` from the repository (not installed with us)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "loadtests" / f"{module}.py").is_file():
+        where = root / "loadtests"
+        print(f"prefix-router {module}: {where} not found; run it from a clone", file=sys.stderr)
+        return 2
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", f"loadtests.{module}", *argv], cwd=root)
+    # Not subprocess.run: on Ctrl-C it SIGKILLs the child, orphaning the child's children.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    code = child.wait()
+    return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo = sub.add_parser("demo", help="run a simulated fleet behind the router and compare")
     demo.add_argument("--serve", action="store_true", help="keep the fleet and router up")
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="routing-quality benchmark (python -m loadtests.bench --help for its options)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     from .log import configure
 
     configure()
-    if args.command == "demo":
-        # The demo lives in the repository's loadtests/, which is not installed.
-        root = Path(__file__).resolve().parent.parent
-        if not (root / "loadtests" / "demo.py").is_file():
-            where = root / "loadtests"
-            print(f"prefix-router demo: {where} not found; run it from a clone", file=sys.stderr)
-            return 2
-        import subprocess
-
-        demo_cmd = [sys.executable, "-m", "loadtests.demo", *(["--serve"] if args.serve else [])]
-        child = subprocess.Popen(demo_cmd, cwd=root)
-        # Not subprocess.run: on Ctrl-C it SIGKILLs the demo, orphaning the demo's children.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-        code = child.wait()
-        return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N
+    if args.command in ("demo", "bench"):
+        extra = ["--serve"] if args.command == "demo" and args.serve else []
+        return _run_loadtests(args.command, [*extra, *rest])
     from admin import load_token, requires_token
 
     try:
