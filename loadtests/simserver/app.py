@@ -21,12 +21,18 @@ Contract
 - Test hooks, in real (unscaled) seconds, outside the model and not in
   ``x-sim-ttft-ms``: ``extra_ttft_s`` delays every first byte, ``extra_token_s``
   is added between streamed tokens. A request holds its slot while it waits.
+- ``/tokenize``, ``/detokenize`` and the ``/render`` endpoints (shapes in
+  ``wire``) are answered at once and touch neither the engine nor its counters.
+  A peer router's gRPC probe (an HTTP/2 preface) gets aiohttp's 400 and one log
+  line on ``loadtests.simserver.http`` instead of a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -224,6 +231,10 @@ def make_app(instance: SimInstance | SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/invocations", _invocations)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    app.router.add_post("/v1/chat/completions/render", _render_chat)
+    app.router.add_post("/v1/completions/render", _render_completion)
     app.router.add_get("/health", _health)
     app.router.add_get("/ping", _health)
     app.router.add_get("/v1/models", _models)
@@ -277,6 +288,40 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
     instance = request.app[INSTANCE]
     gen = wire.parse_native(await _body(request), instance.config.limits)
     return await _serve(request, instance, gen, "native")
+
+
+# Tokenizer and render endpoints (see ``wire``): answered at once, outside the
+# engine, as vLLM's API server answers them without a batch slot or KV block.
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    limits = request.app[INSTANCE].config.limits
+    tokens, token_strs = wire.parse_tokenize(await _body(request))
+    return _json(200, wire.tokenize_reply(tokens, limits, token_strs))
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    tokens = wire.parse_detokenize(await _body(request))
+    return _json(200, {"prompt": wire.detokenize(tokens)})
+
+
+async def _render_chat(request: web.Request) -> web.Response:
+    instance = request.app[INSTANCE]
+    body = await _body(request)
+    gen = wire.parse_chat(body, instance.config.limits)
+    request_id = f"chatcmpl-{instance.name}-render-{next(_render_ids)}"
+    return _json(200, wire.render_reply(request_id, instance.config.model, gen, body))
+
+
+async def _render_completion(request: web.Request) -> web.Response:
+    instance = request.app[INSTANCE]
+    body = await _body(request)
+    gen = wire.parse_completion(body, instance.config.limits)
+    request_id = f"cmpl-{instance.name}-render-{next(_render_ids)}"
+    return _json(200, [wire.render_reply(request_id, instance.config.model, gen, body)])
+
+
+_render_ids = itertools.count(1)
 
 
 def _reply(kind: str, instance: SimInstance, ticket: Ticket, include_usage: bool) -> wire.Reply:
@@ -370,6 +415,24 @@ async def _reset(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- serving
 
 
+class _OneLineForHTTP2Preface(logging.Filter):
+    """sglang-router probes each worker for gRPC (an HTTP/2 prior-knowledge preface) when
+    it registers it; aiohttp answers 400 and logs a traceback each time. One line will do,
+    as uvicorn, vLLM's server, logs a one-line warning for it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage) and "PRI" in str(exc):
+            record.msg = "400 for an HTTP/2 preface (a gRPC probe?) from %s"
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_SERVER_LOG = logging.getLogger("loadtests.simserver.http")
+_SERVER_LOG.addFilter(_OneLineForHTTP2Preface())
+
+
 class SimServer:
     """One instance served on ``host:port`` in the running loop; ``url`` once started."""
 
@@ -388,6 +451,7 @@ class SimServer:
             make_app(self.instance),
             handler_cancellation=True,
             access_log=None,
+            logger=_SERVER_LOG,
             shutdown_timeout=shutdown_timeout,
         )
 

@@ -27,6 +27,24 @@ Prompt text
 ``parameters.max_new_tokens`` or ``parameters.max_tokens``) must be an integer
 >= 1; values above the cap are lowered to the cap; absent means the default.
 Prompt plus output may not exceed ``max_model_len``, as in vLLM.
+
+Tokenizer endpoints (vLLM's shapes; routers such as vllm-router's cache_aware
+policy call them to key their prefix trees on the worker's own token ids)
+----------------------------------------------------------------------------
+- ``/tokenize``: ``{"prompt": str}`` (the completion form) or ``{"messages":
+  [...], "tools"?, "add_generation_prompt"? = true, "continue_final_message"? =
+  false}`` (the chat form) -> ``{"count", "max_model_len", "tokens",
+  "token_strs"}``. The ids are exactly those the generation endpoints compute
+  for the same prompt, so a router keyed on them sees what the cache sees.
+  ``add_special_tokens`` is accepted and ignored: this tokenizer has none (the
+  chat template writes its markers as text).
+- ``/detokenize``: ``{"tokens": [...]}`` -> ``{"prompt": str}``, the inverse of
+  ``model.tokenize`` (the zero padding of the last token is dropped).
+- ``/v1/chat/completions/render`` and ``/v1/completions/render``: the request
+  of the generation endpoint, validated the same way, answered without
+  generating with vLLM's ``GenerateRequest`` (``token_ids``,
+  ``sampling_params``, ...); the completions form answers a list of one, as
+  vLLM answers one entry per prompt.
 """
 
 from __future__ import annotations
@@ -49,11 +67,16 @@ __all__ = [
     "Reply",
     "TextReply",
     "decode_json",
+    "detokenize",
     "error_body",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
     "parse_native",
+    "parse_tokenize",
     "render_chat",
+    "render_reply",
+    "tokenize_reply",
     "usage",
 ]
 
@@ -136,10 +159,27 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
     return GenRequest(tokens, max_tokens, _flag(body, "stream"), include_usage=True)
 
 
-def render_chat(messages: Any, tools: Any = None) -> str:
-    """The chat template described in the module docstring; validates as it goes."""
+def render_chat(
+    messages: Any,
+    tools: Any = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The chat template described in the module docstring; validates as it goes.
+
+    ``add_generation_prompt`` and ``continue_final_message`` are the switches of
+    vLLM's chat and tokenize requests: the first opens the assistant turn, the
+    second leaves the final message's turn open (no ``<|eot_id|>``) so the model
+    continues it. As in vLLM, both at once is an error.
+    """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array of messages", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
     parts = ["<|begin_of_text|>"]
     if tools is not None:
         if not isinstance(tools, list):
@@ -153,12 +193,18 @@ def render_chat(messages: Any, tools: Any = None) -> str:
         if not isinstance(role, str) or not role:
             raise BadRequest("'role' must be a non-empty string", f"messages[{i}].role")
         parts.append(_turn(role, _message_text(message.get("content"), i)))
-    parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    if continue_final_message:
+        parts[-1] = parts[-1].removesuffix(_EOT)
+    elif add_generation_prompt:
+        parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
     return "".join(parts)
 
 
+_EOT = "<|eot_id|>"
+
+
 def _turn(role: str, text: str) -> str:
-    return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}{_EOT}"
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -235,6 +281,86 @@ def _flag(fields: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be a boolean", name)
     return value
+
+
+def parse_tokenize(body: Any) -> tuple[array[int], bool]:
+    """vLLM's ``/tokenize`` request: ``(tokens, return_token_strs)``."""
+    body = _object(body)
+    token_strs = _flag(body, "return_token_strs")
+    _flag(body, "add_special_tokens")  # validated, no effect: see the module docstring
+    if "messages" in body:
+        # vLLM's TokenizeChatRequest defaults add_generation_prompt to true.
+        add_prompt = body.get("add_generation_prompt") is None or _flag(
+            body, "add_generation_prompt"
+        )
+        text = render_chat(
+            body.get("messages"),
+            body.get("tools"),
+            add_generation_prompt=add_prompt,
+            continue_final_message=_flag(body, "continue_final_message"),
+        )
+        return tokenize(text), token_strs
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise BadRequest("'prompt' (a string) or 'messages' is required", "prompt")
+    return tokenize(prompt), token_strs
+
+
+def tokenize_reply(tokens: array[int], limits: Limits, token_strs: bool) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse``."""
+    strs = None
+    if token_strs:
+        strs = [_token_bytes(t).rstrip(b"\0").decode("utf-8", "replace") for t in tokens]
+    return {
+        "count": len(tokens),
+        "max_model_len": limits.max_model_len,
+        "tokens": tokens.tolist(),
+        "token_strs": strs,
+    }
+
+
+def parse_detokenize(body: Any) -> array[int]:
+    """vLLM's ``/detokenize`` request: its ``tokens``."""
+    tokens = _object(body).get("tokens")
+    if not isinstance(tokens, list):
+        raise BadRequest("'tokens' must be an array of token ids", "tokens")
+    try:
+        return tokens_from_ids(tokens)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "tokens") from None
+
+
+def detokenize(tokens: array[int]) -> str:
+    """The text of ``tokens``: the inverse of ``model.tokenize``.
+
+    Only the last token can carry the tokenizer's zero padding, so only trailing
+    NULs are dropped; bytes that are not UTF-8 (ids no text produces) decode to
+    U+FFFD.
+    """
+    raw = b"".join(_token_bytes(t) for t in tokens)
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _token_bytes(token: int) -> bytes:
+    return token.to_bytes(4, "little")
+
+
+def render_reply(
+    request_id: str, model: str, gen: GenRequest, body: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM's ``GenerateRequest``: what ``/render`` answers for a generation request."""
+    return {
+        "request_id": request_id,
+        "token_ids": gen.tokens.tolist(),
+        "features": None,
+        "sampling_params": {"max_tokens": gen.max_tokens},
+        "model": body.get("model") or model,
+        "stream": gen.stream,
+        "stream_options": body.get("stream_options") if gen.stream else None,
+        "cache_salt": body.get("cache_salt"),
+        "priority": body.get("priority", 0),
+        "kv_transfer_params": None,
+    }
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
