@@ -1,0 +1,132 @@
+"""The proxy ladder (loadtests/proxybench.py) and its fast backend, CI-sized.
+
+One smoke run of the real command with no apt package and no peer: the fast
+backends, direct, the aiohttp floor and prefix-router, workloads (a) and (b)
+for about a second each with our own generator.  It checks that the run
+produces sane figures and tables, never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests import proxybench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(60)
+def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(ROOT / "loadtests" / "proxybench.py"),
+        "--targets", "direct,aiohttp,prefix-router", "--workloads", "a,b",
+        "--generator", "python", "--seconds", "1", "--warmup", "0",
+        "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0",
+        "--ttfb-rate", "50", "--connections", "8", "--keys", "4",
+        "--results", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("proxybench-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["skipped"] == {}
+    results = doc["results"]
+    assert list(results) == ["direct", "aiohttp", "prefix-router"]
+    for name, entry in results.items():
+        for workload in ("a", "b"):
+            row = entry["workloads"][workload]
+            assert "error" not in row, (name, workload, row)
+            assert "invalid" not in row, (name, workload, row)
+            assert row["requests"] > 0
+            assert row["errors"] == 0
+            assert row["bad_status"] == 0
+            assert sum(row["split"]) >= row["requests"]  # the backends saw every request
+            [probe] = row["probes"]
+            assert probe["requests"] > 0
+            assert probe["p50_ms"] > 0
+            if name == "direct":
+                assert row["cpu_us"] is None
+            else:
+                assert row["cpu_us"] > 0
+                assert row["rss_mib"] > 0
+                assert all(n > 0 for n in row["split"])  # keys spread over both backends
+        # (b) relays the whole stream: 64 chunks of about 160 bytes each
+        assert entry["workloads"]["b"]["bytes_per_response"] > 64 * 100
+    out = done.stdout
+    assert "### (a) OpenAI chat, 4 KiB prompt, non-streaming" in out
+    assert "### (b) OpenAI chat" in out
+    for label in ("direct (no proxy)", "aiohttp floor", "prefix-router"):
+        assert f"| {label} |" in out
+    assert "(a) prefix-router:" in out  # a ratio line, even with no C or Rust target
+
+
+def test_workload_bodies_have_the_issue_sizes() -> None:
+    chat = proxybench.build_requests("a", 3)
+    assert len({body for _, body in chat}) == 3
+    for _, body in chat:
+        request = json.loads(body)
+        assert request["stream"] is False
+        assert len(request["messages"][0]["content"]) == proxybench.PREFIX
+    streamed = json.loads(proxybench.build_requests("b", 1)[0][1])
+    assert streamed["stream"] is True
+    [(_, native)] = proxybench.build_requests("c", 1)
+    assert len(native) == 64 * 1024
+    json.loads(native)
+    idle = proxybench.build_requests("d", 1, " [[sse:1000:5000]]")[0][1]
+    assert b"[[sse:1000:5000]]" in idle
+
+
+def test_wrk_script_cycles_every_body_with_its_session() -> None:
+    requests = proxybench.build_requests("a", 2)
+    script = proxybench.wrk_script("/v1/chat/completions", requests)
+    for session, body in requests:
+        assert body.decode() in script
+        assert f'"{session}"' in script
+    assert 'wrk.format("POST", "/v1/chat/completions"' in script
+    assert "PROXYBENCH" in script  # the summary line run_wrk parses
+
+
+def test_process_tree_figures_of_this_process() -> None:
+    me = os.getpid()
+    assert me in proxybench.process_tree(me)
+    assert proxybench.tree_cpu(me) > 0
+    assert proxybench.tree_rss(me) > 1 << 20
+
+
+def test_report_ratios_and_checks_from_a_made_up_run() -> None:
+    def row(rps: float, cpu: float | None) -> dict[str, object]:
+        return {
+            "requests": int(rps), "rps": rps, "request_mb_s": 1.0, "p50_ms": 1.0,
+            "p99_ms": 2.0, "cpu_us": cpu, "proxy_core_pct": 50, "client_core_pct": 50,
+            "others_core_pct": 0, "rss_mib": 10.0, "split": [1, 1], "errors": 0,
+            "bad_status": 0, "probes": [],
+        }  # fmt: skip
+
+    def entry(label: str, kind: str, rps: float, cpu: float | None) -> dict[str, object]:
+        return {"label": label, "kind": kind, "key": "k", "version": "v",
+                "workloads": {"a": row(rps, cpu)}}  # fmt: skip
+
+    results = {
+        "direct": entry("direct (no proxy)", "ceiling", 1000, None),
+        "haproxy": entry("HAProxy", "C", 800, 20.0),
+        "vllm-ch": entry("vllm-router consistent_hash", "Rust", 400, 100.0),
+        "prefix-router": entry("prefix-router", "Python", 500, 50.0),
+    }
+    lines = proxybench.ratio_lines(results, ["a"])
+    assert lines == [
+        "(a) prefix-router: 50 µs/req = 2.50x best C (HAProxy, 20 µs/req), "
+        "0.50x best Rust (vllm-router consistent_hash, 100 µs/req); "
+        "500 req/s = 0.62x best C (HAProxy, 800), 1.25x best Rust "
+        "(vllm-router consistent_hash, 400)"
+    ]
+    checks = proxybench.target_checks(results)
+    assert checks[0].startswith("- [x] (a) CPU/request 50 µs below the best Rust")
+    assert checks[1].startswith("- [ ] (a) CPU/request 50 µs within 2x the best C")
+    table = proxybench.table("a", results)
+    assert "| prefix-router | 500 | 0.50 |" in table
