@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from typing import TYPE_CHECKING
 
 from .accesslog import AccessLog
@@ -38,8 +39,12 @@ log = get_logger("router")
 
 
 class Router:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, *, tls: ssl.SSLContext | None = None):
         self.config = config
+        self.tls = tls
+        self.forwarded_proto = (
+            b"\r\nx-forwarded-proto: https" if tls else b"\r\nx-forwarded-proto: http"
+        )
         self.fleet = Fleet(config.backends, vnodes=config.vnodes)
         self.balancer = Balancer(self.fleet, config.routing)
         self.pools: dict[str, Pool] = {}
@@ -67,7 +72,12 @@ class Router:
             self._open_pool(backend)
         host, port = self.config.listen_address
         self._server = await self.loop.create_server(
-            lambda: ClientConnection(self), host, port, backlog=1024, reuse_address=True
+            lambda: ClientConnection(self),
+            host,
+            port,
+            backlog=1024,
+            reuse_address=True,
+            ssl=self.tls,
         )
         self.access.start(self.loop)
         self.health.start()
@@ -75,6 +85,7 @@ class Router:
         log.info(
             "listening",
             address=f"{host}:{self.port}",
+            tls=self.tls is not None,
             strategy=self.balancer.config.strategy.value,
             backends=sorted(self.fleet.backends),
         )

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from .config import (
     load_toml,
     parse_address,
     parse_routing,
+    tls_context,
 )
 from .state import State, StateError, StateFile
 
@@ -81,6 +83,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--state-file", metavar="FILE", help="persist admin changes here; wins at start-up"
     )
+    serve.add_argument("--tls-cert", metavar="PEM", help="serve clients over TLS with this chain")
+    serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     serve.add_argument("--health-path", metavar="PATH", help="active health check path (/health)")
     serve.add_argument("--health-interval", type=float, metavar="S", help="between checks (5)")
     serve.add_argument(
@@ -106,6 +110,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:
         data["state_file"] = args.state_file
+    if args.tls_cert is not None:
+        data["tls_cert"] = args.tls_cert
+    if args.tls_key is not None:
+        data["tls_key"] = args.tls_key
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path
@@ -160,7 +168,11 @@ def with_state(config: Config, state: State | None) -> Config:
 
 
 async def _serve(
-    config: Config, token: str | None, state_file: StateFile | None, state: State | None
+    config: Config,
+    token: str | None,
+    state_file: StateFile | None,
+    state: State | None,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
     from admin import AdminServer
 
@@ -169,7 +181,7 @@ async def _serve(
     from .log import get_logger
     from .manage import RouterControl
 
-    router = Router(with_state(config, state))
+    router = Router(with_state(config, state), tls=tls)
     for saved in state.backends if state else ():
         if saved.state == "draining":
             router.fleet.set_state(saved.name, AdminState.DRAINING)
@@ -248,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"the admin API on {config.admin_listen} is not on loopback: give it a"
                     " token (--admin-token-file or PREFIX_ROUTER_ADMIN_TOKEN)"
                 )
+        tls = tls_context(config)
         state_file = StateFile(config.state_file) if config.state_file else None
         state = state_file.load() if state_file else None
     except ConfigError as exc:
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    uvloop.run(_serve(config, token, state_file, state))
+    uvloop.run(_serve(config, token, state_file, state, tls))
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import re
+import ssl
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
@@ -174,6 +175,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     admin_listen: str = "127.0.0.1:9091"  # "off" disables the admin API
     state_file: str | None = None
+    tls_cert: str | None = None  # PEM certificate chain for the client listener
+    tls_key: str | None = None  # its private key (PEM)
     # Other backends tried when one cannot be reached.
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
     vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
@@ -183,6 +186,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         parse_address(self.listen, "listen")
         if self.admin_listen != "off":
             parse_address(self.admin_listen, "admin_listen")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
         names = [b.name for b in self.backends]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -191,6 +196,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     @property
     def listen_address(self) -> tuple[str, int]:
         return parse_address(self.listen, "listen")
+
+
+def tls_context(config: Config) -> ssl.SSLContext | None:
+    """The server-side TLS context, loaded once at start-up (ConfigError if unusable)."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load tls_cert/tls_key: {exc}") from None
+    return context
 
 
 def build_config(data: dict[str, Any]) -> Config:

@@ -363,7 +363,8 @@ class Exchange:
             b"x-forwarded-for: ",
             self._xff,
             self._conn.peer_ip,
-            b"\r\nx-forwarded-proto: http\r\nx-request-id: ",
+            self._router.forwarded_proto,
+            b"\r\nx-request-id: ",
             self.request_id,
             b"\r\n\r\n",
         )

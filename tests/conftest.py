@@ -102,8 +102,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
 
     routers: list[Router] = []
 
-    async def start(backends: list[Any], **overrides: Any) -> Router:
-        router = Router(build_config(router_config(backends, **overrides)))
+    async def start(backends: list[Any], *, tls: Any = None, **overrides: Any) -> Router:
+        router = Router(build_config(router_config(backends, **overrides)), tls=tls)
         routers.append(router)  # shut down at teardown even if start fails half-way
         await router.start()
         return router
