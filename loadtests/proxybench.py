@@ -512,15 +512,19 @@ async def paced(url: str, reqs: list[bytes], rate: float, seconds: float, pool: 
     def finished(conn: _Conn, due: float, future: asyncio.Future[Any]) -> None:
         nonlocal outstanding
         outstanding -= 1
-        if future.exception() is not None:
+        ok = future.exception() is None
+        if ok:
+            status, first, end, nbytes = future.result()
+            stats.record(status, due, first, end, nbytes)
+        else:
             stats.errors += 1
+        if ok and conn.keep and not conn.closed:
+            ready(conn)
+        else:  # a new connection takes its place
+            conn.close()
             task = loop.create_task(replace())
             reconnects.add(task)
             task.add_done_callback(reconnects.discard)
-        else:
-            status, first, end, nbytes = future.result()
-            stats.record(status, due, first, end, nbytes)
-            ready(conn) if conn.keep and not conn.closed else loop.create_task(replace())
         if not outstanding and not waiting:
             quiet.set()
 
@@ -1040,8 +1044,8 @@ def _cpu_snapshot(ctx: Ctx, pid: int | None) -> tuple[float, ...]:
     return perf_counter(), proxy, tree_cpu(ctx.backend_pid), me, kids, system_busy()
 
 
-async def measure_load(ctx: Ctx, running: Running, workload: str) -> dict[str, Any]:
-    """Throughput run (closed loop) then the workload's probe (paced, our client)."""
+async def measure_load(ctx: Ctx, running: Running, workload: str, probes: bool) -> dict[str, Any]:
+    """Throughput run (closed loop), then if ``probes`` the workload's paced probes."""
     opt = ctx.opt
     if opt.warmup > 0:
         await generate(ctx, running.url, workload, opt.warmup)
@@ -1083,14 +1087,14 @@ async def measure_load(ctx: Ctx, running: Running, workload: str) -> dict[str, A
         return row
     rates = {"a": (opt.probe_rate, ctx.probe_rate), "b": (opt.ttfb_rate,)}.get(workload, ())
     row["probes"] = []
-    if opt.probe_seconds <= 0:
+    if opt.probe_seconds <= 0 or not probes:
         return row
     for rate in sorted({r for r in rates if r}):
         if running.pid and row["rps"] < rate * 1.25:
             # Past ~80 % of what the closed loop got, an open loop measures a queue.
             row["probes"].append({"rate": rate, "over_capacity": True})
             continue
-        pool = 32 if workload == "a" else 4  # (b): few connections, so each is reused
+        pool = 32 if workload == "a" else 16  # (b): each connection is reused every ~0.16 s
         raw = _raw(ctx, running.url, workload)
         probe = await paced(running.url, raw, rate, opt.probe_seconds, pool)
         row["probes"].append(
@@ -1148,22 +1152,53 @@ async def measure_streams(ctx: Ctx, running: Running) -> dict[str, Any]:
     return row
 
 
-async def measure_target(ctx: Ctx, target: Target, running: Running) -> dict[str, Any]:
+async def measure_target(
+    ctx: Ctx, target: Target, running: Running, last: bool
+) -> dict[str, dict[str, Any]]:
+    """One round of one target: each throughput run; the probes and (d) in the last round."""
     rows: dict[str, Any] = {}
     for workload in ctx.opt.workloads:
+        if workload == "d" and not last:
+            continue
         say(f"  {target.label}: workload {workload} ...")
         try:
             if workload == "d":
                 rows[workload] = await measure_streams(ctx, running)
             else:
-                rows[workload] = await measure_load(ctx, running, workload)
+                rows[workload] = await measure_load(ctx, running, workload, probes=last)
         except (BenchError, OSError, TimeoutError) as exc:
             rows[workload] = {"error": f"{type(exc).__name__}: {exc}"}
         say(f"    {_brief(rows[workload])}")
-        if target.name == "direct" and workload == "a":
-            ctx.probe_rate = round((rows["a"].get("rps") or 0) * ctx.opt.probe_fraction) or None
         await asyncio.sleep(0.5)
     return rows
+
+
+_MEDIANS = ("rps", "request_mb_s", "p50_ms", "p99_ms", "cpu_us", "proxy_core_pct",
+            "client_core_pct", "others_core_pct", "bytes_per_response", "seconds")  # fmt: skip
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the rounds of a throughput run: medians, sums of counts, peak RSS."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[-1]
+    row = dict(ok[-1])  # probes (last round only) and anything not combined
+    for key in _MEDIANS:
+        values = [r[key] for r in ok if r.get(key) is not None]
+        row[key] = round(statistics.median(values), 3) if values else None
+    for key in ("requests", "errors", "bad_status"):
+        row[key] = sum(r[key] for r in ok)
+    row["split"] = [sum(column) for column in zip(*(r["split"] for r in ok), strict=True)]
+    rss = [r["rss_mib"] for r in ok if r.get("rss_mib") is not None]
+    row["rss_mib"] = max(rss) if rss else None
+    cpu = [r["cpu_us"] for r in ok if r.get("cpu_us") is not None]
+    row["cpu_us_range"] = [min(cpu), max(cpu)] if cpu else None
+    row["rounds"] = len(ok)
+    row["per_round"] = [{k: r.get(k) for k in ("rps", "cpu_us", "others_core_pct")} for r in ok]
+    invalid = [r["invalid"] for r in ok if "invalid" in r]
+    if invalid:
+        row["invalid"] = invalid[0]
+    return row
 
 
 def _brief(row: dict[str, Any]) -> str:
@@ -1208,7 +1243,7 @@ def table(workload: str, results: dict[str, Any]) -> str:
         ]
     else:
         lines += [
-            "| target | req/s | x direct | MB/s sent | P50 ms | P99 ms | proxy CPU µs/req | proxy core % | CPU 0 % | others % | peak RSS MiB | split | errors |",  # noqa: E501
+            "| target | req/s | x direct | MB/s sent | P50 ms | P99 ms | proxy CPU µs/req (range) | proxy core % | CPU 0 % | others % | peak RSS MiB | split | errors |",  # noqa: E501
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
     for entry in results.values():
@@ -1233,12 +1268,20 @@ def table(workload: str, results: dict[str, Any]) -> str:
         lines.append(
             f"| {label} | {row['rps']:,.0f} | {_f(ratio, '.2f')} | {row['request_mb_s']:,.1f} "
             f"| {_f(row['p50_ms'], '.3f')} | {_f(row['p99_ms'], '.3f')} "
-            f"| {_f(row['cpu_us'])} | {_f(row['proxy_core_pct'], '.0f')} "
-            f"| {row['client_core_pct']} | {row['others_core_pct']} | {_f(row['rss_mib'])} "
+            f"| {_cpu_cell(row)} | {_f(row['proxy_core_pct'], '.0f')} "
+            f"| {_f(row['client_core_pct'], '.0f')} | {_f(row['others_core_pct'], '.0f')} "
+            f"| {_f(row['rss_mib'])} "
             f"| {split} | {row['errors'] + row['bad_status']} |"
         )
     probes = probe_table(workload, results)
     return "\n".join(lines) + ("\n\n" + probes if probes else "")
+
+
+def _cpu_cell(row: dict[str, Any]) -> str:
+    spread = row.get("cpu_us_range")
+    if row.get("cpu_us") is None or not spread or row.get("rounds", 1) < 2:
+        return _f(row.get("cpu_us"))
+    return f"{row['cpu_us']:.1f} ({spread[0]:.1f}-{spread[1]:.1f})"
 
 
 def _base_probe(results: dict[str, Any], workload: str, rate: float) -> dict[str, Any]:
@@ -1380,8 +1423,9 @@ def target_checks(results: dict[str, Any]) -> list[str]:
     return out
 
 
-LEGEND = """Columns: req/s and P50/P99 from the closed-loop throughput run; proxy CPU µs/req =
-(utime + stime of the proxy's process tree over the run) / requests; proxy core % = that
+LEGEND = """Columns (medians over the rounds): req/s and P50/P99 from the closed-loop throughput
+runs; proxy CPU µs/req = (utime + stime of the proxy's process tree over a run) / requests,
+with its range over the rounds; proxy core % = that
 CPU time / wall time (100 = the proxy's core was the limit); CPU 0 % = the client side
 (generator, backends, this script) in % of one core (near 100 = the client side was the
 limit); others % = CPU used meanwhile by processes outside this run, both CPUs, in % of
@@ -1474,29 +1518,45 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                     script = tmp / f"workload-{workload}.lua"
                     _write(script, wrk_script(path_of(workload), ctx.requests[workload]))
                     ctx.scripts[workload] = script
+            runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+            versions: dict[str, str] = {}
             for name in names:
+                if reasons.get(name):
+                    skipped[name] = str(reasons[name])
+                    say(f"{BY_NAME[name].label}: skipped: {skipped[name]}")
+            for round_ in range(1, opt.rounds + 1):
+                last = round_ == opt.rounds
+                for name in names:
+                    if name in skipped:
+                        continue
+                    target = BY_NAME[name]
+                    say(f"{target.label}: starting (round {round_} of {opt.rounds})")
+                    try:
+                        running = await start_target(ctx, target)
+                    except (BenchError, OSError, RuntimeError, TimeoutError) as exc:
+                        skipped[name] = f"could not start: {exc}"
+                        say(f"{target.label}: skipped: {skipped[name]}")
+                        continue
+                    try:
+                        if running.pid:
+                            pin_tree(running.pid, proxy_cpus)
+                        rows = await measure_target(ctx, target, running, last)
+                    finally:
+                        await running.stop()
+                    versions[name] = running.version
+                    for workload, row in rows.items():
+                        runs.setdefault(name, {}).setdefault(workload, []).append(row)
+                    if name == "direct" and "a" in runs["direct"]:
+                        rps = combine(runs["direct"]["a"]).get("rps") or 0
+                        ctx.probe_rate = round(rps * opt.probe_fraction) or None
+            for name, by_workload in runs.items():
+                if name in skipped:
+                    continue
                 target = BY_NAME[name]
-                reason = reasons.get(name)
-                if reason:
-                    skipped[name] = reason
-                    say(f"{target.label}: skipped: {reason}")
-                    continue
-                say(f"{target.label}: starting")
-                try:
-                    running = await start_target(ctx, target)
-                except (BenchError, OSError, RuntimeError, TimeoutError) as exc:
-                    skipped[name] = f"could not start: {exc}"
-                    say(f"{target.label}: skipped: {skipped[name]}")
-                    continue
-                try:
-                    if running.pid:
-                        pin_tree(running.pid, proxy_cpus)
-                    rows = await measure_target(ctx, target, running)
-                finally:
-                    await running.stop()
                 results[name] = {
                     "label": target.label, "kind": target.kind, "key": target.key,
-                    "version": running.version, "workloads": rows,
+                    "version": versions[name],
+                    "workloads": {w: combine(rows) for w, rows in by_workload.items()},
                 }  # fmt: skip
     finally:
         for child in reversed(ctx.children if ctx else []):
@@ -1513,8 +1573,9 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
         "generator": f"wrk -t1 -c{opt.connections} ({_version(['wrk', '-v'])})"
         if use_wrk
         else f"Python closed loop, {opt.connections} connections",
-        "seconds": opt.seconds,
-        "warmup": opt.warmup,
+        "seconds": f"{opt.seconds:g} s per run, {opt.warmup:g} s warm-up before each; "
+        f"{opt.rounds} rounds over every target in turn, medians (the (d) run and the "
+        "probes in the last round only)",
         "probes": f"(a) paced at {opt.probe_rate:g} req/s and at "
         f"{ctx.probe_rate if ctx else None} req/s ({opt.probe_fraction:.0%} of direct's (a)); "
         f"(b) TTFB at {opt.ttfb_rate:g} req/s; {opt.probe_seconds:g} s each, our client, "
@@ -1625,7 +1686,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="all",
         help="comma-separated from a,b,c,d (all)",
     )
-    p.add_argument("--seconds", type=float, default=10.0, help="measured run per workload (10)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured run per workload (5)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over all targets; figures are medians over rounds (3)",
+    )
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured run before it (2)")
     p.add_argument("--probe-seconds", type=float, default=5.0, help="each latency probe (5)")
     p.add_argument(
@@ -1665,8 +1732,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     opt = p.parse_args(argv)  # fmt: skip
     if opt.seconds <= 0 or opt.warmup < 0 or opt.probe_seconds < 0 or opt.connections < 1:
         p.error("--seconds must be > 0, --warmup/--probe-seconds >= 0, --connections >= 1")
-    if opt.keys < 1 or opt.backends < 1 or opt.streams < 1 or opt.events < 1:
-        p.error("--keys, --backends, --streams and --events must be >= 1")
+    if min(opt.keys, opt.backends, opt.streams, opt.events, opt.rounds) < 1:
+        p.error("--keys, --backends, --streams, --events and --rounds must be >= 1")
     return opt
 
 
