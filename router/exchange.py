@@ -71,6 +71,7 @@ class Exchange:
         "_head_sent",
         "_headers",
         "_last_read",
+        "_out",
         "_read_timeout",
         "_replayable",
         "_request_chunked",
@@ -134,6 +135,7 @@ class Exchange:
         self.done = False
         self.request_complete = False
         self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
+        self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
         self._content_length: int | None = None
@@ -429,7 +431,7 @@ class Exchange:
             pieces.append(b"connection: keep-alive\r\n")
         pieces += (b"x-request-id: ", self.request_id, b"\r\n\r\n")
         self._head_sent = True
-        self._conn.write(b"".join(pieces))
+        self._out.append(b"".join(pieces))
         if self.method == b"HEAD":
             # httptools cannot be told that a response answers HEAD and would
             # wait for a body that never comes: end here, on a fresh parser.
@@ -443,17 +445,16 @@ class Exchange:
         if not self.ttft:
             self.ttft = perf_counter()
         self.bytes_out += len(data)
-        transport = self._conn.transport
         if self._framing == CHUNKED:
-            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+            self._out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
-            transport.write(data)
+            self._out.append(data)
 
     def response_end(self, keep_alive: bool) -> None:
         if self.done:
             return
         if self._framing == CHUNKED:
-            self._conn.write(CHUNKED_END)
+            self._out.append(CHUNKED_END)
         assert self.choice is not None
         self._router.backend_answered(self.choice.backend, self.status)
         self._finish(upstream_reusable=keep_alive and self.request_complete)
@@ -466,7 +467,7 @@ class Exchange:
         if self._head_sent and not self._upstream_framed and reason is None:
             # A response without length or chunks ends when the backend closes.
             if self._framing == CHUNKED:
-                self._conn.write(CHUNKED_END)
+                self._out.append(CHUNKED_END)
             assert self.choice is not None
             self._router.backend_answered(self.choice.backend, self.status)
             self._finish(upstream_reusable=False)
@@ -499,13 +500,16 @@ class Exchange:
     # -- deadlines ----------------------------------------------------------------
 
     def _arm_read_deadline(self) -> None:
+        timeouts = self._router.config.timeouts
         self._last_read = self._router.loop.time()
-        self._use_read_timeout(self._router.config.timeouts.first_byte)
+        # Set the timer for the shorter of the two timeouts: when the head comes,
+        # the switch to ``idle`` then needs no new timer (one timer per request).
+        self._use_read_timeout(timeouts.first_byte, min(timeouts.first_byte, timeouts.idle))
 
-    def _use_read_timeout(self, timeout: float) -> None:
+    def _use_read_timeout(self, timeout: float, wake: float | None = None) -> None:
         """Switch the read deadline; move the timer only if it must fire earlier."""
         self._read_timeout = timeout
-        due = self._last_read + timeout
+        due = self._last_read + (timeout if wake is None else wake)
         timer = self._timer
         if timer is None or timer.when() > due:
             if timer is not None:
@@ -583,9 +587,25 @@ class Exchange:
             self.status = self.status or 499  # nginx's "client closed request"
             self._finish(upstream_reusable=False)
 
+    def flush(self) -> None:
+        """Write what the response gathered during one upstream read, in one call.
+
+        Head, body chunks and terminator that arrive in the same read leave in
+        one ``writelines`` (one system call) instead of one write each; each
+        upstream read still reaches the client before the next is parsed, so
+        SSE events are never held back.
+        """
+        out = self._out
+        if out:
+            self._out = []
+            transport = self._conn.transport
+            if not transport.is_closing():
+                transport.writelines(out)
+
     def _finish(self, upstream_reusable: bool) -> None:
         if self.done:
             return
+        self.flush()
         self.done = True
         router = self._router
         self.ended = perf_counter()

@@ -87,6 +87,7 @@ class UpstreamConnection(asyncio.Protocol):
         exchange.upstream_read()
         try:
             self.parser.feed_data(data)
+            exchange.flush()
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if not isinstance(cause, _HeadTooLarge):
