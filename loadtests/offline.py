@@ -1,0 +1,335 @@
+"""Offline benchmark: the router's own routing code against simulated engines, no HTTP.
+
+``python -m loadtests.offline --workload long --instances 7 --strategies random,least,prefix
+--duration 3600 [--seed S] [--rate R] [--prefix-length N --concurrency-threshold N
+--balance-factor C] [--form openai|native] [--out DIR]``
+
+Contract
+--------
+- A discrete-event simulation in *model* seconds: the clock jumps from event
+  to event, nothing sleeps and nothing reads a wall clock except to report
+  how long the run took. Same arguments, same results.
+- Routing is the data plane's, unchanged: ``router.balancer.Fleet`` and
+  ``Balancer`` under a ``router.config.RoutingConfig``, fed the key hash that
+  ``router/exchange.py`` computes. OpenAI form: the chat body is encoded and
+  decoded with ``decode_openai``, keyed with ``prompt_key`` cut at
+  ``PrefixLength`` characters and hashed with ``hash_key`` under
+  ``tenant_seed(prompt_cache_key)``. Native form: the first ``PrefixLength``
+  bytes of the encoded body under ``tenant_seed`` of the tenant header.
+- Each instance is a ``loadtests.simserver.model.Engine`` with its own
+  ``KVCache``, given the tokens the simulated server would tokenize for the
+  request. A request takes its lease when it arrives (``Balancer.choose``
+  does it in the same step as the pick) and gives it back when its last
+  output token is produced (``Plan.finish_at``): as in the real router, a
+  streaming request is in flight until its stream ends. At equal times a
+  finish is processed before an arrival.
+- A run's ``duration`` is the model time at which its last request finished
+  (its throughput counts the drain), its hit rate is the instances' token
+  hits / queries, its hit-rate series is per minute of arrival time (or
+  1/60 of the run when that is shorter), and its utilisation per instance is
+  the share of the duration spent in prefill.
+- ``simulate`` returns the ``report.Run`` and the fleet and engines it used,
+  so tests can check that every lease and every pinned block was released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from hashring import hash_key, tenant_seed
+from router.balancer import Balancer, Choice, Fleet
+from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
+from router.extract import decode_openai, prompt_key
+
+from . import report, workloads
+from .simserver.model import Engine, KVCache, Ticket, Timing, tokenize
+from .workloads import FLEET, FleetParams, Request
+
+__all__ = ["STRATEGIES", "Outcome", "instance_names", "main", "route_keys", "simulate"]
+
+STRATEGIES = {
+    "random": "RANDOM",
+    "least": "LEAST_OUTSTANDING_REQUESTS",
+    "prefix": "PREFIX_AWARE",
+}
+
+
+def instance_names(count: int) -> list[str]:
+    """``sim-0`` .. ``sim-{count-1}``: what ``simserver --name sim --count N`` calls them.
+
+    The ring places backends by name, so the live benchmark routes keys to the
+    same instances only if it uses the same names.
+    """
+    return [f"sim-{i}" for i in range(count)]
+
+
+def route_keys(requests: Sequence[Request], prefix_length: int, form: str = "openai") -> list[int]:
+    """Each request's routing hash, computed as ``router/exchange.py`` does."""
+    hashes = []
+    for request in requests:
+        if form == "openai":
+            decoded = decode_openai(workloads.encode(request.chat_body()))
+            seed = tenant_seed(decoded.prompt_cache_key)
+            hashes.append(hash_key(prompt_key(decoded, prefix_length), seed))
+        elif form == "native":
+            body = workloads.encode(request.native_body())
+            seed = tenant_seed(request.native_headers().get(workloads.TENANT_HEADER))
+            hashes.append(hash_key(memoryview(body)[:prefix_length], seed))
+        else:
+            raise ValueError(f"form must be 'openai' or 'native', not {form!r}")
+    return hashes
+
+
+@dataclass
+class Outcome:
+    run: report.Run
+    fleet: Fleet
+    balancer: Balancer
+    engines: dict[str, Engine]
+    wall_s: float  # real seconds the simulation took
+
+
+# A finish event: (model time, tie-break serial, instance, ticket, request index, choice).
+_Event = tuple[float, int, str, Ticket, int, Choice]
+
+
+def simulate(
+    requests: Sequence[Request],
+    config: RoutingConfig,
+    *,
+    instances: int | Sequence[str],
+    params: FleetParams,
+    seed: int = 0,
+    form: str = "openai",
+    hashes: Sequence[int] | None = None,
+    target: str | None = None,
+) -> Outcome:
+    """Route and serve ``requests`` (sorted by arrival); see the module contract.
+
+    ``hashes`` may carry ``route_keys(requests, PrefixLength, form)`` computed
+    once for several runs.
+    """
+    started = time.perf_counter()
+    names = instance_names(instances) if isinstance(instances, int) else list(instances)
+    specs = [BackendSpec(name, f"http://127.0.0.1:{10_000 + i}") for i, name in enumerate(names)]
+    fleet = Fleet(specs)
+    balancer = Balancer(fleet, config, seed=seed)
+    timing = Timing(**params.timing_kwargs())
+    engines = {n: Engine(timing, KVCache(params.block_size, params.capacity_blocks)) for n in names}
+    if hashes is None:
+        hashes = route_keys(requests, config.prefix_aware.prefix_length, form)
+    busy = dict.fromkeys(names, 0.0)  # model seconds of prefill per instance
+    samples: list[report.Sample | None] = [None] * len(requests)
+    # Submitted, not yet admitted: (instance, ticket id) -> (request index, choice).
+    queued: dict[tuple[str, int], tuple[int, Choice]] = {}
+    events: list[_Event] = []
+    serial = itertools.count()
+
+    def admitted(name: str, tickets: list[Ticket]) -> None:
+        """Tickets that just got a slot: their plan is fixed, schedule their end."""
+        for ticket in tickets:
+            plan = ticket.plan
+            assert plan is not None
+            busy[name] += plan.first_token_at - plan.prefill_start
+            index, choice = queued.pop((name, ticket.id))
+            heapq.heappush(events, (plan.finish_at, next(serial), name, ticket, index, choice))
+
+    def finish(event: _Event) -> None:
+        now, _, name, ticket, index, choice = event
+        started_now = engines[name].finish(ticket, now)
+        choice.lease.release()  # the stream has ended: the router lets go of it
+        plan = ticket.plan
+        assert plan is not None
+        request = requests[index]
+        samples[index] = report.Sample(
+            at=request.at,
+            instance=name,
+            ok=True,
+            ttft=plan.ttft,
+            latency=plan.finish_at - plan.arrival,
+            output_tokens=plan.output_tokens,
+            decision=choice.decision,
+            group=request.group,
+            prompt_tokens=plan.prompt_tokens,
+            cached_tokens=plan.cached_tokens,
+        )
+        admitted(name, started_now)
+
+    for index, request in enumerate(requests):
+        now = request.at
+        while events and events[0][0] <= now:
+            finish(heapq.heappop(events))
+        choice = balancer.choose(hashes[index])  # takes the lease, as the router does
+        assert choice is not None  # every backend is available
+        name = choice.backend.name
+        ticket = engines[name].submit(tokenize(request.prompt_text()), request.max_tokens, now)
+        queued[name, ticket.id] = (index, choice)
+        if ticket.plan is not None:
+            admitted(name, [ticket])
+    while events:
+        finish(heapq.heappop(events))
+
+    done = [s for s in samples if s is not None]
+    assert len(done) == len(requests)
+    end = max((s.at + (s.latency or 0.0) for s in done), default=0.0)
+    queries = sum(e.cache.queries for e in engines.values())
+    hits = sum(e.cache.hits for e in engines.values())
+    span = requests[-1].at if requests else 0.0
+    window = 60.0 if span >= 3600 else max(span / 60, 1e-9)
+    prefix = config.prefix_aware
+    notes = f"form {form}, PrefixLength {prefix.prefix_length}"
+    if config.strategy.value == "PREFIX_AWARE":
+        notes += f", ConcurrencyThreshold {prefix.concurrency_threshold}"
+        if prefix.balance_factor is not None:
+            notes += f", BalanceFactor {prefix.balance_factor:g}"
+    run = report.Run(
+        target=target or config.strategy.value,
+        samples=done,
+        duration=end,
+        instances=names,
+        hit_rate=hits / queries if queries else None,
+        hit_rate_series=report.hit_rate_series(done, window),
+        notes=notes,
+        utilisation=[busy[n] / end if end > 0 else 0.0 for n in names],
+    )
+    return Outcome(run, fleet, balancer, engines, time.perf_counter() - started)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.offline",
+        description="Offline routing benchmark: the router's balancer against simulated engines.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workload", choices=workloads.NAMES, default="long")
+    p.add_argument("--instances", type=int, default=7)
+    p.add_argument(
+        "--strategies",
+        default="random,least,prefix",
+        help="comma-separated: random, least, prefix (or the RoutingStrategy names)",
+    )
+    p.add_argument("--duration", type=float, default=3600.0, help="model seconds of arrivals")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests/s; default: the workload's calibrated rate scaled to --instances",
+    )
+    p.add_argument("--prefix-length", type=int, default=None, help="PrefixLength (default 4096)")
+    p.add_argument("--concurrency-threshold", type=int, default=None, help="default 10")
+    p.add_argument("--balance-factor", type=float, default=None, help="default off")
+    p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
+    p.add_argument("--form", choices=("openai", "native"), default="openai")
+    p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
+    return p.parse_args(argv)
+
+
+def _routing(strategy: str, args: argparse.Namespace) -> RoutingConfig:
+    prefix: dict[str, Any] = {}
+    if args.prefix_length is not None:
+        prefix["PrefixLength"] = args.prefix_length
+    if args.concurrency_threshold is not None:
+        prefix["ConcurrencyThreshold"] = args.concurrency_threshold
+    if args.balance_factor is not None:
+        prefix["BalanceFactor"] = args.balance_factor
+    return parse_routing({"RoutingStrategy": strategy, "PrefixAwareRoutingConfig": prefix})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        strategies = [
+            STRATEGIES.get(s.strip().lower(), s.strip().upper())
+            for s in args.strategies.split(",")
+            if s.strip()
+        ]
+        configs = [_routing(s, args) for s in strategies]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.instances < 1 or args.duration <= 0:
+        print("error: --instances must be >= 1 and --duration > 0", file=sys.stderr)
+        return 2
+    params = FLEET[args.workload]
+    if args.capacity_blocks is not None:
+        params = replace(params, capacity_blocks=args.capacity_blocks)
+    rate = args.rate if args.rate is not None else params.rate_for(args.instances)
+    clock = time.perf_counter()
+    requests = workloads.build(args.workload, seed=args.seed, duration=args.duration, rate=rate)
+    build_s = time.perf_counter() - clock
+    print(
+        f"{args.workload}: {len(requests)} requests over {args.duration:g} s "
+        f"({rate:g}/s) on {args.instances} instances, seed {args.seed}, "
+        f"built in {build_s:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    runs = []
+    walls: dict[str, float] = {}
+    hashes: dict[int, list[int]] = {}
+    for config in configs:
+        length = config.prefix_aware.prefix_length
+        clock = time.perf_counter()
+        if length not in hashes:
+            hashes[length] = route_keys(requests, length, args.form)
+        outcome = simulate(
+            requests,
+            config,
+            instances=args.instances,
+            params=params,
+            seed=args.seed,
+            form=args.form,
+            hashes=hashes[length],
+        )
+        wall = time.perf_counter() - clock
+        walls[outcome.run.target] = wall
+        runs.append(outcome.run)
+        print(f"  {outcome.run.target}: {wall:.1f} s", file=sys.stderr, flush=True)
+    print(markdown_with_notes(runs))
+    if args.out is not None:
+        meta = {
+            "harness": "offline",
+            "workload": args.workload,
+            "instances": args.instances,
+            "duration": args.duration,
+            "rate": rate,
+            "seed": args.seed,
+            "form": args.form,
+            "fleet": vars(params),
+            "routing": [c.document() for c in configs],
+            "wall_s": walls,
+            "build_s": build_s,
+            "argv": sys.argv[1:] if argv is None else argv,
+        }
+        path = args.out / f"offline-{args.workload}.json"
+        report.write_json(runs, path, meta=meta)
+        written = [path]
+        try:
+            written += report.plots(runs, args.out, prefix=f"offline-{args.workload}-")
+        except ImportError:
+            print("matplotlib is not installed: no plots", file=sys.stderr)
+        for item in written:
+            print(f"wrote {item}", file=sys.stderr)
+    return 0
+
+
+def markdown_with_notes(runs: list[report.Run]) -> str:
+    table = report.markdown(runs)
+    notes = "".join(f"- {run.target}: {run.notes}\n" for run in runs if run.notes)
+    return table + ("\n" + notes if notes else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
