@@ -1179,9 +1179,9 @@ _MEDIANS = ("rps", "request_mb_s", "p50_ms", "p99_ms", "cpu_us", "proxy_core_pct
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from the rounds of a throughput run: medians, sums of counts, peak RSS."""
-    ok = [r for r in rounds if "error" not in r]
-    if not ok:
-        return rounds[-1]
+    ok = [r for r in rounds if "error" not in r and "requests" in r]
+    if not ok or len(rounds) == 1:
+        return rounds[-1]  # an error, a (d) run, or a single round: nothing to combine
     row = dict(ok[-1])  # probes (last round only) and anything not combined
     for key in _MEDIANS:
         values = [r[key] for r in ok if r.get(key) is not None]
@@ -1199,6 +1199,14 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if invalid:
         row["invalid"] = invalid[0]
     return row
+
+
+def _combined(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """``combine``, but a long run never loses its figures to a bug in it."""
+    try:
+        return combine(rounds)
+    except Exception as exc:  # keep the raw rounds in the JSON
+        return {"error": f"could not combine the rounds: {exc!r}", "rounds_raw": rounds}
 
 
 def _brief(row: dict[str, Any]) -> str:
@@ -1423,13 +1431,13 @@ def target_checks(results: dict[str, Any]) -> list[str]:
     return out
 
 
-LEGEND = """Columns (medians over the rounds): req/s and P50/P99 from the closed-loop throughput
-runs; proxy CPU µs/req = (utime + stime of the proxy's process tree over a run) / requests,
-with its range over the rounds; proxy core % = that
-CPU time / wall time (100 = the proxy's core was the limit); CPU 0 % = the client side
-(generator, backends, this script) in % of one core (near 100 = the client side was the
-limit); others % = CPU used meanwhile by processes outside this run, both CPUs, in % of
-one core (noise); split = requests each backend answered during the run."""
+LEGEND = """Columns (medians over the rounds): req/s and P50/P99 from the closed-loop
+throughput runs; proxy CPU µs/req = (utime + stime of the proxy's process tree over a run)
+/ requests, with its range over the rounds; proxy core % = that CPU time / wall time (100 =
+the proxy's core was the limit); CPU 0 % = the client side (generator, backends, this
+script) in % of one core (near 100 = the client side was the limit); others % = CPU used
+meanwhile by processes outside this run, both CPUs, in % of one core (noise from a shared
+machine); split = requests each backend answered."""
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -1556,7 +1564,7 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                 results[name] = {
                     "label": target.label, "kind": target.kind, "key": target.key,
                     "version": versions[name],
-                    "workloads": {w: combine(rows) for w, rows in by_workload.items()},
+                    "workloads": {w: _combined(rows) for w, rows in by_workload.items()},
                 }  # fmt: skip
     finally:
         for child in reversed(ctx.children if ctx else []):

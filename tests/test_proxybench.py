@@ -130,3 +130,24 @@ def test_report_ratios_and_checks_from_a_made_up_run() -> None:
     assert checks[1].startswith("- [ ] (a) CPU/request 50 µs within 2x the best C")
     table = proxybench.table("a", results)
     assert "| prefix-router | 500 | 0.50 |" in table
+
+
+def test_combine_takes_medians_sums_and_peaks_and_leaves_single_runs() -> None:
+    def run(rps: float, cpu: float, rss: float) -> dict[str, object]:
+        return {
+            "requests": int(rps), "rps": rps, "cpu_us": cpu, "rss_mib": rss, "errors": 1,
+            "bad_status": 0, "split": [1, 2], "probes": [],
+        }  # fmt: skip
+
+    row = proxybench.combine([run(100, 30, 5), run(300, 10, 7), run(200, 20, 6)])
+    assert row["rps"] == 200
+    assert row["cpu_us"] == 20
+    assert row["cpu_us_range"] == [10, 30]
+    assert row["rss_mib"] == 7
+    assert row["requests"] == 600
+    assert row["errors"] == 3
+    assert row["split"] == [3, 6]
+    streams = {"streams": 10, "established": 10, "kib_per_stream": 4.0}
+    assert proxybench.combine([streams]) == streams
+    failed = {"error": "OSError: boom"}
+    assert proxybench.combine([failed, failed]) == failed
