@@ -15,7 +15,10 @@ Contract:
   ``--events`` chunks plus ``data: [DONE]``, chunked, one chunk per loop
   iteration (so a proxy sees them as separate reads, as from a real engine).
   A prompt containing ``[[sse:EVENTS:INTERVAL_MS]]`` streams EVENTS chunks,
-  the first at once, then one every INTERVAL_MS: the idle-stream workload.
+  the first at once, then one every INTERVAL_MS: the idle-stream workload;
+  ``[[sse:EVENTS:INTERVAL_MS:FIRST_MS]]`` sends the head at once and the first
+  chunk FIRST_MS later, as after a prefill (a proxy that holds small segments,
+  Nagle, then shows a stall on keep-alive connections).
   ``POST /invocations``: the body is counted, never held; a small JSON answer.
   ``POST /tokenize``, ``/v1/chat/completions/render``, ``/v1/completions/render``:
   vLLM's shapes with "token ids" read as little-endian uint32 from the body
@@ -47,7 +50,7 @@ import httptools
 
 SNIFF_BYTES = 16 * 1024  # a proxy that re-serialises may move "stream" after the messages
 TOKEN_CACHE = 512  # distinct bodies whose render/tokenize answer is kept
-_MARKER = re.compile(rb"\[\[sse:(\d+):(\d+)\]\]")
+_MARKER = re.compile(rb"\[\[sse:(\d+):(\d+)(?::(\d+))?\]\]")
 _STREAM_TRUE = (b'"stream":true', b'"stream": true')
 _CHAT_PATHS = (b"/v1/chat/completions", b"/v1/completions")
 _RENDER_PATHS = (b"/tokenize", b"/v1/chat/completions/render", b"/v1/completions/render")
@@ -258,15 +261,19 @@ class Connection(asyncio.Protocol):
     def _stream(self, body: bytes, close: bool) -> None:
         assert self.transport is not None
         inst = self.inst
-        events, interval = inst.events, 0.0
+        events, interval, first = inst.events, 0.0, 0.0
         marker = _MARKER.search(body) if b"[[sse:" in body else None
         if marker is not None:
             events, interval = int(marker[1]), int(marker[2]) / 1000.0
+            first = int(marker[3] or 0) / 1000.0
         self._busy = True
         self.transport.pause_reading()
         head = inst.sse_head + (b"connection: close\r\n\r\n" if close else b"\r\n")
         self.transport.write(head)
-        self._event(events, interval, close)
+        if first:
+            self._loop.call_later(first, self._event, events, interval, close)
+        else:
+            self._loop.call_soon(self._event, events, interval, close)
 
     def _event(self, left: int, interval: float, close: bool) -> None:
         transport = self.transport

@@ -27,23 +27,31 @@ Contract:
   ``/invocations`` with a 64 KiB body; (d) ``--streams`` idle SSE streams (one
   chunk every 5 s) held open at once.  Requests cycle over ``--keys`` distinct
   prompts, each with its own ``x-session-id``, so every target spreads them.
-- Per target and workload (a)-(c): a warm-up (``--warmup`` s, not measured), then
-  a closed-loop throughput run of ``--seconds`` s with ``--connections``
+- ``--rounds`` rounds (3) go over every target in turn, each target started
+  afresh, so that a burst of outside load spreads over targets instead of
+  spoiling one; throughput figures are medians over rounds.  Per round, target
+  and workload (a)-(c): a warm-up (``--warmup`` s, not measured), then a
+  closed-loop throughput run of ``--seconds`` s with ``--connections``
   keep-alive connections by wrk (a Lua script cycling prebuilt requests; or our
   Python generator with ``--generator python``, or when wrk is missing).  Over
-  exactly that run: requests/s, wrk's latency P50/P99, proxy CPU per request
-  (utime+stime of every process of the proxy's tree, from /proc: the steadiest
-  figure on a noisy machine), how busy each core was (the proxy's; and CPU 0's:
-  generator + backends + this script, which tells whether the proxy or the
-  client side was the limit), peak RSS of the proxy's tree, how the requests
-  split over the backends, and errors.  Then a probe run separately: (a) a paced
-  open-loop client at ``--probe-fraction`` of direct's (a) rate (latency from
-  the moment a request is due, on keep-alive connections); (b) a low-rate probe
-  of time to first body byte (TTFB), on reused connections.  Added latency is
-  the probe's P50/P99 minus direct's at the same rate.
-- (d): RSS of the proxy's tree with no stream, then with ``--streams`` streams
-  established (response head and first chunk received by every client), as a
-  median of three samples; memory per stream = the difference / streams.
+  exactly that run: requests/s, the generator's latency P50/P99, proxy CPU per
+  request (utime+stime of every process and thread of the proxy's tree, from
+  /proc: the steadiest figure on a noisy machine), how busy the proxy's core
+  was, how busy CPU 0 was (generator + backends + this script: near 100 %, the
+  client side was the limit, not the proxy), how much CPU other processes took
+  meanwhile, peak RSS of the proxy's tree, how requests split over the
+  backends, and errors.
+- Probes, our client, in the last round: (a) paced open loop at
+  ``--probe-rate`` (1,000/s) and at ``--probe-fraction`` of direct's (a) rate,
+  latency from the moment a request is due; (b) time to first body byte in a
+  closed loop on ``--ttfb-connections`` keep-alive connections, each request
+  sent as soon as the last ended (where Nagle meets delayed ACKs), the first
+  chunk 2 ms after the head.  Added latency = the target's P50/P99 minus
+  direct's in the same probe.
+- (d), in the last round: RSS of the proxy's tree with no stream, then with
+  ``--streams`` streams established (response head and first chunk received by
+  every client), as a median of three samples; memory per stream = the
+  difference / streams established.
 - Output: a markdown table per workload, ratio lines against the best C and the
   best Rust target of this run, a check of prefix-router against the issue's
   targets, and ``results/proxybench-<time>.json`` with every figure and the
@@ -996,9 +1004,10 @@ async def backend_counts(ctx: Ctx) -> list[int]:
     return counts
 
 
-def _raw(ctx: Ctx, url: str, workload: str) -> list[bytes]:
+def _raw(ctx: Ctx, url: str, requests: str) -> list[bytes]:
     host = url.removeprefix("http://")
-    return [raw_request(host, path_of(workload), s, b) for s, b in ctx.requests[workload]]
+    path = path_of(requests[0])
+    return [raw_request(host, path, s, b) for s, b in ctx.requests[requests]]
 
 
 async def generate(ctx: Ctx, url: str, workload: str, seconds: float) -> GenStats:
@@ -1030,18 +1039,22 @@ class RssPeak:
         return self.peak
 
 
-def system_busy() -> float:
-    """CPU seconds every CPU has spent busy since boot (/proc/stat), whoever ran."""
+def system_busy() -> tuple[float, float]:
+    """CPU seconds all CPUs spent since boot (/proc/stat) in processes, and in interrupts.
+
+    The second figure is mostly the loopback network's softirq work, which the
+    kernel (without IRQ time accounting) charges to no process.
+    """
     with open("/proc/stat", "rb") as f:
         fields = f.readline().split()[1:]
-    ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / _TICK
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + steal) / _TICK, (irq + softirq) / _TICK
 
 
 def _cpu_snapshot(ctx: Ctx, pid: int | None) -> tuple[float, ...]:
     me, kids = self_cpu()
     proxy = tree_cpu(pid) if pid else 0.0
-    return perf_counter(), proxy, tree_cpu(ctx.backend_pid), me, kids, system_busy()
+    return perf_counter(), proxy, tree_cpu(ctx.backend_pid), me, kids, *system_busy()
 
 
 async def measure_load(ctx: Ctx, running: Running, workload: str, probes: bool) -> dict[str, Any]:
@@ -1060,6 +1073,7 @@ async def measure_load(ctx: Ctx, running: Running, workload: str, probes: bool) 
     proxy_cpu = after[1] - before[1]
     client_cpu = sum(after[i] - before[i] for i in (2, 3, 4))
     others = after[5] - before[5] - proxy_cpu - client_cpu  # processes not in this run
+    softirq = after[6] - before[6]
     n = stats.requests
     body = len(ctx.requests[workload][0][1])
     row: dict[str, Any] = {
@@ -1077,6 +1091,7 @@ async def measure_load(ctx: Ctx, running: Running, workload: str, probes: bool) 
         "proxy_core_pct": round(proxy_cpu / wall * 100) if running.pid else None,
         "client_core_pct": round(client_cpu / wall * 100),
         "others_core_pct": max(0, round(others / wall * 100)),
+        "softirq_core_pct": round(softirq / wall * 100),
         "rss_mib": round(rss / 2**20, 1) if running.pid else None,
         "split": split,
     }
@@ -1085,30 +1100,37 @@ async def measure_load(ctx: Ctx, running: Running, workload: str, probes: bool) 
         # figures describe error answers, so no ratio may use them.
         row["invalid"] = f"{stats.bad_status} non-2xx answers, {stats.errors} errors in {n}"
         return row
-    rates = {"a": (opt.probe_rate, ctx.probe_rate), "b": (opt.ttfb_rate,)}.get(workload, ())
     row["probes"] = []
     if opt.probe_seconds <= 0 or not probes:
         return row
-    for rate in sorted({r for r in rates if r}):
+    if workload == "b" and opt.ttfb_connections > 0:
+        # Back to back on a few keep-alive connections: the case where a proxy that
+        # holds small segments (Nagle) meets the client's delayed ACK.
+        raw = _raw(ctx, running.url, "b-probe")
+        probe = await closed_loop(running.url, raw, opt.probe_seconds, opt.ttfb_connections)
+        rate = round(probe.requests / probe.seconds) if probe.seconds else 0
+        row["probes"].append(_probe(probe, rate, opt.ttfb_connections))
+    for rate in sorted({r for r in (opt.probe_rate, ctx.probe_rate) if r and workload == "a"}):
         if running.pid and row["rps"] < rate * 1.25:
             # Past ~80 % of what the closed loop got, an open loop measures a queue.
             row["probes"].append({"rate": rate, "over_capacity": True})
             continue
-        pool = 32 if workload == "a" else 16  # (b): each connection is reused every ~0.16 s
-        raw = _raw(ctx, running.url, workload)
-        probe = await paced(running.url, raw, rate, opt.probe_seconds, pool)
-        row["probes"].append(
-            {
-                "rate": rate,
-                "requests": probe.requests,
-                "errors": probe.errors + probe.bad_status,
-                "p50_ms": probe.p50_ms,
-                "p99_ms": probe.p99_ms,
-                "ttfb_p50_ms": probe.ttfb_p50_ms,
-                "ttfb_p99_ms": probe.ttfb_p99_ms,
-            }
-        )
+        probe = await paced(running.url, _raw(ctx, running.url, "a"), rate, opt.probe_seconds, 32)
+        row["probes"].append(_probe(probe, rate))
     return row
+
+
+def _probe(probe: GenStats, rate: float, connections: int | None = None) -> dict[str, Any]:
+    return {
+        "rate": rate,
+        "connections": connections,  # None: paced (open loop); else closed loop on these
+        "requests": probe.requests,
+        "errors": probe.errors + probe.bad_status,
+        "p50_ms": probe.p50_ms,
+        "p99_ms": probe.p99_ms,
+        "ttfb_p50_ms": probe.ttfb_p50_ms,
+        "ttfb_p99_ms": probe.ttfb_p99_ms,
+    }
 
 
 def _median_rss(pid: int) -> float:
@@ -1174,7 +1196,8 @@ async def measure_target(
 
 
 _MEDIANS = ("rps", "request_mb_s", "p50_ms", "p99_ms", "cpu_us", "proxy_core_pct",
-            "client_core_pct", "others_core_pct", "bytes_per_response", "seconds")  # fmt: skip
+            "client_core_pct", "others_core_pct", "softirq_core_pct", "bytes_per_response",
+            "seconds")  # fmt: skip
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1251,8 +1274,8 @@ def table(workload: str, results: dict[str, Any]) -> str:
         ]
     else:
         lines += [
-            "| target | req/s | x direct | MB/s sent | P50 ms | P99 ms | proxy CPU µs/req (range) | proxy core % | CPU 0 % | others % | peak RSS MiB | split | errors |",  # noqa: E501
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+            "| target | req/s | x direct | MB/s sent | P50 ms | P99 ms | proxy CPU µs/req (range) | proxy core % | CPU 0 % | softirq % | others % | peak RSS MiB | split | errors |",  # noqa: E501
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
     for entry in results.values():
         row = entry["workloads"].get(workload)
@@ -1277,7 +1300,8 @@ def table(workload: str, results: dict[str, Any]) -> str:
             f"| {label} | {row['rps']:,.0f} | {_f(ratio, '.2f')} | {row['request_mb_s']:,.1f} "
             f"| {_f(row['p50_ms'], '.3f')} | {_f(row['p99_ms'], '.3f')} "
             f"| {_cpu_cell(row)} | {_f(row['proxy_core_pct'], '.0f')} "
-            f"| {_f(row['client_core_pct'], '.0f')} | {_f(row['others_core_pct'], '.0f')} "
+            f"| {_f(row['client_core_pct'], '.0f')} | {_f(row.get('softirq_core_pct'), '.0f')} "
+            f"| {_f(row['others_core_pct'], '.0f')} "
             f"| {_f(row['rss_mib'])} "
             f"| {split} | {row['errors'] + row['bad_status']} |"
         )
@@ -1292,18 +1316,31 @@ def _cpu_cell(row: dict[str, Any]) -> str:
     return f"{row['cpu_us']:.1f} ({spread[0]:.1f}-{spread[1]:.1f})"
 
 
-def _base_probe(results: dict[str, Any], workload: str, rate: float) -> dict[str, Any]:
+def _base_probe(results: dict[str, Any], workload: str, probe: dict[str, Any]) -> dict[str, Any]:
+    """Direct's probe of the same kind: the same rate, or the same closed-loop connections."""
     base = results.get("direct", {}).get("workloads", {}).get(workload, {})
-    return next((p for p in base.get("probes", ()) if p["rate"] == rate), {})
+    for candidate in base.get("probes", ()):
+        if probe.get("connections"):
+            if candidate.get("connections") == probe["connections"]:
+                return dict(candidate)
+        elif candidate["rate"] == probe["rate"] and not candidate.get("connections"):
+            return dict(candidate)
+    return {}
 
 
 def probe_table(workload: str, results: dict[str, Any]) -> str:
-    """The paced probes: added = this target's figure minus direct's at the same rate."""
+    """The probes: added = this target's figure minus direct's in the same probe."""
     what = "time to first body byte" if workload == "b" else "latency"
     p50, p99 = ("ttfb_p50_ms", "ttfb_p99_ms") if workload == "b" else ("p50_ms", "p99_ms")
+    how = {
+        "a": "our paced open-loop client on 32 keep-alive connections; latency from when each"
+        " request is due; added = minus direct's at the same rate",
+        "b": "our client, closed loop on a few keep-alive connections, each request sent as"
+        " soon as the last one ended; the first chunk leaves the backend 2 ms after the head"
+        " (a short prefill); added = minus direct's in the same probe",
+    }[workload]
     lines = [
-        f"Probe ({workload}), our paced open-loop client, {what} from when each request is due"
-        " (keep-alive connections), added = minus direct's at the same rate:",
+        f"Probe ({workload}): {how}.",
         "",
         f"| target | rate req/s | {what} P50 ms (added) | P99 ms (added) | full P50 ms | requests | errors |",  # noqa: E501
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -1315,7 +1352,7 @@ def probe_table(workload: str, results: dict[str, Any]) -> str:
             if probe.get("over_capacity"):
                 lines.append(f"| {entry['label']} | {probe['rate']:,.0f} | over capacity | | | | |")
                 continue
-            base = {} if name == "direct" else _base_probe(results, workload, probe["rate"])
+            base = {} if name == "direct" else _base_probe(results, workload, probe)
             lines.append(
                 f"| {entry['label']} | {probe['rate']:,.0f} | {_added(probe[p50], base.get(p50))} "
                 f"| {_added(probe[p99], base.get(p99))} | {_f(probe['p50_ms'], '.3f')} "
@@ -1392,7 +1429,7 @@ def target_checks(results: dict[str, Any]) -> list[str]:
             check(cpu <= 2 * c[0], f"{mine} within 2x the best C's ({c[1]}, {c[0]:g} µs)")
     a = ours.get("a", {})
     for probe in a.get("probes", ()):
-        base = _base_probe(results, "a", probe["rate"])
+        base = _base_probe(results, "a", probe)
         rate = f"at {probe['rate']:,.0f} req/s"
         if probe.get("over_capacity"):
             check(False, f"(a) added latency {rate}: over prefix-router's capacity here")
@@ -1435,9 +1472,10 @@ LEGEND = """Columns (medians over the rounds): req/s and P50/P99 from the closed
 throughput runs; proxy CPU µs/req = (utime + stime of the proxy's process tree over a run)
 / requests, with its range over the rounds; proxy core % = that CPU time / wall time (100 =
 the proxy's core was the limit); CPU 0 % = the client side (generator, backends, this
-script) in % of one core (near 100 = the client side was the limit); others % = CPU used
-meanwhile by processes outside this run, both CPUs, in % of one core (noise from a shared
-machine); split = requests each backend answered."""
+script) in % of one core (near 100 = the client side was the limit); softirq % = interrupt
+time on both CPUs, mostly the loopback network's, charged to no process (so in no CPU
+figure above); others % = CPU taken meanwhile by processes outside this run (noise from a
+shared machine); split = requests each backend answered."""
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -1526,6 +1564,8 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                     script = tmp / f"workload-{workload}.lua"
                     _write(script, wrk_script(path_of(workload), ctx.requests[workload]))
                     ctx.scripts[workload] = script
+            # The (b) probe's streams start 2 ms after their head, as after a short prefill.
+            ctx.requests["b-probe"] = build_requests("b", opt.keys, f" [[sse:{opt.events}:0:2]]")
             runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
             versions: dict[str, str] = {}
             for name in names:
@@ -1586,8 +1626,8 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
         "probes in the last round only)",
         "probes": f"(a) paced at {opt.probe_rate:g} req/s and at "
         f"{ctx.probe_rate if ctx else None} req/s ({opt.probe_fraction:.0%} of direct's (a)); "
-        f"(b) TTFB at {opt.ttfb_rate:g} req/s; {opt.probe_seconds:g} s each, our client, "
-        "skipped where a target's closed-loop rate is under 1.25 x the probe's",
+        f"skipped where a target's closed-loop rate is under 1.25 x the probe's; (b) TTFB, "
+        f"closed loop on {opt.ttfb_connections} connections; {opt.probe_seconds:g} s each",
         "backends": f"{opt.backends} x loadtests/fastbackend.py in one process, "
         f"{opt.events} SSE chunks per stream",
         "keys": opt.keys,
@@ -1716,7 +1756,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="(a) and also at this share of direct's (a) req/s (0.25; 0: none)",
     )
     p.add_argument(
-        "--ttfb-rate", type=float, default=100.0, help="(b) TTFB probe req/s (100; 0: none)"
+        "--ttfb-connections",
+        type=int,
+        default=2,
+        help="(b) TTFB probe: closed loop on this many connections (2; 0: none)",
     )
     p.add_argument("--connections", type=int, default=32, help="throughput connections (32)")
     p.add_argument("--streams", type=int, default=2000, help="(d) idle streams (2000)")

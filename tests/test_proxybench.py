@@ -28,7 +28,7 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
         "--targets", "direct,aiohttp,prefix-router", "--workloads", "a,b",
         "--generator", "python", "--seconds", "1", "--warmup", "0",
         "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0",
-        "--ttfb-rate", "50", "--connections", "8", "--keys", "4", "--rounds", "1",
+        "--ttfb-connections", "1", "--connections", "8", "--keys", "4", "--rounds", "1",
         "--results", str(tmp_path),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=50, check=False)
