@@ -4,6 +4,7 @@
 - ``ring``: immutable consistent-hash ring with weighted virtual nodes.
 - ``bounded``: bounded-load choice along a key's preference walk.
 - ``load``: in-flight counts and exactly-once leases.
+- ``placement``: sticky placement of new keys bounded by recent traffic share.
 """
 
 from .bounded import Decision, LoadBound, Pick, pick
@@ -16,6 +17,7 @@ from .keys import (
     tenant_seed,
 )
 from .load import Lease, LoadTracker
+from .placement import Placement
 from .ring import DEFAULT_VNODES, Ring
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "LoadBound",
     "LoadTracker",
     "Pick",
+    "Placement",
     "PrefixHasher",
     "Ring",
     "TenantKeyError",

@@ -70,6 +70,7 @@ OURS = {
     "random": ("RANDOM", "random"),
     "least": ("LEAST_OUTSTANDING_REQUESTS", "least"),
     "prefix": ("PREFIX_AWARE", "prefix"),
+    "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),  # BalanceMode TRAFFIC
 }
 PEERS = ("sglang", "vllm")
 # An open loop still needs a ceiling: past it we would measure the client, not the fleet.
@@ -295,6 +296,8 @@ async def run_target(
         ]  # fmt: skip
         if args.balance_factor:
             flags += ["--balance-factor", str(args.balance_factor)]
+        if key == "prefix-traffic":
+            flags += ["--balance-mode", "TRAFFIC"]
         router, url, admin = await start_router(children, in_ring, *flags, label=f"router {key}")
         try:
             samples, ids, series, rate = await drive(url, requests, args, sims, label, admin)
@@ -436,8 +439,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workload", choices=NAMES, default="long")
     p.add_argument("--instances", type=int, default=7)
-    p.add_argument("--strategies", default="random,least,prefix",
-                   help="comma list of random, least, prefix, sglang, vllm")  # fmt: skip
+    p.add_argument(
+        "--strategies",
+        default="random,least,prefix",
+        help="comma list of random, least, prefix, prefix-traffic, sglang, vllm",
+    )
     p.add_argument("--duration", type=float, default=120.0, help="wall seconds per target")
     p.add_argument("--time-scale", type=float, default=0.2, help="real s per model s")
     p.add_argument("--rate", type=float, help="model requests/s (default: the workload's)")

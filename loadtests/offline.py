@@ -190,6 +190,8 @@ def simulate(
         notes += f", ConcurrencyThreshold {prefix.concurrency_threshold}"
         if prefix.balance_factor is not None:
             notes += f", BalanceFactor {prefix.balance_factor:g}"
+        if prefix.balance_mode != "IN_FLIGHT":
+            notes += f", BalanceMode {prefix.balance_mode}"
     run = report.Run(
         target=target or config.strategy.value,
         samples=done,
@@ -230,6 +232,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-length", type=int, default=None, help="PrefixLength (default 4096)")
     p.add_argument("--concurrency-threshold", type=int, default=None, help="default 10")
     p.add_argument("--balance-factor", type=float, default=None, help="default off")
+    p.add_argument("--balance-mode", choices=("IN_FLIGHT", "TRAFFIC"), default=None)
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -244,6 +247,8 @@ def _routing(strategy: str, args: argparse.Namespace) -> RoutingConfig:
         prefix["ConcurrencyThreshold"] = args.concurrency_threshold
     if args.balance_factor is not None:
         prefix["BalanceFactor"] = args.balance_factor
+    if args.balance_mode is not None:
+        prefix["BalanceMode"] = args.balance_mode
     return parse_routing({"RoutingStrategy": strategy, "PrefixAwareRoutingConfig": prefix})
 
 

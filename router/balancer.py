@@ -24,7 +24,16 @@ import enum
 import random
 from collections.abc import Iterable, Set
 
-from hashring import DEFAULT_VNODES, Decision, Lease, LoadBound, LoadTracker, Ring, pick
+from hashring import (
+    DEFAULT_VNODES,
+    Decision,
+    Lease,
+    LoadBound,
+    LoadTracker,
+    Placement,
+    Ring,
+    pick,
+)
 
 from .config import BackendSpec, RoutingConfig, Strategy
 
@@ -165,17 +174,30 @@ _Picked = tuple[Backend, str, int]
 class Balancer:
     """Applies the live routing config to the fleet."""
 
-    __slots__ = ("_bound", "_rng", "_select_keyed", "config", "fleet")
+    __slots__ = ("_bound", "_placement", "_rng", "_select_keyed", "config", "fleet")
+
+    # TRAFFIC mode without a BalanceFactor: 5 % over a fair share of recent requests.
+    DEFAULT_TRAFFIC_FACTOR = 1.05
 
     def __init__(self, fleet: Fleet, config: RoutingConfig, *, seed: int | None = None):
         self.fleet = fleet
         self._rng = random.Random(seed)
+        self._placement: Placement | None = None
         self.configure(config)
 
     def configure(self, config: RoutingConfig) -> None:
         """Swap the routing config; requests already routed keep their leases."""
         prefix = config.prefix_aware
-        self._bound = LoadBound(prefix.concurrency_threshold, prefix.balance_factor)
+        if prefix.balance_mode == "TRAFFIC":
+            factor = prefix.balance_factor or self.DEFAULT_TRAFFIC_FACTOR
+            if self._placement is None:
+                self._placement = Placement(factor)
+            else:
+                self._placement.factor = factor  # keys keep their homes across changes
+            self._bound = LoadBound(prefix.concurrency_threshold)
+        else:
+            self._placement = None
+            self._bound = LoadBound(prefix.concurrency_threshold, prefix.balance_factor)
         self._select_keyed = {
             Strategy.RANDOM: self._random,
             Strategy.LEAST_OUTSTANDING_REQUESTS: self._least_outstanding,
@@ -204,9 +226,14 @@ class Balancer:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
-        chosen = pick(
-            fleet.ring, key_hash, loads.counts, self._bound, avoid=skip, total=loads.total
-        )
+        if self._placement is not None:
+            chosen = self._placement.route(
+                fleet.ring, key_hash, loads.counts, self._bound.threshold, avoid=skip
+            )
+        else:
+            chosen = pick(
+                fleet.ring, key_hash, loads.counts, self._bound, avoid=skip, total=loads.total
+            )
         if chosen is None:
             return None
         backend = fleet.backends[chosen.member]

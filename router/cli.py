@@ -69,6 +69,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("--prefix-length", type=int, metavar="N", help="1024-65536")
     serve.add_argument("--concurrency-threshold", type=int, metavar="N", help="1-1024")
     serve.add_argument("--balance-factor", type=float, metavar="C", help=">= 1.0; off if unset")
+    serve.add_argument(
+        "--balance-mode",
+        choices=("IN_FLIGHT", "TRAFFIC"),
+        help="what BalanceFactor bounds: requests in flight, or new keys' placement by"
+        " recent traffic share (sticky)",
+    )
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
     serve.add_argument(
@@ -147,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("prefix_length", "PrefixLength"),
         ("concurrency_threshold", "ConcurrencyThreshold"),
         ("balance_factor", "BalanceFactor"),
+        ("balance_mode", "BalanceMode"),
     ):
         value = getattr(args, flag)
         if value is not None:

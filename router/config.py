@@ -20,7 +20,7 @@ import re
 import ssl
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -63,6 +63,10 @@ class PrefixAwareRoutingConfig(
     prefix_length: Annotated[int, Meta(ge=1024, le=65_536)] = 4096
     concurrency_threshold: Annotated[int, Meta(ge=1, le=1024)] = 10
     balance_factor: Annotated[float, Meta(ge=1.0, le=1000.0)] | None = None
+    # IN_FLIGHT: BalanceFactor bounds each request by in-flight counts (stateless,
+    # every replica agrees).  TRAFFIC: it bounds where a *new* key is placed by each
+    # backend's share of recent requests, and keys stick (see hashring.placement).
+    balance_mode: Literal["IN_FLIGHT", "TRAFFIC"] = "IN_FLIGHT"
 
 
 class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True):

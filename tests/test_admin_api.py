@@ -525,6 +525,7 @@ async def test_routing_put_round_trip(api: Api, length: int, threshold: int) -> 
                 "PrefixLength": length,
                 "ConcurrencyThreshold": threshold,
                 "BalanceFactor": 1.25,
+                "BalanceMode": "TRAFFIC",
             },
         }
     }
