@@ -59,7 +59,9 @@ Contract:
   (SIGTERM, SIGKILL after 5 s) on success, error or Ctrl-C; every loop is
   bounded in time.
 - ``python loadtests/proxybench.py floor --listen HOST:PORT --backend URL ...``
-  runs the naive aiohttp proxy (the ``aiohttp`` target) on its own.
+  runs the naive aiohttp proxy (the ``aiohttp`` target) on its own;
+  ``python loadtests/proxybench.py report results/proxybench-<time>.json``
+  prints a saved run's report again.
 """
 
 from __future__ import annotations
@@ -587,7 +589,8 @@ async def open_streams(
             conn = await _connect(host, port)
             conns.append(conn)
             first = conn.first_waiter = asyncio.get_running_loop().create_future()
-            conn.request(request)
+            # Never awaited: a stream that fails leaves its exception here, read.
+            conn.request(request).add_done_callback(_ignore)
             await first
             conn.waiter = None  # never awaited: the stream stays open until we close it
             return True
@@ -599,6 +602,11 @@ async def open_streams(
     await asyncio.gather(*pending, return_exceptions=True)
     ok = sum(1 for t in done if not t.cancelled() and t.exception() is None)
     return conns, ok, count - ok
+
+
+def _ignore(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def fetch_json(url: str, path: str) -> Any:
@@ -1332,6 +1340,8 @@ def probe_table(workload: str, results: dict[str, Any]) -> str:
     """The probes: added = this target's figure minus direct's in the same probe."""
     what = "time to first body byte" if workload == "b" else "latency"
     p50, p99 = ("ttfb_p50_ms", "ttfb_p99_ms") if workload == "b" else ("p50_ms", "p99_ms")
+    if not any(e["workloads"].get(workload, {}).get("probes") for e in results.values()):
+        return ""
     how = {
         "a": "our paced open-loop client on 32 keep-alive connections; latency from when each"
         " request is due; added = minus direct's at the same rate",
@@ -1790,6 +1800,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        p = argparse.ArgumentParser(prog="proxybench report", description="Print a saved run.")
+        p.add_argument("json", type=Path, help="a results/proxybench-*.json file")
+        say(report(json.loads(p.parse_args(argv[1:]).json.read_text())))
+        return 0
     if argv[:1] == ["floor"]:
         p = argparse.ArgumentParser(prog="proxybench floor", description=floor.__doc__)
         p.add_argument("--listen", required=True, help="HOST:PORT")
