@@ -15,17 +15,23 @@ Contract:
   and a format change could put the Authorization header in it.  aiohttp's HTTP
   parser errors (a malformed request, answered 400 before any middleware runs)
   quote the offending line, which can be the Authorization header: they are logged
-  on ``prefix_router.admin.http`` with their type and status only.
+  on ``prefix_router.admin.http`` with their type and status only, and answered
+  with a fixed JSON error (``_QuietHandler``), never with the line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import msgspec
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
+from aiohttp.web_server import Server
 
 from router.config import ConfigError
 from router.control import Conflict, Control, ControlError, Invalid, NotFound
@@ -133,12 +139,43 @@ http_log = logging.getLogger("prefix_router.admin.http")
 http_log.addFilter(_WithoutRequestText())
 
 
+class _QuietHandler(RequestHandler):
+    """aiohttp answers a malformed request head itself, quoting the offending line
+    (an Authorization header included) back in its body: answer without it."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> StreamResponse:
+        body = json.dumps({"error": {"message": "malformed HTTP request", "type": "bad_request"}})
+        response = super().handle_error(request, status, exc, body)
+        if status != 500:
+            response.content_type = "application/json"
+        return response
+
+
+class _QuietServer(Server):
+    def __call__(self) -> RequestHandler:
+        return _QuietHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        # The same server, answering bad heads through _QuietHandler.
+        server.__class__ = _QuietServer
+        return server
+
+
 class AdminServer:
     """The admin API listening on one address, inside the running event loop."""
 
     def __init__(self, control: Control, *, token: str | None) -> None:
         self._token = token
-        self._runner = web.AppRunner(
+        self._runner = _Runner(
             make_app(control, token=token),
             access_log=None,
             handle_signals=False,  # the router owns the signals

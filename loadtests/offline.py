@@ -97,8 +97,10 @@ class Outcome:
     wall_s: float  # real seconds the simulation took
 
 
-# A finish event: (model time, tie-break serial, instance, ticket, request index, choice).
-_Event = tuple[float, int, str, Ticket, int, Choice]
+# An event: (model time, tie-break serial, instance, ticket, request index, choice,
+# FIRST_TOKEN or FINISH).
+_Event = tuple[float, int, str, Ticket, int, Choice, int]
+FIRST_TOKEN, FINISH = 0, 1
 
 
 def simulate(
@@ -140,12 +142,18 @@ def simulate(
             assert plan is not None
             busy[name] += plan.first_token_at - plan.prefill_start
             index, choice = queued.pop((name, ticket.id))
-            heapq.heappush(events, (plan.finish_at, next(serial), name, ticket, index, choice))
+            first = (plan.first_token_at, next(serial), name, ticket, index, choice, FIRST_TOKEN)
+            heapq.heappush(events, first)
+            end = (plan.finish_at, next(serial), name, ticket, index, choice, FINISH)
+            heapq.heappush(events, end)
 
     def finish(event: _Event) -> None:
-        now, _, name, ticket, index, choice = event
+        now, _, name, ticket, index, choice, kind = event
+        if kind == FIRST_TOKEN:
+            choice.first_byte()  # the router sees the response start
+            return
         started_now = engines[name].finish(ticket, now)
-        choice.lease.release()  # the stream has ended: the router lets go of it
+        choice.release()  # the stream has ended: the router lets go of it
         plan = ticket.plan
         assert plan is not None
         request = requests[index]
@@ -192,6 +200,8 @@ def simulate(
             notes += f", BalanceFactor {prefix.balance_factor:g}"
         if prefix.balance_mode != "IN_FLIGHT":
             notes += f", BalanceMode {prefix.balance_mode}"
+        if prefix.concurrency_scope != "IN_FLIGHT":
+            notes += f", ConcurrencyScope {prefix.concurrency_scope}"
     run = report.Run(
         target=target or config.strategy.value,
         samples=done,
@@ -233,6 +243,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency-threshold", type=int, default=None, help="default 10")
     p.add_argument("--balance-factor", type=float, default=None, help="default off")
     p.add_argument("--balance-mode", choices=("IN_FLIGHT", "TRAFFIC"), default=None)
+    p.add_argument("--concurrency-scope", choices=("IN_FLIGHT", "PREFILL"), default=None)
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -249,6 +260,8 @@ def _routing(strategy: str, args: argparse.Namespace) -> RoutingConfig:
         prefix["BalanceFactor"] = args.balance_factor
     if args.balance_mode is not None:
         prefix["BalanceMode"] = args.balance_mode
+    if args.concurrency_scope is not None:
+        prefix["ConcurrencyScope"] = args.concurrency_scope
     return parse_routing({"RoutingStrategy": strategy, "PrefixAwareRoutingConfig": prefix})
 
 

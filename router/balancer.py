@@ -91,13 +91,31 @@ class Choice:
     least_outstanding or passthrough; ``position`` is the place in the walk.
     """
 
-    __slots__ = ("backend", "decision", "lease", "position")
+    __slots__ = ("backend", "decision", "lease", "position", "waiting")
 
-    def __init__(self, backend: Backend, lease: Lease, decision: str, position: int):
+    def __init__(
+        self,
+        backend: Backend,
+        lease: Lease,
+        decision: str,
+        position: int,
+        waiting: Lease | None = None,
+    ):
         self.backend = backend
-        self.lease = lease
+        self.lease = lease  # in flight until the response ends
         self.decision = decision
         self.position = position
+        self.waiting = waiting  # ConcurrencyScope PREFILL: until the first body byte
+
+    def first_byte(self) -> None:
+        """The backend answered: it is done with this request's prefill."""
+        if self.waiting is not None:
+            self.waiting.release()
+
+    def release(self) -> None:
+        self.lease.release()
+        if self.waiting is not None:
+            self.waiting.release()
 
     @property
     def label(self) -> str:
@@ -108,11 +126,20 @@ class Choice:
 
 
 class Fleet:
-    __slots__ = ("_available", "_cum_weights", "backends", "loads", "ring", "unavailable")
+    __slots__ = (
+        "_available",
+        "_cum_weights",
+        "backends",
+        "loads",
+        "ring",
+        "unavailable",
+        "waiting",
+    )
 
     def __init__(self, specs: Iterable[BackendSpec] = (), *, vnodes: int = DEFAULT_VNODES):
         self.backends: dict[str, Backend] = {}
-        self.loads = LoadTracker()
+        self.loads = LoadTracker()  # requests in flight
+        self.waiting = LoadTracker()  # of those, not yet answered (ConcurrencyScope PREFILL)
         self.ring = Ring(vnodes=vnodes)
         for spec in specs:
             self.add(spec)
@@ -174,7 +201,15 @@ _Picked = tuple[Backend, str, int]
 class Balancer:
     """Applies the live routing config to the fleet."""
 
-    __slots__ = ("_bound", "_placement", "_rng", "_select_keyed", "config", "fleet")
+    __slots__ = (
+        "_bound",
+        "_placement",
+        "_prefill_scope",
+        "_rng",
+        "_select_keyed",
+        "config",
+        "fleet",
+    )
 
     # TRAFFIC mode without a BalanceFactor: 5 % over a fair share of recent requests.
     DEFAULT_TRAFFIC_FACTOR = 1.05
@@ -188,6 +223,9 @@ class Balancer:
     def configure(self, config: RoutingConfig) -> None:
         """Swap the routing config; requests already routed keep their leases."""
         prefix = config.prefix_aware
+        self._prefill_scope = (
+            config.strategy is Strategy.PREFIX_AWARE and prefix.concurrency_scope == "PREFILL"
+        )
         if prefix.balance_mode == "TRAFFIC":
             factor = prefix.balance_factor or self.DEFAULT_TRAFFIC_FACTOR
             if self._placement is None:
@@ -218,14 +256,19 @@ class Balancer:
                 return None
             backend, decision, position = picked
         backend.requests += 1
-        return Choice(backend, self.fleet.loads.acquire(backend.name), decision, position)
+        fleet = self.fleet
+        waiting = fleet.waiting.acquire(backend.name) if self._prefill_scope else None
+        return Choice(backend, fleet.loads.acquire(backend.name), decision, position, waiting)
 
     # -- strategies: each returns (backend, decision, position) or None; none counts --
 
     def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
-        loads = fleet.loads
+        # The bound counts requests in flight, or with ConcurrencyScope PREFILL only
+        # those not answered yet: a stream in its decode phase no longer competes
+        # for the prefill that a cache hit saves.
+        loads = fleet.waiting if self._prefill_scope else fleet.loads
         if self._placement is not None:
             chosen = self._placement.route(
                 fleet.ring, key_hash, loads.counts, self._bound.threshold, avoid=skip

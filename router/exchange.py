@@ -77,6 +77,7 @@ class Exchange:
         "_request_chunked",
         "_router",
         "_stale_retried",
+        "_tenant_header",
         "_timer",
         "_tried",
         "_upstream_bytes",
@@ -151,6 +152,7 @@ class Exchange:
         self._upstream_bytes = False
         self._stale_retried = False
         self._xff = b""
+        self._tenant_header: bytes | None = None
         self._bodiless = False  # no Content-Length (or 0) and not chunked
         self._has_host = False
         self._upstream_framed = False  # the backend's response has a length or chunks
@@ -192,6 +194,8 @@ class Exchange:
                 continue
             elif lower == b"host":
                 self._has_host = True
+            elif lower.startswith(b"proxy"):
+                continue  # Proxy-* is for proxies; "Proxy:" is httpoxy's way into CGI backends
             forwarded.append((name, value))
         if drop:
             forwarded = [(n, v) for n, v in forwarded if n.lower() not in drop]
@@ -199,6 +203,7 @@ class Exchange:
             self.request_id = router.next_request_id()
         self._headers = forwarded
         self._xff = xff
+        self._tenant_header = tenant
         self._bodiless = not self._request_chunked and not self._content_length
         if expect is not None and expect != b"100-continue":
             self._fail(417, "only Expect: 100-continue is supported")
@@ -266,13 +271,17 @@ class Exchange:
         limit = self._router.balancer.config.prefix_aware.prefix_length
         try:
             request = decode_openai(body)
-            seed = tenant_seed(request.prompt_cache_key)
+            tenant_key = request.prompt_cache_key
+            seed = tenant_seed(tenant_key if tenant_key is not None else self._tenant_header)
             key = prompt_key(request, limit)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
         except TenantKeyError as exc:
-            self._fail(400, f"invalid prompt_cache_key: {exc}", param="prompt_cache_key")
+            if request.prompt_cache_key is None:  # the header was the tenant key
+                self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
+            else:
+                self._fail(400, f"invalid prompt_cache_key: {exc}", param="prompt_cache_key")
             return
         self.tenant = seed != 0
         self.key_hash = hash_key(key, seed)
@@ -300,9 +309,12 @@ class Exchange:
     def _connect(self) -> None:
         assert self.choice is not None
         router = self._router
+        pool = router.pools.get(self.choice.backend.name)
+        if pool is None:  # removed (a forced drain) since this request was routed to it
+            self._connect_failed("backend removed")
+            return
         self._connecting = True
         self._conn.pause_reading_for_upstream(True)  # hold the body until we can send it
-        pool = router.pools[self.choice.backend.name]
         pool.connect(router.config.timeouts.connect).add_done_callback(self._connected)
 
     def _connected(self, future: asyncio.Future[UpstreamConnection]) -> None:
@@ -313,20 +325,25 @@ class Exchange:
                 conn = future.result()
                 conn.pool.give_back(conn)
             return
-        choice = self.choice
-        assert choice is not None
         if future.cancelled() or exc is not None:
-            self._router.backend_failed(choice.backend, f"connect failed: {exc!r}")
-            choice.lease.release()
-            self._tried.add(choice.backend.name)
-            self._attempts += 1
-            self.choice = None
-            if self._attempts > self._router.config.retries:
-                self._fail(502, f"could not connect to backend {choice.backend.name}")
-            else:
-                self._route()  # the next backend of the walk
+            assert self.choice is not None
+            self._router.backend_failed(self.choice.backend, f"connect failed: {exc!r}")
+            self._connect_failed("could not connect to backend")
             return
         self._attach(future.result())
+
+    def _connect_failed(self, reason: str) -> None:
+        """Give the lease back and try the next backend of the walk (bounded)."""
+        choice = self.choice
+        assert choice is not None
+        choice.release()
+        self._tried.add(choice.backend.name)
+        self._attempts += 1
+        self.choice = None
+        if self._attempts > self._router.config.retries:
+            self._fail(502, f"{reason} {choice.backend.name}")
+        else:
+            self._route()
 
     def _attach(self, upstream: UpstreamConnection) -> None:
         upstream.attach(self)
@@ -444,6 +461,10 @@ class Exchange:
             return
         if not self.ttft:
             self.ttft = perf_counter()
+            # The first body byte, not the head: vLLM and SGLang send a streaming
+            # head before prefill, their first SSE event after it.
+            assert self.choice is not None
+            self.choice.first_byte()
         self.bytes_out += len(data)
         if self._framing == CHUNKED:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
@@ -613,7 +634,7 @@ class Exchange:
             self._timer.cancel()
             self._timer = None
         if self.choice is not None:
-            self.choice.lease.release()
+            self.choice.release()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             if upstream_reusable:

@@ -250,8 +250,12 @@ class RouterControl:
 
     def _cancel_drain(self, name: str) -> None:
         drain = self._drains.pop(name, None)
-        if drain is not None and drain.task is not None:
-            drain.task.cancel()
+        if drain is not None:
+            if drain.task is not None:
+                drain.task.cancel()
+            # A task cancelled before it first ran never reaches its ``finally``:
+            # wake the DELETE ?wait=true callers here (they answer 409).
+            drain.done.set()
 
     def _backend_idle(self, name: str) -> None:
         drain = self._drains.get(name)

@@ -526,6 +526,7 @@ async def test_routing_put_round_trip(api: Api, length: int, threshold: int) -> 
                 "ConcurrencyThreshold": threshold,
                 "BalanceFactor": 1.25,
                 "BalanceMode": "TRAFFIC",
+                "ConcurrencyScope": "PREFILL",
             },
         }
     }

@@ -296,11 +296,6 @@ async def test_membership_churn_under_load_fails_only_requests_on_killed_instanc
 # -- races of the control plane, one at a time ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RouterControl: a PATCH state=active cancels the drain task before it first runs;"
-    " its `finally: drain.done.set()` never executes and DELETE ?wait=true waits forever",
-)
 async def test_a_drain_cancelled_at_once_still_answers_its_delete(
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
@@ -322,12 +317,6 @@ async def test_a_drain_cancelled_at_once_still_answers_its_delete(
     assert "sim-0" in router.fleet.backends
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Exchange.upstream_lost: the stale keep-alive retry calls _connect(), which looks up"
-    " router.pools[name] of a backend a forced drain removed: KeyError in a loop callback, and"
-    " the client waits for first_byte with the lease held",
-)
 async def test_a_request_left_on_a_force_removed_backend_still_gets_an_answer(
     start_router: StartRouter,
 ) -> None:

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+import pytest
 
 from hashring import hash_key, tenant_seed
 from router.app import Router
@@ -150,6 +151,39 @@ async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
         await router.wait_quiet()
     assert router.fleet.loads.total == 0
     assert dict(router.fleet.loads.counts) == {}
+
+
+@pytest.mark.parametrize(
+    ("scope", "spread"), [("IN_FLIGHT", [0, 1, 2]), ("PREFILL", [0, 0, 0])]
+)
+async def test_concurrency_scope_prefill_counts_only_requests_not_yet_answered(
+    sim_fleet: SimFleet, start_router: StartRouter, scope: str, spread: list[int]
+) -> None:
+    # Streams that decode for a long time after their first token.
+    sims = await sim_fleet(3, extra_token_s=30)
+    routing = {"ConcurrencyThreshold": 1, "ConcurrencyScope": scope}
+    router = await start_router(sims, routing={"PrefixAwareRoutingConfig": routing})
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    walk = walk_of(router, chat("q"))
+    streams: list[aiohttp.ClientResponse] = []
+    async with aiohttp.ClientSession() as http:
+        try:
+            for i in range(3):
+                resp = await http.post(url, json=chat(f"question {i}", stream=True))
+                streams.append(resp)
+                assert resp.status == 200
+                assert (await resp.content.readline()).startswith(b"data: ")  # first token
+            # IN_FLIGHT: a decoding stream holds its slot, the next request overflows.
+            # PREFILL: it stopped counting at its first token, the key stays on walk[0].
+            assert [r.headers["x-sim-instance"] for r in streams] == [walk[i] for i in spread]
+            assert router.fleet.loads.total == 3
+            assert router.fleet.waiting.total == 0
+        finally:
+            for resp in streams:
+                resp.close()
+    async with asyncio.timeout(10):
+        await router.wait_quiet()
+    assert router.fleet.loads.total == 0
 
 
 async def test_a_stopped_instance_is_routed_around_without_client_errors(
