@@ -23,7 +23,7 @@ import msgspec
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["AccessLog", "AccessRecord"]
+__all__ = ["AccessLog", "AccessRecord", "RefusedRecord"]
 
 BUFFER_BYTES = 64 * 1024
 FLUSH_SECONDS = 1.0
@@ -45,6 +45,15 @@ class AccessRecord(msgspec.Struct, omit_defaults=False):
     total_ms: float
     bytes_in: int
     bytes_out: int
+
+
+class RefusedRecord(msgspec.Struct):
+    """A request refused before it became an exchange (malformed, too large, too slow)."""
+
+    event: str
+    ts: float
+    status: int
+    reason: str  # our fixed message, never the client's bytes
 
 
 class AccessLog:
@@ -95,6 +104,15 @@ class AccessLog:
         )
         buffer = self._buffer
         self._encoder.encode_into(record, buffer, -1)
+        buffer += b"\n"
+        if len(buffer) >= BUFFER_BYTES:
+            self.flush()
+
+    def refused(self, status: int, reason: str) -> None:
+        if not self.enabled:
+            return
+        buffer = self._buffer
+        self._encoder.encode_into(RefusedRecord("refused", time.time(), status, reason), buffer, -1)
         buffer += b"\n"
         if len(buffer) >= BUFFER_BYTES:
             self.flush()

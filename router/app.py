@@ -179,6 +179,11 @@ class Router:
         if not self.active:
             self._quiet.set()
 
+    def request_refused(self, status: int, reason: str) -> None:
+        """A request answered with an error before it became an exchange."""
+        self.recorder.refused[status] += 1
+        self.access.refused(status, reason)
+
     def backend_failed(self, backend: Backend, reason: str) -> None:
         """A connect failure, reset, timeout or garbled answer (passive health)."""
         backend.errors += 1

@@ -384,6 +384,7 @@ class ClientConnection(asyncio.Protocol):
         if isinstance(parsing, _Queued):
             self._queue.remove(parsing)
         self._parsing = None
+        self.router.request_refused(status, message)
         if current is None and not self._queue:
             self.write(error_response(status, message, close=True, date=self.router.date.value))
             self._close(lingering=True)

@@ -28,6 +28,7 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
 from __future__ import annotations
 
 import asyncio
+import errno
 from time import perf_counter
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,8 @@ from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 from .extract import OPENAI_PATHS, BadRequest, decode_openai, prompt_key
 from .wire import CHUNKED_END, CONTINUE_100, HOP_BY_HOP, error_response, status_line
+
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 if TYPE_CHECKING:
     from .balancer import Choice
@@ -324,6 +327,11 @@ class Exchange:
             if exc is None and not future.cancelled():
                 conn = future.result()
                 conn.pool.give_back(conn)
+            return
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF_DESCRIPTORS:
+            # Our limit, not the backend's fault: it must not count against its
+            # health, and every other backend would fail the same way.
+            self._fail(503, "the router is out of file descriptors")
             return
         if future.cancelled() or exc is not None:
             assert self.choice is not None

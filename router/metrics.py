@@ -75,7 +75,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class Recorder:
-    __slots__ = ("decisions", "duration", "no_backend", "requests", "ttft", "windows")
+    __slots__ = ("decisions", "duration", "no_backend", "refused", "requests", "ttft", "windows")
 
     def __init__(self) -> None:
         # (backend, kind, decision, status) -> count; backend "" when none was chosen
@@ -85,6 +85,7 @@ class Recorder:
         self.duration: dict[str, Histogram] = {}
         self.windows: dict[str, deque[float]] = {}
         self.no_backend = 0
+        self.refused: Counter[int] = Counter()  # status -> requests refused while parsed
 
     def observe(self, exchange: Exchange) -> None:
         choice = exchange.choice
@@ -132,6 +133,15 @@ class RouterCollector:
         for (name, kind, decision, status), count in recorder.requests.items():
             requests.add_metric([name, kind, decision, str(status)], count)
         yield requests
+
+        refused = CounterMetricFamily(
+            "prefix_router_refused_requests",
+            "Requests refused before routing (malformed 400, slow 408, too large 413/414/431).",
+            labels=["status"],
+        )
+        for status, count in sorted(recorder.refused.items()):
+            refused.add_metric([str(status)], count)
+        yield refused
 
         in_flight = GaugeMetricFamily(
             "prefix_router_in_flight", "Requests in flight per backend.", labels=["backend"]

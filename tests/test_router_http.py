@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import resource
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -1058,6 +1060,10 @@ async def test_oversized_request_heads_are_refused(
         assert resp.value("connection") == b"close"
         await client.closed()
     assert backend.heads == []
+    assert router.recorder.refused == {status: 1}  # operators see refusals
+    assert f'prefix_router_refused_requests_total{{status="{status}"}} 1.0' in (
+        router.collector.render().decode()
+    )
     await still_serves(router, backend)
     await quiet(router)
 
@@ -1242,6 +1248,34 @@ async def test_an_unroutable_tool_definition_gets_400(
 
 
 # -- timeouts -----------------------------------------------------------------------
+
+
+async def test_running_out_of_file_descriptors_is_a_503_and_no_backend_is_blamed(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec], health={"active": False})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    async with connect(router) as client:
+        # The process (router and test share it) gets to its descriptor limit.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+        try:
+            with contextlib.suppress(OSError):
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            await client.send(req(b"GET", b"/v1/models"))
+            resp = await client.response()
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert_error(resp, 503)
+    assert fillers  # the limit was reached
+    state = router.fleet.backends[backend.name]
+    assert (state.errors, state.healthy) == (0, True)  # EMFILE is ours, not the backend's
+    await still_serves(router, backend)
+    await quiet(router)
 
 
 async def test_a_backend_that_never_answers_is_a_504(
