@@ -140,9 +140,15 @@ class Fleet:
         self.backends: dict[str, Backend] = {}
         self.loads = LoadTracker()  # requests in flight
         self.waiting = LoadTracker()  # of those, not yet answered (ConcurrencyScope PREFILL)
-        self.ring = Ring(vnodes=vnodes)
+        weights: dict[str, int] = {}
         for spec in specs:
-            self.add(spec)
+            if spec.name in self.backends:
+                raise KeyError(f"backend {spec.name!r} already exists")
+            self.backends[spec.name] = Backend(spec)
+            weights[spec.name] = spec.weight
+        # One ring for the whole membership: adding members one by one would
+        # re-sort the points each time (minutes for 1,024 backends).
+        self.ring = Ring(weights, vnodes=vnodes)
         self._refresh()
 
     # -- changes ---------------------------------------------------------------

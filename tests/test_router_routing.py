@@ -153,9 +153,7 @@ async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
     assert dict(router.fleet.loads.counts) == {}
 
 
-@pytest.mark.parametrize(
-    ("scope", "spread"), [("IN_FLIGHT", [0, 1, 2]), ("PREFILL", [0, 0, 0])]
-)
+@pytest.mark.parametrize(("scope", "spread"), [("IN_FLIGHT", [0, 1, 2]), ("PREFILL", [0, 0, 0])])
 async def test_concurrency_scope_prefill_counts_only_requests_not_yet_answered(
     sim_fleet: SimFleet, start_router: StartRouter, scope: str, spread: list[int]
 ) -> None:

@@ -1,0 +1,153 @@
+"""Benchmark of one whole routing decision, as the data plane makes it.
+
+    python loadtests/bench_decision.py [--repeats 7] [--requests 2000]
+
+For an OpenAI chat body with a 4 KiB prompt (a 3.9 KiB system prompt and a
+short question, PrefixLength 4096) it prints the nanoseconds per request of:
+  extract   decode_openai + prompt_key (the body decoded once, the key built)
+  hash      tenant_seed + hash_key of the key
+  pick      Balancer.choose + release (lease taken and given back)
+  decision  all three, measured together: what a request pays before any I/O
+  hot       the decision for one body decoded over and over: its bytes stay in
+            the CPU cache, as a request just read from its socket does
+for fleets of 7, 64 and 1,024 members, BalanceMode IN_FLIGHT and TRAFFIC; each
+figure the median over --repeats runs (the machine is shared). Bodies differ
+per request (distinct questions, 200 distinct system prompts) so no cache of
+ours or the CPU's flatters the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hashring import hash_key, tenant_seed
+from loadtests.bench_hashring import median_ns_per_item
+from router.balancer import Balancer, Fleet
+from router.config import BackendSpec, parse_routing
+from router.extract import decode_openai, prompt_key
+
+FLEETS = (7, 64, 1024)
+PREFIX_LENGTH = 4096
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "that",
+    "this",
+    "be",
+    "or",
+    "an",
+]
+
+
+def bodies(count: int, rng: random.Random) -> list[bytes]:
+    systems = []
+    for _ in range(200):
+        text = " ".join(rng.choice(WORDS) for _ in range(1400))
+        systems.append(text[:3990])
+    out = []
+    for i in range(count):
+        body = {
+            "model": "m",
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": rng.choice(systems)},
+                {"role": "user", "content": f"Question {i}: what does clause {i % 97} mean?"},
+            ],
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def balancer(members: int, mode: str) -> Balancer:
+    specs = [BackendSpec(f"instance-{i}", f"http://127.0.0.1:{10000 + i}") for i in range(members)]
+    routing = parse_routing(
+        {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {"PrefixLength": PREFIX_LENGTH, "BalanceMode": mode},
+        }
+    )
+    return Balancer(Fleet(specs), routing, seed=1)
+
+
+def extract_all(items: list[bytes]) -> None:
+    for body in items:
+        prompt_key(decode_openai(body), PREFIX_LENGTH)
+
+
+def hash_all(keys: list[tuple[bytes, str | None]]) -> None:
+    for key, tenant in keys:
+        hash_key(key, tenant_seed(tenant))
+
+
+def pick_all(chooser: Balancer, hashes: list[int]) -> None:
+    for key_hash in hashes:
+        choice = chooser.choose(key_hash)
+        assert choice is not None
+        choice.release()
+
+
+def decide_all(chooser: Balancer, items: list[bytes]) -> None:
+    for body in items:
+        request = decode_openai(body)
+        key = prompt_key(request, PREFIX_LENGTH)
+        choice = chooser.choose(hash_key(key, tenant_seed(request.prompt_cache_key)))
+        assert choice is not None
+        choice.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    rng = random.Random(1)
+    items = bodies(args.requests, rng)
+    requests = [decode_openai(body) for body in items]
+    keys = [(prompt_key(r, PREFIX_LENGTH), r.prompt_cache_key) for r in requests]
+    hashes = [hash_key(key, tenant_seed(tenant)) for key, tenant in keys]
+    size = sum(map(len, items)) / len(items)
+    print(
+        f"# routing decision benchmark: Python {sys.version.split()[0]}, {args.requests} "
+        f"chat bodies of {size / 1024:.1f} KiB, key {len(keys[0][0]):,} bytes, "
+        f"median of {args.repeats}"
+    )
+    n = args.requests
+    extract_ns = median_ns_per_item(partial(extract_all, items), n, args.repeats)
+    hash_ns = median_ns_per_item(partial(hash_all, keys), n, args.repeats)
+    print("| members | BalanceMode | extract ns | hash ns | pick ns | decision ns | hot ns |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    one = [items[0]] * n
+    for members in FLEETS:
+        for mode in ("IN_FLIGHT", "TRAFFIC"):
+            chooser = balancer(members, mode)
+            pick_ns = median_ns_per_item(partial(pick_all, chooser, hashes), n, args.repeats)
+            total_ns = median_ns_per_item(partial(decide_all, chooser, items), n, args.repeats)
+            hot_ns = median_ns_per_item(partial(decide_all, chooser, one), n, args.repeats)
+            print(
+                f"| {members:,} | {mode} | {extract_ns:,.0f} | {hash_ns:,.0f} "
+                f"| {pick_ns:,.0f} | {total_ns:,.0f} | {hot_ns:,.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
