@@ -17,6 +17,11 @@ Contract:
 - When every candidate is at its bound, ``FALLBACK`` returns the one with the
   fewest in flight (earliest in the walk on ties, so even fallback keeps some
   affinity).  With no candidate at all, ``pick`` returns None.
+- The threshold and the balance factor may count different things: with
+  ``balance_loads`` (and ``balance_total``) the factor's bound and the
+  fallback read those counts, the threshold reads ``loads``.  The router uses
+  this for ConcurrencyScope PREFILL: the threshold counts requests not yet
+  answered, the factor every request in flight.
 - Nothing here counts anything: the caller takes its lease in the same step.
 """
 
@@ -89,27 +94,32 @@ def pick(
     *,
     avoid: Set[str] = frozenset(),
     total: int | None = None,
+    balance_loads: Mapping[str, int] | None = None,
+    balance_total: int | None = None,
 ) -> Pick | None:
     """Choose the member for ``key_hash``; see the module contract.
 
     ``loads`` maps members to in-flight counts (absent means 0).  ``total`` is
     the in-flight count over all ring members if the caller keeps it; avoided
-    members' loads are taken out here.
+    members' loads are taken out here.  ``balance_loads`` and ``balance_total``,
+    when given, are what the balance factor and the fallback count instead.
     """
     # ``bounded`` is the ring's friend: it reads private attributes here to
     # save two property calls on every request.
     weights = ring._view
-    if total is None:
-        total = sum(loads.get(name, 0) for name in weights)
+    if balance_loads is None:
+        balance_loads, balance_total = loads, total
+    if balance_total is None:
+        balance_total = sum(balance_loads.get(name, 0) for name in weights)
     total_weight = ring._total_weight
     for name in avoid:  # O(len(avoid)), not O(members)
         if name in weights:
-            total -= loads.get(name, 0)
+            balance_total -= balance_loads.get(name, 0)
             total_weight -= weights[name]
     # limit(weight) = min(threshold, ceil(share_num * weight / share_den)), inlined
     # below: this function is on every request's path.
     threshold = bound.threshold
-    share_num = bound.numerator * (total + 1)
+    share_num = bound.numerator * (balance_total + 1)
     share_den = bound.denominator * total_weight
 
     # Fast path, the common case: the primary is available and below its bound.
@@ -117,12 +127,15 @@ def pick(
     if not owners:
         return None
     first = owners[ring._index(key_hash) % len(owners)]
-    if first not in avoid:
-        load = loads.get(first, 0)
-        if load < threshold and (
-            not share_num or load < -(-(share_num * weights[first]) // share_den)
-        ):
-            return _new_pick(Pick, (first, PRIMARY, 0))
+    if (
+        first not in avoid
+        and loads.get(first, 0) < threshold
+        and (
+            not share_num
+            or balance_loads.get(first, 0) < -(-(share_num * weights[first]) // share_den)
+        )
+    ):
+        return _new_pick(Pick, (first, PRIMARY, 0))
 
     best: Pick | None = None
     best_load = 0
@@ -130,8 +143,8 @@ def pick(
     for member in ring.walk(key_hash):
         if member in avoid:
             continue
-        load = loads.get(member, 0)
-        if load < threshold and (
+        load = balance_loads.get(member, 0)
+        if loads.get(member, 0) < threshold and (
             not share_num or load < -(-(share_num * weights[member]) // share_den)
         ):
             return _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))

@@ -71,7 +71,10 @@ OURS = {
     "least": ("LEAST_OUTSTANDING_REQUESTS", "least"),
     "prefix": ("PREFIX_AWARE", "prefix"),
     "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),  # BalanceMode TRAFFIC
+    # ConcurrencyScope PREFILL, BalanceFactor --balance-factor or PREFILL_FACTOR
+    "prefix-prefill": ("PREFIX_AWARE PREFILL", "prefix"),
 }
+PREFILL_FACTOR = 1.5
 PEERS = ("sglang", "vllm")
 # An open loop still needs a ceiling: past it we would measure the client, not the fleet.
 MAX_IN_FLIGHT = 2048
@@ -294,10 +297,14 @@ async def run_target(
             "--prefix-length", str(args.prefix_length),
             "--concurrency-threshold", str(args.concurrency_threshold),
         ]  # fmt: skip
-        if args.balance_factor:
-            flags += ["--balance-factor", str(args.balance_factor)]
+        factor = args.balance_factor
         if key == "prefix-traffic":
             flags += ["--balance-mode", "TRAFFIC"]
+        elif key == "prefix-prefill":
+            flags += ["--concurrency-scope", "PREFILL"]
+            factor = factor or PREFILL_FACTOR
+        if factor:
+            flags += ["--balance-factor", str(factor)]
         router, url, admin = await start_router(children, in_ring, *flags, label=f"router {key}")
         try:
             samples, ids, series, rate = await drive(url, requests, args, sims, label, admin)
@@ -442,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--strategies",
         default="random,least,prefix",
-        help="comma list of random, least, prefix, prefix-traffic, sglang, vllm",
+        help="comma list of random, least, prefix, prefix-traffic, prefix-prefill, sglang, vllm",
     )
     p.add_argument("--duration", type=float, default=120.0, help="wall seconds per target")
     p.add_argument("--time-scale", type=float, default=0.2, help="real s per model s")

@@ -271,13 +271,28 @@ class Balancer:
     def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
-        # The bound counts requests in flight, or with ConcurrencyScope PREFILL only
-        # those not answered yet: a stream in its decode phase no longer competes
-        # for the prefill that a cache hit saves.
-        loads = fleet.waiting if self._prefill_scope else fleet.loads
+        loads = fleet.loads
         if self._placement is not None:
+            # ConcurrencyScope PREFILL: the threshold counts only requests not yet
+            # answered; a stream in its decode phase no longer competes for the
+            # prefill that a cache hit saves.
+            counts = fleet.waiting.counts if self._prefill_scope else loads.counts
             chosen = self._placement.route(
-                fleet.ring, key_hash, loads.counts, self._bound.threshold, avoid=skip
+                fleet.ring, key_hash, counts, self._bound.threshold, avoid=skip
+            )
+        elif self._prefill_scope:
+            # The same for the threshold; BalanceFactor still bounds every request
+            # in flight, so one hot prefix cannot take a backend's whole batch.
+            waiting = fleet.waiting
+            chosen = pick(
+                fleet.ring,
+                key_hash,
+                waiting.counts,
+                self._bound,
+                avoid=skip,
+                total=waiting.total,
+                balance_loads=loads.counts,
+                balance_total=loads.total,
             )
         else:
             chosen = pick(

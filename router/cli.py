@@ -75,6 +75,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="what BalanceFactor bounds: requests in flight, or new keys' placement by"
         " recent traffic share (sticky)",
     )
+    serve.add_argument(
+        "--concurrency-scope",
+        choices=("IN_FLIGHT", "PREFILL"),
+        help="what ConcurrencyThreshold counts: requests in flight, or only those not"
+        " answered yet",
+    )
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
     serve.add_argument(
@@ -154,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ("concurrency_threshold", "ConcurrencyThreshold"),
         ("balance_factor", "BalanceFactor"),
         ("balance_mode", "BalanceMode"),
+        ("concurrency_scope", "ConcurrencyScope"),
     ):
         value = getattr(args, flag)
         if value is not None:

@@ -67,9 +67,10 @@ class PrefixAwareRoutingConfig(
     # every replica agrees).  TRAFFIC: it bounds where a *new* key is placed by each
     # backend's share of recent requests, and keys stick (see hashring.placement).
     balance_mode: Literal["IN_FLIGHT", "TRAFFIC"] = "IN_FLIGHT"
-    # What ConcurrencyThreshold (and BalanceFactor in IN_FLIGHT mode) count: every
-    # request in flight (SageMaker's meaning), or PREFILL: only those a backend has
-    # not started answering, so long streams in their decode phase do not count.
+    # What ConcurrencyThreshold counts: every request in flight (SageMaker's
+    # meaning), or PREFILL: only those a backend has not started answering, so
+    # long streams in their decode phase do not count.  BalanceFactor always
+    # counts every request in flight.
     concurrency_scope: Literal["IN_FLIGHT", "PREFILL"] = "IN_FLIGHT"
 
 

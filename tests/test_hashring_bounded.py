@@ -81,6 +81,55 @@ def test_assignments_never_exceed_a_bound_while_some_member_is_below_its_own(
     assert dict(tracker.counts) == {}
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.integers(0, 2**64 - 1),
+    in_flight=st.dictionaries(st.sampled_from(sorted(MEMBERS)), st.integers(0, 12)),
+    answered=st.dictionaries(st.sampled_from(sorted(MEMBERS)), st.integers(0, 12)),
+    threshold=st.integers(1, 6),
+    balance=st.one_of(st.none(), st.sampled_from([1.0, 1.25, 1.5, 2.0])),
+    avoid=st.sets(st.sampled_from(sorted(MEMBERS)), max_size=2),
+)
+def test_the_threshold_and_the_balance_factor_can_count_different_loads(
+    key: int,
+    in_flight: dict[str, int],
+    answered: dict[str, int],
+    threshold: int,
+    balance: float | None,
+    avoid: set[str],
+) -> None:
+    # ConcurrencyScope PREFILL: the threshold reads the requests not answered yet,
+    # the balance factor and the fallback read every request in flight.
+    waiting = {m: n - min(n, answered.get(m, 0)) for m, n in in_flight.items()}
+    ring = Ring(MEMBERS, vnodes=16)
+    bound = LoadBound(threshold, balance)
+    chosen = pick(
+        ring,
+        key,
+        waiting,
+        bound,
+        avoid=frozenset(avoid),
+        balance_loads=in_flight,
+        balance_total=sum(in_flight.values()),
+    )
+    assert chosen is not None
+    walk = [m for m in ring.walk(key) if m not in avoid]
+    total = sum(in_flight.get(m, 0) for m in walk)
+    total_weight = sum(ring.weight(m) for m in walk)
+    share = {m: LoadBound(10**9, balance).limit(ring.weight(m), total, total_weight) for m in walk}
+
+    def eligible(m: str) -> bool:
+        return waiting.get(m, 0) < threshold and in_flight.get(m, 0) < share[m]
+
+    assert walk[chosen.position] == chosen.member
+    if chosen.decision is Decision.FALLBACK:
+        assert not any(map(eligible, walk))
+        assert in_flight.get(chosen.member, 0) == min(in_flight.get(m, 0) for m in walk)
+    else:
+        assert eligible(chosen.member)
+        assert not any(map(eligible, walk[: chosen.position]))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**64 - 1), st.sets(st.sampled_from(sorted(MEMBERS))))
 def test_avoided_members_are_never_picked(key: int, avoid: set[str]) -> None:

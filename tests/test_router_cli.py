@@ -117,6 +117,11 @@ first_byte = 60
     assert overridden.routing.prefix_aware.concurrency_threshold == 7
     assert overridden.routing.prefix_aware.prefix_length == 8192  # kept from the file
     assert overridden.routing.strategy is Strategy.LEAST_OUTSTANDING_REQUESTS
+    extended = parse(
+        ["--config", str(config), "--balance-mode", "TRAFFIC", "--concurrency-scope", "PREFILL"]
+    )
+    assert extended.routing.prefix_aware.balance_mode == "TRAFFIC"
+    assert extended.routing.prefix_aware.concurrency_scope == "PREFILL"
     inline = parse(
         [
             "--routing-config",
