@@ -78,8 +78,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--concurrency-scope",
         choices=("IN_FLIGHT", "PREFILL"),
-        help="what ConcurrencyThreshold counts: requests in flight, or only those not"
-        " answered yet",
+        help="what ConcurrencyThreshold counts: requests in flight, or only those not answered yet",
     )
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
