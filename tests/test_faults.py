@@ -144,6 +144,10 @@ async def test_an_instance_killed_mid_stream_truncates_it_visibly_and_traffic_mo
 
     survivor = next(name for name in by_name if name != victim)
     question = chat_body("Kill me softly. " * 50, "again")
+    # Once the process is gone its listener is too. Before that, the kernel may
+    # still accept a connection on it while it tears the process down and then
+    # reset it after the request went out: a 502, as nginx answers a POST.
+    await by_name[victim].proc.wait()
     async with connect(router) as client:  # at once: refused connects are retried elsewhere
         await client.send(req(b"POST", b"/v1/chat/completions", body=question))
         resp = await client.response()
