@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench-hashring clean
+.PHONY: test lint typecheck pytest demo bench-hashring bench-decision bench-proxy clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ demo: $(STAMP)
 
 bench-hashring: $(STAMP)
 	$(BIN)/python loadtests/bench_hashring.py
+
+bench-decision: $(STAMP)
+	$(BIN)/python loadtests/bench_decision.py
+
+# The proxy ladder: installs HAProxy, nginx, wrk (apt-get) and the Rust peers
+# (their own venv) when missing; about 15 minutes.
+bench-proxy: $(STAMP)
+	$(BIN)/python loadtests/proxybench.py --install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis results
