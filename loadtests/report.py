@@ -18,12 +18,17 @@ Contract
   as rows under a field list), with the summaries and a ``meta`` dict beside.
 - ``plots`` needs matplotlib (imported on call, Agg backend, no pyplot state);
   everything else is standard library.
+- ``since(run, start)`` is the same run from ``start`` on (samples sent at or
+  after it, the hit-rate windows that end after it, the duration left): the
+  steady state of a run that began with cold caches. ``python -m
+  loadtests.report RESULTS_JSON --since 300`` prints its table.
 - Decisions are the router's labels: ``primary``, ``overflow`` (``overflow 2``
   in access logs counts too), ``fallback``, ``random``, ``least_outstanding``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -39,6 +44,7 @@ __all__ = [
     "percentile",
     "plots",
     "read_json",
+    "since",
     "summarize",
     "write_json",
 ]
@@ -156,6 +162,22 @@ def summarize(run: Run) -> dict[str, Any]:
         out["utilisation_mean"] = sum(run.utilisation) / len(run.utilisation)
         out["utilisation_max"] = max(run.utilisation)
     return out
+
+
+def since(run: Run, start: float) -> Run:
+    """The run from ``start`` seconds on (see the module contract)."""
+    series = [(t, h) for t, h in run.hit_rate_series if t > start]
+    return Run(
+        target=run.target,
+        samples=[s for s in run.samples if s.at >= start],
+        duration=max(run.duration - start, 0.0),
+        instances=run.instances,
+        # The instances' own counters are cumulative: only their windows can be cut.
+        hit_rate=sum(h for _, h in series) / len(series) if series else None,
+        hit_rate_series=series,
+        notes=run.notes,
+        utilisation=None,  # measured over the whole run only
+    )
 
 
 # ---------------------------------------------------------------- markdown
@@ -349,3 +371,19 @@ def plots(runs: list[Run], out_dir: Path, *, prefix: str = "") -> list[Path]:
     ax.legend()
     save(fig, "hit_rate")
     return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Re-print a saved run's tables.")
+    parser.add_argument("results", type=Path, help="a results.json of bench or offline")
+    parser.add_argument("--since", type=float, default=0.0, help="from this second on")
+    args = parser.parse_args(argv)
+    runs, meta = read_json(args.results)
+    if args.since:
+        runs = [since(run, args.since) for run in runs]
+        print(f"from second {args.since:g} of {meta.get('command', args.results)}\n")
+    print(markdown(runs))
+
+
+if __name__ == "__main__":
+    main()

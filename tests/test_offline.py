@@ -219,6 +219,26 @@ def test_hit_rate_series_windows_by_send_time() -> None:
     assert report.hit_rate_series(samples, 1.0) == [(1.0, 0.0), (2.0, 0.9)]
 
 
+def test_since_keeps_the_samples_and_windows_after_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    samples = [Sample(float(t), "a" if t < 5 else "b", True, t / 10, 1.0) for t in range(10)]
+    series = [(2.0, 0.1), (4.0, 0.3), (6.0, 0.8), (8.0, 0.9), (10.0, 1.0)]
+    run = Run("X", samples, 10.0, ["a", "b"], hit_rate=0.6, hit_rate_series=series)
+    warm = report.since(run, 5.0)
+    assert [s.at for s in warm.samples] == [5.0, 6.0, 7.0, 8.0, 9.0]
+    assert warm.hit_rate_series == [(6.0, 0.8), (8.0, 0.9), (10.0, 1.0)]
+    assert warm.hit_rate == pytest.approx(0.9)
+    assert warm.duration == 5.0
+    assert report.summarize(warm)["shares"] == [0.0, 1.0]
+    path = tmp_path / "results.json"
+    report.write_json([run], path, meta={"command": "bench X"})
+    report.main([str(path), "--since", "5"])
+    out = capsys.readouterr().out
+    assert out.startswith("from second 5 of bench X")
+    assert "| X | 5 | 100.0 % | 0.700 |" in out  # five samples, TTFT P50 0.7
+
+
 def test_cli_prints_the_table_and_writes_results(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
