@@ -19,7 +19,8 @@ Contract
 - ``plots`` needs matplotlib (imported on call, Agg backend, no pyplot state);
   everything else is standard library.
 - ``since(run, start)`` is the same run from ``start`` on (samples sent at or
-  after it, the hit-rate windows that end after it, the duration left): the
+  after it, the mean of the hit-rate windows wholly after it, the duration
+  left): the
   steady state of a run that began with cold caches. ``python -m
   loadtests.report RESULTS_JSON --since 300`` prints its table.
 - Decisions are the router's labels: ``primary``, ``overflow`` (``overflow 2``
@@ -166,7 +167,9 @@ def summarize(run: Run) -> dict[str, Any]:
 
 def since(run: Run, start: float) -> Run:
     """The run from ``start`` seconds on (see the module contract)."""
-    series = [(t, h) for t, h in run.hit_rate_series if t > start]
+    points = run.hit_rate_series
+    window = points[1][0] - points[0][0] if len(points) > 1 else 0.0
+    series = [(t, h) for t, h in points if t - window >= start]  # windows wholly after it
     return Run(
         target=run.target,
         samples=[s for s in run.samples if s.at >= start],

@@ -381,15 +381,20 @@ class ClientConnection(asyncio.Protocol):
         if current is not None and parsing is current:
             current.abort_request(status, message)  # its end closes the connection
             return
+        if self._doomed:
+            return  # refused already; the connection closes after the requests before it
         if isinstance(parsing, _Queued):
             self._queue.remove(parsing)
         self._parsing = None
-        self.router.request_refused(status, message)
+        if status != 500:  # our own failure is logged where it happened, not a refusal
+            self.router.request_refused(status, message)
         if current is None and not self._queue:
             self.write(error_response(status, message, close=True, date=self.router.date.value))
             self._close(lingering=True)
             return
         self._doomed = True
+        self._watch = NOTHING  # nothing more is read from this client
+        self._cancel_timer()
         self._pause(PIPELINE)
         if current is None:
             self._start_queued()

@@ -115,6 +115,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
                 await router.wait_quiet()
         for router in routers:
             assert router.fleet.loads.total == 0, dict(router.fleet.loads.counts)
+            assert router.fleet.waiting.total == 0, dict(router.fleet.waiting.counts)
     finally:
         for router in routers:
             with contextlib.suppress(Exception):

@@ -227,8 +227,9 @@ def test_since_keeps_the_samples_and_windows_after_the_start(
     run = Run("X", samples, 10.0, ["a", "b"], hit_rate=0.6, hit_rate_series=series)
     warm = report.since(run, 5.0)
     assert [s.at for s in warm.samples] == [5.0, 6.0, 7.0, 8.0, 9.0]
-    assert warm.hit_rate_series == [(6.0, 0.8), (8.0, 0.9), (10.0, 1.0)]
-    assert warm.hit_rate == pytest.approx(0.9)
+    # Windows of 2 s: the one ending at 6 began before second 5.
+    assert warm.hit_rate_series == [(8.0, 0.9), (10.0, 1.0)]
+    assert warm.hit_rate == pytest.approx(0.95)
     assert warm.duration == 5.0
     assert report.summarize(warm)["shares"] == [0.0, 1.0]
     path = tmp_path / "results.json"

@@ -1036,6 +1036,35 @@ async def test_a_malformed_request_pipelined_behind_a_good_one_ends_the_connecti
     await still_serves(router, backend)
 
 
+async def test_a_refused_pipelined_request_is_counted_once_while_the_one_before_runs(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def held(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        started.set()
+        await release.wait()
+        return await echo(backend, seen, writer)
+
+    backend = await backends(held)
+    router = await start_router([backend.spec], timeouts={"client_header": 0.2})
+    async with connect(router) as client:
+        await client.send(
+            req(b"GET", b"/first") + b"GET /bad HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n"
+        )
+        async with asyncio.timeout(WAIT):
+            await started.wait()
+        # Let the header deadline of the refused request pass while /first is held:
+        # it must not refuse the same request again (as a 408).
+        await asyncio.sleep(0.4)
+        release.set()
+        resp = await client.response()
+        assert (resp.status, resp.json()["target"]) == (200, "/first")
+        await client.rest()
+    assert router.recorder.refused == {400: 1}
+    await quiet(router)
+
+
 # -- limits ---------------------------------------------------------------------------
 
 
