@@ -75,7 +75,13 @@ class Placement:
         threshold: int,
         *,
         avoid: Set[str] = frozenset(),
+        fallback_loads: Mapping[str, int] | None = None,
     ) -> Pick | None:
+        """The member for ``key_hash``.  ``loads`` is what ``threshold`` bounds;
+        when every member is at it, the one with the fewest ``fallback_loads``
+        (default ``loads``) takes the request."""
+        if fallback_loads is None:
+            fallback_loads = loads
         self._fit_window(len(ring))
         home = self._table.get(key_hash)
         if home is not None and home in ring and home not in avoid:
@@ -85,11 +91,15 @@ class Placement:
             else:
                 # Home is at its threshold: the walk passes it by (or, when all are
                 # at theirs, may return it as the least loaded).  Not a new home.
-                chosen = self._walk(ring, key_hash, loads, threshold, avoid, bounded=False)
+                chosen = self._walk(
+                    ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=False
+                )
                 if chosen is not None and chosen.decision is Decision.PRIMARY:
                     chosen = Pick(chosen.member, Decision.OVERFLOW, chosen.position)
         else:
-            chosen = self._walk(ring, key_hash, loads, threshold, avoid, bounded=True)
+            chosen = self._walk(
+                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=True
+            )
             if chosen is not None and chosen.decision is not Decision.FALLBACK:
                 self._remember(key_hash, chosen.member)
         if chosen is not None:
@@ -101,6 +111,7 @@ class Placement:
         ring: Ring,
         key_hash: int,
         loads: Mapping[str, int],
+        fallback_loads: Mapping[str, int],
         threshold: int,
         avoid: Set[str],
         *,
@@ -117,13 +128,13 @@ class Placement:
         for member in ring.walk(key_hash):
             if member in avoid:
                 continue
-            load = loads.get(member, 0)
-            if load < threshold:
+            if loads.get(member, 0) < threshold:
                 decision = Decision.PRIMARY if position == 0 else Decision.OVERFLOW
                 if not bounded or self._counts[member] < scale * weights[member]:
                     return Pick(member, decision, position)
                 if below_threshold is None:
                     below_threshold = Pick(member, decision, position)
+            load = fallback_loads.get(member, 0)
             if least is None or load < least_load:
                 least, least_load = Pick(member, Decision.FALLBACK, position), load
             position += 1

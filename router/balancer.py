@@ -280,7 +280,12 @@ class Balancer:
             # prefill that a cache hit saves.
             counts = fleet.waiting.counts if self._prefill_scope else loads.counts
             chosen = self._placement.route(
-                fleet.ring, key_hash, counts, self._bound.threshold, avoid=skip
+                fleet.ring,
+                key_hash,
+                counts,
+                self._bound.threshold,
+                avoid=skip,
+                fallback_loads=loads.counts,  # the least busy overall, as in pick()
             )
         elif self._prefill_scope:
             # The same for the threshold; BalanceFactor still bounds every request

@@ -29,6 +29,22 @@ def test_a_key_sticks_to_its_home_and_overflows_without_moving() -> None:
     assert placement.home(42) == home  # overflow does not move the key
 
 
+def test_fallback_takes_the_least_loaded_by_the_fallback_counts() -> None:
+    # ConcurrencyScope PREFILL: the threshold counts waiting requests, the fallback
+    # every request in flight, so a member full of decoding streams loses it.
+    ring = Ring(MEMBERS, vnodes=32)
+    walk = list(ring.walk(7))
+    waiting = dict.fromkeys(MEMBERS, 3)
+    waiting[walk[0]] = 2  # the fewest waiting ...
+    in_flight = dict.fromkeys(MEMBERS, 5)
+    in_flight[walk[0]] = 40  # ... but the busiest overall
+    in_flight[walk[2]] = 1
+    chosen = Placement(1.05).route(ring, 7, waiting, threshold=2, fallback_loads=in_flight)
+    assert chosen == (walk[2], Decision.FALLBACK, 2)
+    alone = Placement(1.05).route(ring, 7, waiting, threshold=2)
+    assert alone == (walk[0], Decision.FALLBACK, 0)
+
+
 def test_new_keys_avoid_members_over_their_share_of_recent_traffic() -> None:
     ring = Ring(MEMBERS, vnodes=32)
     placement = Placement(1.05)
