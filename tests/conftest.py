@@ -91,6 +91,27 @@ def router_config(backends: list[Any], **overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
+async def backends() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """``backend = await backends(handler)``: the hand-written recording backends of
+    ``tests/test_router_http.py``; request it before ``start_router``."""
+    from tests.test_router_http import Backend, Handler, echo  # it imports this module
+
+    started: list[Backend] = []
+
+    async def start(handler: Handler = echo, name: str = "hand") -> Backend:
+        backend = Backend(handler, f"{name}-{len(started)}")
+        await backend.start()
+        started.append(backend)
+        return backend
+
+    try:
+        yield start
+    finally:
+        for backend in started:
+            await backend.close()
+
+
+@pytest.fixture
 async def start_router() -> AsyncIterator[StartRouter]:
     """``router = await start_router(sims, routing={...}, timeouts={...})``.
 

@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,51 +37,21 @@ from loadtests.faultproxy import Fault, FaultProxy, RandomFaults
 from loadtests.simserver.model import filler_pieces
 from router.app import Router
 from tests.conftest import SimFleet, StartRouter
+from tests.test_router_health import FAST_HEALTH
 from tests.test_router_http import (
     COMPLETION,
-    Backend,
-    Handler,
+    StartBackend,
     assert_error,
     connect,
-    echo,
     quiet,
     req,
 )
 
 WAIT = 5.0  # seconds: the bound on every wait in this file
-FAST_HEALTH = {
-    "interval": 0.05,
-    "timeout": 0.5,
-    "healthy_threshold": 2,
-    "unhealthy_threshold": 2,
-    "passive_failures": 3,
-    "backoff_initial": 0.05,
-    "backoff_max": 0.2,
-}
 TENANT_HEADER = b"X-Amzn-SageMaker-Prefix-Aware-Id"
 
 
 # -- fixtures ------------------------------------------------------------------------
-
-StartBackend = Callable[..., Awaitable[Backend]]
-
-
-@pytest.fixture
-async def hand() -> AsyncIterator[StartBackend]:
-    """Hand-written recording backends (tests/test_router_http.py's ``Backend``)."""
-    started: list[Backend] = []
-
-    async def start(handler: Handler = echo, name: str = "hand") -> Backend:
-        backend = Backend(handler, f"{name}-{len(started)}")
-        await backend.start()
-        started.append(backend)
-        return backend
-
-    try:
-        yield start
-    finally:
-        for backend in started:
-            await backend.close()
 
 
 @pytest.fixture
@@ -331,9 +301,9 @@ async def test_random_link_faults_give_complete_answers_or_visible_errors_and_le
 
 
 async def test_slow_heads_and_slow_bodies_do_not_starve_other_clients(
-    hand: StartBackend, start_router: StartRouter
+    backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     body = COMPLETION
     native = b"n" * 6000  # past PrefixLength: routed and streaming while the client dawdles
@@ -374,9 +344,9 @@ async def test_slow_heads_and_slow_bodies_do_not_starve_other_clients(
 
 
 async def test_a_steadily_trickled_head_is_cut_at_client_header_all_the_same(
-    hand: StartBackend, start_router: StartRouter
+    backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec], timeouts={"client_header": 0.5})
     async with connect(router) as client:
         await client.send(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
@@ -413,9 +383,9 @@ async def test_a_steadily_trickled_head_is_cut_at_client_header_all_the_same(
     ids=["64-ascii", "65-ascii", "utf8", "latin1", "empty"],
 )
 async def test_tenant_keys_in_the_header_are_64_ascii_characters_at_most(
-    key: bytes, status: int, hand: StartBackend, start_router: StartRouter
+    key: bytes, status: int, backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     async with connect(router) as client:
         headers = TENANT_HEADER + b": " + key + b"\r\n"
@@ -438,9 +408,9 @@ async def test_tenant_keys_in_the_header_are_64_ascii_characters_at_most(
     ids=["64-ascii", "65-ascii", "latin", "cjk", "empty"],
 )
 async def test_prompt_cache_keys_are_64_ascii_characters_at_most(
-    key: str, status: int, hand: StartBackend, start_router: StartRouter
+    key: str, status: int, backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     body = chat_body("hello", prompt_cache_key=key)
     async with connect(router) as client:
@@ -503,9 +473,9 @@ def nested(depth: int) -> bytes:
     ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "",
 )
 async def test_unreadable_bodies_get_a_clear_400(
-    name: str, body: bytes, needle: str, hand: StartBackend, start_router: StartRouter
+    name: str, body: bytes, needle: str, backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     async with connect(router) as client:
         await client.send(req(b"POST", b"/v1/completions", body=body))
@@ -531,9 +501,9 @@ async def test_unreadable_bodies_get_a_clear_400(
     ids=lambda v: v if isinstance(v, str) else "",
 )
 async def test_bodies_routing_can_read_are_forwarded_byte_for_byte(
-    name: str, body: bytes, hand: StartBackend, start_router: StartRouter
+    name: str, body: bytes, backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     async with connect(router) as client:
         started = time.perf_counter()
@@ -573,9 +543,9 @@ async def raw_exchange(host: str, port: int, data: bytes) -> bytes:
 
 
 async def test_no_secret_reaches_a_backend_a_log_line_or_an_error_body(
-    tmp_path: Path, hand: StartBackend, children: list[fleet.Child]
+    tmp_path: Path, backends: StartBackend, children: list[fleet.Child]
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     token_file = tmp_path / "token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     access_log = tmp_path / "access.log"
@@ -676,9 +646,9 @@ async def test_the_admin_api_never_echoes_a_malformed_header_line(
 
 
 async def test_no_proxy_header_reaches_a_backend(
-    hand: StartBackend, start_router: StartRouter
+    backends: StartBackend, start_router: StartRouter
 ) -> None:
-    backend = await hand()
+    backend = await backends()
     router = await start_router([backend.spec])
     headers = (
         b"Proxy-Authorization: Basic c2VjcmV0\r\nProxy-Connection: keep-alive\r\n"

@@ -256,24 +256,6 @@ class Backend:
 StartBackend = Callable[..., Awaitable[Backend]]
 
 
-@pytest.fixture
-async def backends() -> AsyncIterator[StartBackend]:
-    """``backend = await backends(handler)``; request it before ``start_router``."""
-    started: list[Backend] = []
-
-    async def start(handler: Handler = echo, name: str = "hand") -> Backend:
-        backend = Backend(handler, f"{name}-{len(started)}")
-        await backend.start()
-        started.append(backend)
-        return backend
-
-    try:
-        yield start
-    finally:
-        for backend in started:
-            await backend.close()
-
-
 def reset(writer: asyncio.StreamWriter) -> None:
     """Close with a TCP RST instead of a FIN."""
     sock = writer.get_extra_info("socket")
