@@ -42,10 +42,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from hashring import hash_key, tenant_seed
 from router.balancer import Balancer, Choice, Fleet
+from router.cli import prefix_aware_flags
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
 
@@ -251,17 +251,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _routing(strategy: str, args: argparse.Namespace) -> RoutingConfig:
-    prefix: dict[str, Any] = {}
-    if args.prefix_length is not None:
-        prefix["PrefixLength"] = args.prefix_length
-    if args.concurrency_threshold is not None:
-        prefix["ConcurrencyThreshold"] = args.concurrency_threshold
-    if args.balance_factor is not None:
-        prefix["BalanceFactor"] = args.balance_factor
-    if args.balance_mode is not None:
-        prefix["BalanceMode"] = args.balance_mode
-    if args.concurrency_scope is not None:
-        prefix["ConcurrencyScope"] = args.concurrency_scope
+    prefix = prefix_aware_flags(args)  # the same flags as prefix-router serve
     return parse_routing({"RoutingStrategy": strategy, "PrefixAwareRoutingConfig": prefix})
 
 

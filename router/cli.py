@@ -106,6 +106,22 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
 
 
+# Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
+PREFIX_AWARE_FLAGS = (
+    ("prefix_length", "PrefixLength"),
+    ("concurrency_threshold", "ConcurrencyThreshold"),
+    ("balance_factor", "BalanceFactor"),
+    ("balance_mode", "BalanceMode"),
+    ("concurrency_scope", "ConcurrencyScope"),
+)
+
+
+def prefix_aware_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The PrefixAwareRoutingConfig fields the shortcut flags set (the rest absent)."""
+    values = ((field, getattr(args, flag)) for flag, field in PREFIX_AWARE_FLAGS)
+    return {field: value for field, value in values if value is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     """The file, then the flags over it, validated once."""
     data: dict[str, Any] = load_toml(args.config) if args.config else {}
@@ -153,17 +169,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     routing = dict(routing)
     if args.strategy is not None:
         routing["RoutingStrategy"] = STRATEGY_ALIASES.get(args.strategy.lower(), args.strategy)
-    inner = dict(routing.get("PrefixAwareRoutingConfig", {}))
-    for flag, field in (
-        ("prefix_length", "PrefixLength"),
-        ("concurrency_threshold", "ConcurrencyThreshold"),
-        ("balance_factor", "BalanceFactor"),
-        ("balance_mode", "BalanceMode"),
-        ("concurrency_scope", "ConcurrencyScope"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            inner[field] = value
+    inner = {**routing.get("PrefixAwareRoutingConfig", {}), **prefix_aware_flags(args)}
     if inner:
         routing["PrefixAwareRoutingConfig"] = inner
     if routing:
