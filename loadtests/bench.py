@@ -293,7 +293,7 @@ async def run_target(
         label, strategy = OURS[key]
         access_log = out / f"access-{key}.log"
         flags = [
-            "--strategy", strategy, "--access-log", str(access_log),
+            "--strategy", strategy, "--access-log", str(access_log), "--seed", str(args.seed),
             "--prefix-length", str(args.prefix_length),
             "--concurrency-threshold", str(args.concurrency_threshold),
         ]  # fmt: skip

@@ -46,7 +46,7 @@ class Router:
             b"\r\nx-forwarded-proto: https" if tls else b"\r\nx-forwarded-proto: http"
         )
         self.fleet = Fleet(config.backends, vnodes=config.vnodes)
-        self.balancer = Balancer(self.fleet, config.routing)
+        self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
         self.pools: dict[str, Pool] = {}
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()

@@ -81,6 +81,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="what ConcurrencyThreshold counts: requests in flight, or only those not answered yet",
     )
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
+    serve.add_argument(
+        "--seed", type=int, metavar="N", help="seed RANDOM's draws (reproducible benchmarks)"
+    )
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
     serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help='admin API listener (127.0.0.1:9091) or "off"'
@@ -133,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["retries"] = args.retries
     if args.access_log is not None:
         data["access_log"] = args.access_log
+    if args.seed is not None:
+        data["seed"] = args.seed
     if args.admin_listen is not None:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:

@@ -190,6 +190,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
     vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
     access_log: str = "-"  # a path, "-" for stdout, "off"
+    # Seeds the RANDOM strategy's draws (and least-outstanding tie breaks), so a
+    # benchmark can replay the same picks; unset: seeded from the OS.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

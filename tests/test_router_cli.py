@@ -303,3 +303,33 @@ async def test_admin_token_is_required_and_never_logged(
     finally:
         logged = await stop(proc)
     assert token.encode() not in logged
+
+
+async def test_seed_replays_the_random_strategy_picks(sim_fleet: SimFleet, tmp_path: Path) -> None:
+    """--seed makes RANDOM reproducible: what lets a benchmark's live run and the
+    offline simulator see the same draws."""
+    sims = await sim_fleet(3)
+    backends = [arg for sim in sims for arg in ("--backend", f"{sim.name}={sim.url}")]
+
+    async def picks(seed: str, run: str) -> list[str]:
+        log = tmp_path / f"access-{run}.log"
+        flags = ["--strategy", "random", "--seed", seed, "--no-health-checks"]
+        proc, port = await spawn_router(*backends, *flags, "--access-log", str(log))
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for i in range(40):
+                    body = {"prompt": f"request {i}", "max_tokens": 1}
+                    async with http.post(url, json=body) as resp:
+                        assert resp.status == 200
+                        await resp.read()
+        finally:
+            await stop(proc)
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        return [line["backend"] for line in lines if line["event"] == "access"]
+
+    first = await picks("7", "a")
+    assert len(first) == 40
+    assert len(set(first)) == 3
+    assert await picks("7", "b") == first
+    assert await picks("8", "c") != first
