@@ -58,17 +58,15 @@ class Lease:
 
 
 class LoadTracker:
-    __slots__ = ("_counts", "_view", "on_idle", "total")
+    __slots__ = ("_counts", "counts", "on_idle", "total")
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
-        self._view = MappingProxyType(self._counts)
+        # A read-only view, set once: an attribute read is cheaper than a property
+        # call, and the balancer reads it on every request.
+        self.counts: Mapping[str, int] = MappingProxyType(self._counts)
         self.total = 0
         self.on_idle: Callable[[str], None] | None = None
-
-    @property
-    def counts(self) -> Mapping[str, int]:
-        return self._view
 
     def get(self, member: str) -> int:
         return self._counts.get(member, 0)

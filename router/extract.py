@@ -140,13 +140,14 @@ def prompt_text(request: OpenAIRequest, limit: int) -> str:
     for message in messages or ():
         if size >= limit:
             break
-        parts += (RS, message.role, US)
-        size += 2 + len(message.role)
-        content = message.content
-        if isinstance(content, str):
-            parts.append(content)
-            size += len(content)
-        elif content:
+        role, content = message.role, message.content
+        if type(content) is str:  # the common case, in one step
+            parts += (RS, role, US, content)
+            size += 2 + len(role) + len(content)
+            continue
+        parts += (RS, role, US)
+        size += 2 + len(role)
+        if content:
             for part in content:
                 text = part.text if part.type in TEXT_PARTS else None
                 if text is None:
