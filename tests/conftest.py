@@ -9,8 +9,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import settings
 
 from loadtests.simserver import SimConfig, SimServer, Timing
+
+# Property tests check what holds, not how fast: no per-example deadline, which a
+# pause on a loaded machine (GC, a descheduled thread) would turn into a failure.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 if TYPE_CHECKING:
     from router.app import Router

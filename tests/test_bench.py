@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # 4 instances, 6 s of wall time per target at 1/20 of model time: two minutes of
@@ -38,6 +40,7 @@ def run(module: str, *args: str) -> None:
     assert "| PREFIX_AWARE |" in done.stdout
 
 
+@pytest.mark.timeout(400)  # two subprocesses of up to 150 s each; the default is 60 s
 def test_prefix_aware_beats_random_live_and_offline_agrees(tmp_path: Path) -> None:
     live_out, offline_out = tmp_path / "live", tmp_path / "offline"
     run("loadtests.bench", *CASE, "--duration", "6", "--time-scale", "0.05", "--out", str(live_out))

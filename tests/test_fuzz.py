@@ -346,7 +346,10 @@ async def harness(start_router: StartRouter) -> AsyncIterator[Harness]:
     backend = Backend(echo, "fuzz")
     await backend.start()
     router = await start_router(
-        [backend.spec], timeouts={"first_byte": 1.0, "idle": 1.0}, health={"active": False}
+        # Long enough that a loaded machine cannot turn a slow echo into a 504.
+        [backend.spec],
+        timeouts={"first_byte": 10.0, "idle": 10.0},
+        health={"active": False},
     )
     loop = asyncio.get_running_loop()
     errors: list[dict[str, Any]] = []

@@ -266,8 +266,10 @@ async def test_a_corrupt_state_file_stops_start_up_and_is_left_alone(tmp_path: P
     assert state.read_bytes() == b'{"version": 1, "backends": [{"name": "a"'
 
 
-def test_the_admin_api_off_loopback_needs_a_token(capsys: pytest.CaptureFixture[str]) -> None:
-    os.environ.pop("PREFIX_ROUTER_ADMIN_TOKEN", None)
+def test_the_admin_api_off_loopback_needs_a_token(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PREFIX_ROUTER_ADMIN_TOKEN", raising=False)
     assert main(["serve", "--admin-listen", "0.0.0.0:9091"]) == 2
     assert "not on loopback: give it a token" in capsys.readouterr().err
 

@@ -1362,7 +1362,7 @@ async def test_a_stalled_request_body_gets_408_and_frees_the_lease(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
     backend = await backends()
-    router = await start_router([backend.spec], timeouts={"client_body": 0.3})
+    router = await start_router([backend.spec], timeouts={"client_body": 1.0})
     async with connect(router) as client:
         # Past PrefixLength: routed, leased, streaming; then the client stalls.
         head = b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
@@ -1414,11 +1414,11 @@ async def test_a_slow_reading_client_is_not_cut_off_by_the_upstream_idle_timeout
         return True
 
     backend = await backends(bulk)
-    router = await start_router([backend.spec], timeouts={"first_byte": 0.3, "idle": 0.3})
+    router = await start_router([backend.spec], timeouts={"first_byte": 0.5, "idle": 0.5})
     async with connect(router, rcvbuf=65536) as client:
         await client.send(req(b"GET", b"/bulk"))
         resp = await client.head()
-        await asyncio.sleep(1.0)  # the client is slow on purpose: it reads nothing for a while
+        await asyncio.sleep(1.5)  # the client is slow on purpose: it reads nothing for a while
         resp = await client.body(resp)
     assert resp.complete
     assert len(resp.body) == size

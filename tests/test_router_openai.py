@@ -140,7 +140,7 @@ async def test_other_strategies_spread_a_shared_prompt(
     sim_fleet: SimFleet, start_router: StartRouter, strategy: str
 ) -> None:
     sims = await sim_fleet(3)
-    router = await start_router(sims, routing={"RoutingStrategy": strategy})
+    router = await start_router(sims, routing={"RoutingStrategy": strategy}, seed=1)
     url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     async with aiohttp.ClientSession() as http:
         seen = Counter([await instance_of(http, url, chat(f"q{i}")) for i in range(30)])
