@@ -19,6 +19,15 @@ Contract:
   ``OVERFLOW``), which becomes the key's home.  When nobody qualifies, the
   traffic bound is dropped first, then the threshold (``FALLBACK``, fewest
   in flight), as in ``bounded.pick``.
+- Hot keys are served by replicas.  A key whose share of the last ``window``
+  decisions is above ``HOT_SHARE`` (1.5) average members' shares would, on
+  its home alone, be a hot spot that no placement of other keys can offset
+  (one shared system prompt: every request).  Its requests go to
+  ``ceil(share)`` replicas, its home and the next members of its walk, each
+  request to the replica with the fewest ``fallback_loads`` in flight among
+  those below ``threshold`` (``PRIMARY`` for the home, else ``OVERFLOW`` at
+  its place in the replica list); the key keeps its home.  Shares count
+  against the full window, so during a cold start no key looks hot early.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
 - Trade-off, stated: placement depends on this process's recent traffic, so
@@ -28,8 +37,10 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping, Set
+from itertools import chain
 
 from .bounded import Decision, Pick
 from .ring import Ring
@@ -39,10 +50,14 @@ __all__ = ["Placement"]
 DEFAULT_CAPACITY = 1 << 16
 WINDOW_PER_MEMBER = 100
 MIN_WINDOW = 1024
+# A key above this many average members' shares of recent traffic is served by
+# replicas. Measured offline (loadtests/RESULTS.md): on `long` and `short` no
+# key reaches it, and nothing changes; on `sysprompt` it ends the hot spot.
+HOT_SHARE = 1.5
 
 
 class Placement:
-    __slots__ = ("_counts", "_recent", "_table", "capacity", "factor")
+    __slots__ = ("_counts", "_key_counts", "_recent", "_table", "capacity", "factor")
 
     def __init__(self, factor: float, *, capacity: int = DEFAULT_CAPACITY):
         if factor < 1:
@@ -50,8 +65,10 @@ class Placement:
         self.factor = factor
         self.capacity = capacity
         self._table: OrderedDict[int, str] = OrderedDict()
-        self._recent: deque[str] = deque(maxlen=MIN_WINDOW)
+        # The last ``window`` decisions, (member, key hash), and their tallies.
+        self._recent: deque[tuple[str, int]] = deque(maxlen=MIN_WINDOW)
         self._counts: Counter[str] = Counter()
+        self._key_counts: Counter[int] = Counter()
 
     def __len__(self) -> int:
         return len(self._table)
@@ -84,10 +101,18 @@ class Placement:
             fallback_loads = loads
         self._fit_window(len(ring))
         home = self._table.get(key_hash)
+        chosen: Pick | None = None
         if home is not None and home in ring and home not in avoid:
             self._table.move_to_end(key_hash)
-            if loads.get(home, 0) < threshold:
-                chosen: Pick | None = Pick(home, Decision.PRIMARY, 0)
+            share = self._key_counts[key_hash] * len(ring) / self.window
+            if share > HOT_SHARE:
+                chosen = self._replica(
+                    ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
+                )
+            if chosen is not None:
+                pass  # a hot key's replica
+            elif loads.get(home, 0) < threshold:
+                chosen = Pick(home, Decision.PRIMARY, 0)
             else:
                 # Home is at its threshold: the walk passes it by (or, when all are
                 # at theirs, may return it as the least loaded).  Not a new home.
@@ -103,8 +128,41 @@ class Placement:
             if chosen is not None and chosen.decision is not Decision.FALLBACK:
                 self._remember(key_hash, chosen.member)
         if chosen is not None:
-            self._count(chosen.member)
+            self._count(chosen.member, key_hash)
         return chosen
+
+    def _replica(
+        self,
+        ring: Ring,
+        key_hash: int,
+        home: str,
+        share: float,
+        threshold: int,
+        loads: Mapping[str, int],
+        fallback_loads: Mapping[str, int],
+        avoid: Set[str],
+    ) -> Pick | None:
+        """The least loaded of a hot key's replicas below ``threshold``, or None.
+
+        Ties (common: a few requests in flight each) go to the replica with the
+        fewest recent requests; by walk order alone the home would win them all.
+        """
+        replicas = math.ceil(share)
+        recent = self._counts
+        best: Pick | None = None
+        best_load = (0, 0)
+        position = 0
+        for member in chain((home,), ring.walk(key_hash)):
+            if position == replicas:
+                break
+            if member in avoid or (position and member == home):
+                continue
+            load = (fallback_loads.get(member, 0), recent[member])
+            if loads.get(member, 0) < threshold and (best is None or load < best_load):
+                decision = Decision.OVERFLOW if position else Decision.PRIMARY
+                best, best_load = Pick(member, decision, position), load
+            position += 1
+        return best
 
     def _walk(
         self,
@@ -147,16 +205,24 @@ class Placement:
         if len(table) > self.capacity:
             table.popitem(last=False)
 
-    def _count(self, member: str) -> None:
+    def _count(self, member: str, key_hash: int) -> None:
         recent = self._recent
         if len(recent) == recent.maxlen:
-            self._counts[recent[0]] -= 1
-        recent.append(member)
+            old_member, old_key = recent[0]
+            self._counts[old_member] -= 1
+            key_counts = self._key_counts
+            if key_counts[old_key] == 1:
+                del key_counts[old_key]  # the tally stays as small as the window
+            else:
+                key_counts[old_key] -= 1
+        recent.append((member, key_hash))
         self._counts[member] += 1
+        self._key_counts[key_hash] += 1
 
     def _fit_window(self, members: int) -> None:
         size = max(MIN_WINDOW, WINDOW_PER_MEMBER * members)
         if size != self._recent.maxlen:
             kept = list(self._recent)[-size:]
             self._recent = deque(kept, maxlen=size)
-            self._counts = Counter(kept)
+            self._counts = Counter(member for member, _ in kept)
+            self._key_counts = Counter(key for _, key in kept)

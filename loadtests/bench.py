@@ -73,6 +73,9 @@ OURS = {
     "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),  # BalanceMode TRAFFIC
     # ConcurrencyScope PREFILL, BalanceFactor --balance-factor or PREFILL_FACTOR
     "prefix-prefill": ("PREFIX_AWARE PREFILL", "prefix"),
+    # BalanceMode TRAFFIC and ConcurrencyScope PREFILL: the one setting that wins on
+    # long, short and sysprompt alike (RESULTS.md)
+    "prefix-traffic-prefill": ("PREFIX_AWARE TRAFFIC PREFILL", "prefix"),
 }
 PREFILL_FACTOR = 1.5
 PEERS = ("sglang", "vllm")
@@ -298,8 +301,10 @@ async def run_target(
             "--concurrency-threshold", str(args.concurrency_threshold),
         ]  # fmt: skip
         factor = args.balance_factor
-        if key == "prefix-traffic":
+        if key in ("prefix-traffic", "prefix-traffic-prefill"):
             flags += ["--balance-mode", "TRAFFIC"]
+        if key == "prefix-traffic-prefill":
+            flags += ["--concurrency-scope", "PREFILL"]
         elif key == "prefix-prefill":
             flags += ["--concurrency-scope", "PREFILL"]
             factor = factor or PREFILL_FACTOR
@@ -449,7 +454,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--strategies",
         default="random,least,prefix",
-        help="comma list of random, least, prefix, prefix-traffic, prefix-prefill, sglang, vllm",
+        help="comma list of random, least, prefix, prefix-traffic, prefix-prefill,"
+        " prefix-traffic-prefill, sglang, vllm",
     )
     p.add_argument("--duration", type=float, default=120.0, help="wall seconds per target")
     p.add_argument("--time-scale", type=float, default=0.2, help="real s per model s")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections import Counter, deque
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hashring import Decision, Placement, Ring
+from hashring import Decision, Pick, Placement, Ring
 
 MEMBERS = {"a": 1, "b": 1, "c": 2, "d": 1}
 
@@ -96,6 +97,84 @@ def test_avoided_members_are_never_chosen(key: int, avoid: set[str]) -> None:
     else:
         assert chosen is not None
         assert chosen.member not in avoid
+
+
+SEVEN = {f"m{i}": 1 for i in range(7)}
+
+
+def route_with_leases(
+    placement: Placement, ring: Ring, keys: list[int], in_flight: int, avoid: frozenset[str]
+) -> list[Pick]:
+    """Route ``keys`` in turn, each request held in flight for the next ``in_flight``
+    routings (a steady concurrency), as the balancer's leases would be."""
+    loads: Counter[str] = Counter()
+    held: deque[str] = deque()
+    picks = []
+    for key in keys:
+        chosen = placement.route(ring, key, loads, threshold=1000, avoid=avoid)
+        assert chosen is not None
+        picks.append(chosen)
+        loads[chosen.member] += 1
+        held.append(chosen.member)
+        if len(held) > in_flight:
+            loads[held.popleft()] -= 1
+    return picks
+
+
+@pytest.mark.parametrize("avoid", [frozenset(), frozenset({"m3"})])
+def test_a_hot_key_is_served_by_replicas_and_keeps_its_home(avoid: frozenset[str]) -> None:
+    # One shared prefix carries all traffic (the sysprompt workload): on its home
+    # alone it would be a hot spot.  Once its share of the window passes 1.5
+    # members' shares it spreads over ceil(share) replicas, the least loaded first.
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    hot = 0x5EED
+    picks = route_with_leases(placement, ring, [hot] * 4000, in_flight=14, avoid=avoid)
+    home = placement.home(hot)
+    assert home is not None
+    assert home not in avoid
+    steady = Counter(p.member for p in picks[2000:])
+    members = set(SEVEN) - avoid
+    assert set(steady) == members  # every member available serves it ...
+    fair = 2000 / len(members)
+    assert all(0.95 * fair <= n <= 1.05 * fair for n in steady.values()), steady  # ... evenly
+    assert all(p.decision is Decision.PRIMARY for p in picks[2000:] if p.member == home)
+    assert all(p.decision is Decision.OVERFLOW for p in picks[2000:] if p.member != home)
+    assert placement.home(hot) == home  # replicas do not move the key
+
+
+def test_a_key_turns_hot_past_one_and_a_half_members_shares() -> None:
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    key = 99
+    for _ in range(219):  # 219 * 7 / 1024 window = 1.497 members' shares: not hot
+        placement.route(ring, key, {}, threshold=1000)
+    home = placement.home(key)
+    assert home is not None
+    busy_home = {home: 5}  # the home is the busiest; a replica would be chosen if hot
+    assert placement.route(ring, key, {}, threshold=1000, fallback_loads=busy_home) == (
+        home,
+        Decision.PRIMARY,
+        0,
+    )
+    # Now 220 in the window: 1.504 shares, two replicas, the home and the next
+    # member of its walk; the idle one takes it.
+    chosen = placement.route(ring, key, {}, threshold=1000, fallback_loads=busy_home)
+    assert chosen is not None
+    assert chosen.decision is Decision.OVERFLOW
+    assert chosen.position == 1
+    assert chosen.member == next(m for m in ring.walk(key) if m != home)
+
+
+def test_keys_below_the_hot_share_stay_on_their_homes() -> None:
+    # Seven keys of one member's share each: placement spreads them, none is hot,
+    # every request goes to its key's home.
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    keys = [1000 + k for k in range(7)] * 600
+    picks = route_with_leases(placement, ring, keys, in_flight=14, avoid=frozenset())
+    for key, chosen in list(zip(keys, picks, strict=True))[7:]:  # each placed once, then:
+        assert chosen == (placement.home(key), Decision.PRIMARY, 0)
 
 
 def test_the_table_forgets_least_recently_used_keys_beyond_capacity() -> None:

@@ -27,12 +27,16 @@ def chat(question: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
     }
 
 
-def walk_of(router: Router, body: dict[str, Any]) -> list[str]:
-    """The preference walk the router will use for this body (computed independently)."""
+def key_of(router: Router, body: dict[str, Any]) -> int:
+    """The routing key hash the router will use for this body (computed independently)."""
     request = decode_openai(json.dumps(body).encode())
     limit = router.balancer.config.prefix_aware.prefix_length
-    key_hash = hash_key(prompt_key(request, limit), tenant_seed(request.prompt_cache_key))
-    return list(router.fleet.ring.walk(key_hash))
+    return hash_key(prompt_key(request, limit), tenant_seed(request.prompt_cache_key))
+
+
+def walk_of(router: Router, body: dict[str, Any]) -> list[str]:
+    """The preference walk the router will use for this body."""
+    return list(router.fleet.ring.walk(key_of(router, body)))
 
 
 async def post(
@@ -182,6 +186,37 @@ async def test_concurrency_scope_prefill_counts_only_requests_not_yet_answered(
     async with asyncio.timeout(10):
         await router.wait_quiet()
     assert router.fleet.loads.total == 0
+
+
+async def test_balance_mode_traffic_serves_one_hot_prefix_from_every_instance(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # Every request shares one system prompt (the hot-spot case). The key is placed
+    # on one home; once it carries more than 1.5 instances' shares of the last
+    # 1,024 decisions, it is served by replicas along its walk.
+    sims = await sim_fleet(3)
+    routing = {"BalanceMode": "TRAFFIC", "ConcurrencyScope": "PREFILL"}
+    router = await start_router(sims, routing={"PrefixAwareRoutingConfig": routing})
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    gate = asyncio.Semaphore(6)
+
+    async def one(i: int) -> tuple[int, str, dict[str, Any]]:
+        async with gate:
+            return await post(http, url, chat(f"question {i}"))
+
+    async with aiohttp.ClientSession() as http:
+        first = [await one(i) for i in range(520)]  # one at a time: all on the home
+        later = await asyncio.gather(*(one(i) for i in range(520, 1120)))
+    assert all(status == 200 for status, _, _ in first + later)
+    home = first[0][1]
+    assert {instance for _, instance, _ in first[:500]} == {home}
+    # ceil(share) replicas: two past 512 of the window's 1,024, three past 683.
+    spread = Counter(instance for _, instance, _ in later[-300:])
+    assert set(spread) == {s.name for s in sims}, spread
+    assert all(count >= 60 for count in spread.values()), spread  # 300 requests, 3 instances
+    placement = router.balancer._placement
+    assert placement is not None
+    assert placement.home(key_of(router, chat("any question"))) == home  # it kept its home
 
 
 async def test_a_stopped_instance_is_routed_around_without_client_errors(
