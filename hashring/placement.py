@@ -26,8 +26,11 @@ Contract:
   ``ceil(share)`` replicas, its home and the next members of its walk, each
   request to the replica with the fewest ``fallback_loads`` in flight among
   those below ``threshold`` (``PRIMARY`` for the home, else ``OVERFLOW`` at
-  its place in the replica list); the key keeps its home.  Shares count
-  against the full window, so during a cold start no key looks hot early.
+  its place in the replica list); the key keeps its home.  Past
+  ``SCAN_REPLICAS`` replicas a request compares two of them, in rotation
+  (the power of two choices), so the cost per request does not grow with the
+  fleet.  Shares count against the full window, so during a cold start no
+  key looks hot early.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
 - Trade-off, stated: placement depends on this process's recent traffic, so
@@ -39,8 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Set
-from itertools import chain
+from collections.abc import Iterable, Mapping, Set
 
 from .bounded import Decision, Pick
 from .ring import Ring
@@ -54,10 +56,23 @@ MIN_WINDOW = 1024
 # replicas. Measured offline (loadtests/RESULTS.md): on `long` and `short` no
 # key reaches it, and nothing changes; on `sysprompt` it ends the hot spot.
 HOT_SHARE = 1.5
+# Up to this many replicas each request compares them all; past it, two of them
+# (the power of two choices), so a hot key costs O(1) per request on any fleet.
+SCAN_REPLICAS = 8
 
 
 class Placement:
-    __slots__ = ("_counts", "_key_counts", "_recent", "_table", "capacity", "factor")
+    __slots__ = (
+        "_counts",
+        "_key_counts",
+        "_recent",
+        "_replica_ring",
+        "_replicas",
+        "_table",
+        "_tick",
+        "capacity",
+        "factor",
+    )
 
     def __init__(self, factor: float, *, capacity: int = DEFAULT_CAPACITY):
         if factor < 1:
@@ -68,7 +83,11 @@ class Placement:
         # The last ``window`` decisions, (member, key hash), and their tallies.
         self._recent: deque[tuple[str, int]] = deque(maxlen=MIN_WINDOW)
         self._counts: Counter[str] = Counter()
-        self._key_counts: Counter[int] = Counter()
+        self._key_counts: dict[int, int] = {}
+        # Hot keys' replica lists (home, then its walk), for the ring they came from.
+        self._replicas: dict[int, list[str]] = {}
+        self._replica_ring: Ring | None = None
+        self._tick = 0
 
     def __len__(self) -> int:
         return len(self._table)
@@ -99,12 +118,15 @@ class Placement:
         (default ``loads``) takes the request."""
         if fallback_loads is None:
             fallback_loads = loads
-        self._fit_window(len(ring))
+        members = len(ring)
+        self._fit_window(members)
         home = self._table.get(key_hash)
         chosen: Pick | None = None
         if home is not None and home in ring and home not in avoid:
             self._table.move_to_end(key_hash)
-            share = self._key_counts[key_hash] * len(ring) / self.window
+            # The key's share of the window, in average members' shares.
+            window = self._recent.maxlen or MIN_WINDOW
+            share = self._key_counts.get(key_hash, 0) * members / window
             if share > HOT_SHARE:
                 chosen = self._replica(
                     ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
@@ -146,23 +168,66 @@ class Placement:
 
         Ties (common: a few requests in flight each) go to the replica with the
         fewest recent requests; by walk order alone the home would win them all.
+        Past ``SCAN_REPLICAS`` only two replicas, taken in rotation, are compared;
+        if neither can take the request, all are.
         """
-        replicas = math.ceil(share)
+        count = min(math.ceil(share), len(ring))
+        replicas = self._replica_list(ring, key_hash, home, count)
+        if count > SCAN_REPLICAS:
+            self._tick = tick = self._tick + 1
+            first = tick % count
+            second = (first + 1 + (tick // count) % (count - 1)) % count
+            chosen = self._least_loaded(
+                replicas, (first, second), home, threshold, loads, fallback_loads, avoid
+            )
+            if chosen is not None:
+                return chosen
+        return self._least_loaded(
+            replicas, range(count), home, threshold, loads, fallback_loads, avoid
+        )
+
+    def _least_loaded(
+        self,
+        replicas: list[str],
+        positions: Iterable[int],
+        home: str,
+        threshold: int,
+        loads: Mapping[str, int],
+        fallback_loads: Mapping[str, int],
+        avoid: Set[str],
+    ) -> Pick | None:
         recent = self._counts
         best: Pick | None = None
         best_load = (0, 0)
-        position = 0
-        for member in chain((home,), ring.walk(key_hash)):
-            if position == replicas:
-                break
-            if member in avoid or (position and member == home):
+        for position in positions:
+            member = replicas[position]
+            if member in avoid or loads.get(member, 0) >= threshold:
                 continue
             load = (fallback_loads.get(member, 0), recent[member])
-            if loads.get(member, 0) < threshold and (best is None or load < best_load):
-                decision = Decision.OVERFLOW if position else Decision.PRIMARY
+            if best is None or load < best_load:
+                decision = Decision.PRIMARY if member == home else Decision.OVERFLOW
                 best, best_load = Pick(member, decision, position), load
-            position += 1
         return best
+
+    def _replica_list(self, ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
+        """``home`` then the next members of the key's walk, at least ``count`` in
+        all; kept per key until the ring changes (a ring is immutable: a change is
+        a new one), so a share that wavers does not rebuild it."""
+        if ring is not self._replica_ring:
+            self._replicas.clear()
+            self._replica_ring = ring
+        replicas = self._replicas.get(key_hash)
+        if replicas is None or len(replicas) < count or replicas[0] != home:
+            replicas = [home]
+            for member in ring.walk(key_hash):
+                if len(replicas) == count:
+                    break
+                if member != home:
+                    replicas.append(member)
+            if len(self._replicas) >= len(ring):  # only a few keys are hot at a time
+                self._replicas.clear()
+            self._replicas[key_hash] = replicas
+        return replicas
 
     def _walk(
         self,
@@ -206,18 +271,18 @@ class Placement:
             table.popitem(last=False)
 
     def _count(self, member: str, key_hash: int) -> None:
-        recent = self._recent
+        recent, counts, key_counts = self._recent, self._counts, self._key_counts
         if len(recent) == recent.maxlen:
             old_member, old_key = recent[0]
-            self._counts[old_member] -= 1
-            key_counts = self._key_counts
-            if key_counts[old_key] == 1:
-                del key_counts[old_key]  # the tally stays as small as the window
+            counts[old_member] -= 1
+            left = key_counts[old_key] - 1
+            if left:
+                key_counts[old_key] = left
             else:
-                key_counts[old_key] -= 1
+                del key_counts[old_key]  # the tally stays as small as the window
         recent.append((member, key_hash))
-        self._counts[member] += 1
-        self._key_counts[key_hash] += 1
+        counts[member] = counts.get(member, 0) + 1  # dict.get: no Counter.__missing__ call
+        key_counts[key_hash] = key_counts.get(key_hash, 0) + 1
 
     def _fit_window(self, members: int) -> None:
         size = max(MIN_WINDOW, WINDOW_PER_MEMBER * members)
@@ -225,4 +290,4 @@ class Placement:
             kept = list(self._recent)[-size:]
             self._recent = deque(kept, maxlen=size)
             self._counts = Counter(member for member, _ in kept)
-            self._key_counts = Counter(key for _, key in kept)
+            self._key_counts = dict(Counter(key for _, key in kept))

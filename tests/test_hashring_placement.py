@@ -143,6 +143,23 @@ def test_a_hot_key_is_served_by_replicas_and_keeps_its_home(avoid: frozenset[str
     assert placement.home(hot) == home  # replicas do not move the key
 
 
+def test_a_hot_key_on_a_large_fleet_spreads_by_two_choices() -> None:
+    # 64 members: past SCAN_REPLICAS each request compares two replicas in
+    # rotation (O(1) per request), and the spread stays even.
+    members = {f"m{i}": 1 for i in range(64)}
+    ring = Ring(members, vnodes=16)
+    placement = Placement(1.05)
+    picks = route_with_leases(placement, ring, [7] * 40_000, in_flight=128, avoid=frozenset())
+    steady = Counter(p.member for p in picks[20_000:])
+    assert set(steady) == set(members)
+    fair = 20_000 / 64
+    assert all(0.9 * fair <= n <= 1.1 * fair for n in steady.values()), steady
+    # A new ring (a member removed) gets a new replica list: the gone one is never chosen.
+    smaller = ring.without_member("m5")
+    later = route_with_leases(placement, smaller, [7] * 2000, in_flight=128, avoid=frozenset())
+    assert "m5" not in {p.member for p in later}
+
+
 def test_a_key_turns_hot_past_one_and_a_half_members_shares() -> None:
     ring = Ring(SEVEN, vnodes=64)
     placement = Placement(1.05)
