@@ -11,9 +11,10 @@ member's share of recent traffic; the key then sticks to where it was put.
 Contract:
 - ``route`` returns the member for a key hash: its sticky member if it has one
   that is on the ring, not avoided and below ``threshold`` in flight
-  (``PRIMARY``); else, for a key seen before, the first member of the walk
-  below ``threshold`` (``OVERFLOW``, the key keeps its home); else, for a new
-  key, the first member of the walk whose share of the last ``window``
+  (``PRIMARY``); else, for a key whose home is on the ring (avoided or at its
+  threshold), the first member of the walk below ``threshold`` (``OVERFLOW``,
+  the key keeps its home); else, for a new key or one whose home left the
+  ring, the first member of the walk whose share of the last ``window``
   decisions is below ``factor`` times its weighted fair share and whose
   in-flight count is below ``threshold`` (``PRIMARY`` at position 0, else
   ``OVERFLOW``), which becomes the key's home.  When nobody qualifies, the
@@ -23,10 +24,12 @@ Contract:
   decisions is above ``HOT_SHARE`` (1.5) average members' shares would, on
   its home alone, be a hot spot that no placement of other keys can offset
   (one shared system prompt: every request).  Its requests go to
-  ``ceil(share)`` replicas, its home and the next members of its walk, each
-  request to the replica with the fewest ``fallback_loads`` in flight among
-  those below ``threshold`` (``PRIMARY`` for the home, else ``OVERFLOW`` at
-  its place in the replica list); the key keeps its home.  Past
+  ``ceil(share)`` replicas, its home and the next members of its walk (an
+  avoided one is replaced by the next), each request to the replica with the
+  fewest ``fallback_loads`` in flight among those below ``threshold``
+  (``PRIMARY`` for the home, else ``OVERFLOW`` at its place among the
+  replicas, counting, as walks do, only members not avoided); the key keeps
+  its home.  Past
   ``SCAN_REPLICAS`` replicas a request compares two of them, in rotation
   (the power of two choices), so the cost per request does not grow with the
   fleet.  Shares count against the full window, so during a cold start no
@@ -43,6 +46,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Set
+from itertools import islice
 
 from .bounded import Decision, Pick
 from .ring import Ring
@@ -122,7 +126,7 @@ class Placement:
         self._fit_window(members)
         home = self._table.get(key_hash)
         chosen: Pick | None = None
-        if home is not None and home in ring and home not in avoid:
+        if home is not None and home in ring:
             self._table.move_to_end(key_hash)
             # The key's share of the window, in average members' shares.
             window = self._recent.maxlen or MIN_WINDOW
@@ -133,11 +137,12 @@ class Placement:
                 )
             if chosen is not None:
                 pass  # a hot key's replica
-            elif loads.get(home, 0) < threshold:
+            elif home not in avoid and loads.get(home, 0) < threshold:
                 chosen = Pick(home, Decision.PRIMARY, 0)
             else:
-                # Home is at its threshold: the walk passes it by (or, when all are
-                # at theirs, may return it as the least loaded).  Not a new home.
+                # Home is avoided (down, draining, tried) or at its threshold: the
+                # walk passes it by (or, when all are at theirs, may return it as
+                # the least loaded).  Not a new home.
                 chosen = self._walk(
                     ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=False
                 )
@@ -172,19 +177,22 @@ class Placement:
         if neither can take the request, all are.
         """
         count = min(math.ceil(share), len(ring))
-        replicas = self._replica_list(ring, key_hash, home, count)
+        replicas = self._replica_list(ring, key_hash, home, min(count + len(avoid), len(ring)))
+        if avoid:  # the first ``count`` that can take it: an avoided replica is replaced
+            replicas = list(islice((m for m in replicas if m not in avoid), count))
+            count = len(replicas)
+            if not count:
+                return None
         if count > SCAN_REPLICAS:
             self._tick = tick = self._tick + 1
             first = tick % count
             second = (first + 1 + (tick // count) % (count - 1)) % count
             chosen = self._least_loaded(
-                replicas, (first, second), home, threshold, loads, fallback_loads, avoid
+                replicas, (first, second), home, threshold, loads, fallback_loads
             )
             if chosen is not None:
                 return chosen
-        return self._least_loaded(
-            replicas, range(count), home, threshold, loads, fallback_loads, avoid
-        )
+        return self._least_loaded(replicas, range(count), home, threshold, loads, fallback_loads)
 
     def _least_loaded(
         self,
@@ -194,14 +202,13 @@ class Placement:
         threshold: int,
         loads: Mapping[str, int],
         fallback_loads: Mapping[str, int],
-        avoid: Set[str],
     ) -> Pick | None:
         recent = self._counts
         best: Pick | None = None
         best_load = (0, 0)
-        for position in positions:
+        for position in positions:  # counting only replicas not avoided, as walks do
             member = replicas[position]
-            if member in avoid or loads.get(member, 0) >= threshold:
+            if loads.get(member, 0) >= threshold:
                 continue
             load = (fallback_loads.get(member, 0), recent[member])
             if best is None or load < best_load:

@@ -143,6 +143,57 @@ def test_a_hot_key_is_served_by_replicas_and_keeps_its_home(avoid: frozenset[str
     assert placement.home(hot) == home  # replicas do not move the key
 
 
+@pytest.mark.parametrize("avoid_second", [False, True])
+def test_a_hot_key_takes_ceil_share_replicas_and_an_avoided_one_is_replaced(
+    avoid_second: bool,
+) -> None:
+    # Every third request is the hot key: 2.33 members' shares, three replicas.
+    ring = Ring(SEVEN, vnodes=64)
+    hot = 0xC0FFEE
+    order = [m for m in ring.walk(hot)]
+    placement = Placement(1.05)
+    placement.route(ring, hot, {}, threshold=1000)  # its home, before any avoid
+    home = placement.home(hot)
+    assert home is not None
+    others = [m for m in order if m != home]
+    avoid = frozenset({others[0]}) if avoid_second else frozenset()
+    keys = [hot if i % 3 == 0 else 10_000 + i for i in range(6000)]
+    picks = route_with_leases(placement, ring, keys, in_flight=14, avoid=avoid)
+    served = {p.member for key, p in list(zip(keys, picks, strict=True))[3000:] if key == hot}
+    usable = [m for m in others if m not in avoid]
+    assert served == {home, usable[0], usable[1]}
+    assert placement.home(hot) == home
+
+
+def test_an_avoided_home_is_passed_by_and_kept() -> None:
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    first = placement.route(ring, 5, {}, threshold=10)
+    assert first is not None
+    home = first.member
+    # Down, draining or already tried by this request: the walk passes it by.
+    detour = placement.route(ring, 5, {}, threshold=10, avoid=frozenset({home}))
+    assert detour is not None
+    assert detour.member != home
+    assert detour.decision is Decision.OVERFLOW
+    assert placement.home(5) == home  # and the key goes back when it returns
+    assert placement.route(ring, 5, {}, threshold=10) == (home, Decision.PRIMARY, 0)
+
+
+def test_past_eight_replicas_a_request_compares_two() -> None:
+    members = {f"m{i}": 1 for i in range(16)}
+    ring = Ring(members, vnodes=16)
+    placement = Placement(1.05)
+    for _ in range(3000):  # all traffic: 16 replicas
+        placement.route(ring, 3, {}, threshold=1000)
+    idle = "m7"
+    loads = {m: 0 if m == idle else 5 for m in members}
+    chosen = [placement.route(ring, 3, {}, threshold=1000, fallback_loads=loads) for _ in range(16)]
+    # A full scan would send all sixteen to the one idle replica; two choices in
+    # rotation find it only when it is one of the two.
+    assert 1 <= sum(p is not None and p.member == idle for p in chosen) < 16
+
+
 def test_a_hot_key_on_a_large_fleet_spreads_by_two_choices() -> None:
     # 64 members: past SCAN_REPLICAS each request compares two replicas in
     # rotation (O(1) per request), and the spread stays even.
