@@ -129,8 +129,7 @@ class Placement:
         if home is not None and home in ring:
             self._table.move_to_end(key_hash)
             # The key's share of the window, in average members' shares.
-            window = self._recent.maxlen or MIN_WINDOW
-            share = self._key_counts.get(key_hash, 0) * members / window
+            share = self._key_counts.get(key_hash, 0) * members / self.window
             if share > HOT_SHARE:
                 chosen = self._replica(
                     ring, key_hash, home, share, threshold, loads, fallback_loads, avoid

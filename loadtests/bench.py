@@ -303,10 +303,9 @@ async def run_target(
         factor = args.balance_factor
         if key in ("prefix-traffic", "prefix-traffic-prefill"):
             flags += ["--balance-mode", "TRAFFIC"]
-        if key == "prefix-traffic-prefill":
+        if key in ("prefix-prefill", "prefix-traffic-prefill"):
             flags += ["--concurrency-scope", "PREFILL"]
-        elif key == "prefix-prefill":
-            flags += ["--concurrency-scope", "PREFILL"]
+        if key == "prefix-prefill":
             factor = factor or PREFILL_FACTOR
         if factor:
             flags += ["--balance-factor", str(factor)]

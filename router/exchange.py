@@ -472,8 +472,7 @@ class Exchange:
             # The first body byte, not the head: vLLM and SGLang send a streaming
             # head before prefill, their first SSE event after it.
             assert self.choice is not None
-            if self.choice.waiting is not None:  # ConcurrencyScope PREFILL
-                self.choice.first_byte()
+            self.choice.first_byte()  # ConcurrencyScope PREFILL lets go of its lease
         self.bytes_out += len(data)
         if self._framing == CHUNKED:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
