@@ -59,6 +59,10 @@ class Router:
         self._quiet = asyncio.Event()  # set while no exchange is active
         self._quiet.set()
         self._request_prefix = os.urandom(4).hex().encode()
+        # Our entry in the Via header of every forwarded request; a request that
+        # already carries it has come back to us (a backend URL pointing here).
+        self.via_name = b"prefix-router-" + self._request_prefix
+        self.via = b"\r\nvia: 1.1 " + self.via_name
         self._request_seq = 0
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

@@ -10,7 +10,14 @@ Contract:
   the head callbacks, and nothing may reach a backend before that.
   Pipelined requests wait in the queue (reading paused, so it holds at most
   what one read delivered) and start in order, each when the one before has
-  finished: responses go out in request order.
+  finished and the client has read enough of its answer (the write buffer
+  is under its high-water mark): responses go out in request order, and a
+  client that reads nothing holds at most the high-water mark plus one
+  backend read in our buffer.  The next request never starts inside a
+  parser callback of the one before (it is scheduled with ``call_soon``).
+- What a request head may hold is counted as its bytes arrive, including a
+  header line not yet ended; so are trailers and chunk framing (bytes that
+  arrive with no body byte, after the head), against ``max_header_bytes``.
 - Trailers are read and dropped; ``Upgrade`` offers (curl's ``h2c``) on
   body-less requests are ignored, as RFC 9110 allows, and the connection
   goes on as HTTP/1.1.
@@ -20,18 +27,27 @@ Contract:
 - Deadlines, one lazy timer per connection: a new connection or an idle
   keep-alive one must start a request within ``client_header`` /
   ``keepalive`` seconds; a started head must complete within
-  ``client_header`` (slowloris); a body must not stall for ``client_body``.
+  ``client_header`` (slowloris); a body must not stall for ``client_body``;
+  a client must not leave its answer unread (our write buffer above its
+  high-water mark) for ``client_send``, whatever else is going on.
 - Malformed requests (llhttp is strict: CL+TE, duplicate CL, bad chunk
   sizes, obs-fold and bare LF are all errors) get a 400 and the connection
-  is closed, never forwarded.  A connection closed with request bytes still
-  unread is half-closed and drained briefly first ("lingering close"), so
-  the client reads our error instead of a reset.
+  is closed, never forwarded.  Requests pipelined before a refused one are
+  answered first, in order, then the refusal, then the connection closes;
+  nothing after the refused request is read.  A connection closed with
+  request bytes still unread is half-closed and drained briefly first
+  ("lingering close"), so the client reads our error instead of a reset.
+- A connection the router gives up on (``client_send`` passed, a response
+  that cannot show it was cut short, a close the client never lets finish)
+  is aborted: a reset, and its descriptor is free at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import struct
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
@@ -55,8 +71,11 @@ LINGER_SECONDS = 2.0
 UPSTREAM_BUSY = 1
 PIPELINE = 2
 
-# What the connection's timer is watching.
+# What the connection's timer is watching on the request side.
 IDLE, HEAD, BODY, NOTHING = 0, 1, 2, 3
+
+_CRLF2 = b"\r\n\r\n"
+_LINGER_OFF = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with a reset
 
 
 class _Rejected(Exception):
@@ -78,23 +97,29 @@ class _Queued:
 
 class ClientConnection(asyncio.Protocol):
     __slots__ = (
+        "_body_in_read",
         "_closing",
-        "_doomed",
         "_feeding",
+        "_framing_fed",
+        "_head_began",
         "_head_fed",
         "_header_bytes",
         "_header_count",
         "_headers",
         "_in_head",
         "_last_data",
+        "_next_scheduled",
         "_parsing",
         "_paused",
         "_queue",
+        "_refusal",
+        "_send_since",
         "_timer",
         "_url",
         "_watch",
         "_watch_since",
         "_watch_timeout",
+        "_write_paused",
         "current",
         "parser",
         "peer_ip",
@@ -116,15 +141,23 @@ class ClientConnection(asyncio.Protocol):
         self._header_count = 0
         self._paused = 0
         self._closing = False
-        self._doomed = False  # a bad pipelined request: close once the current one ends
+        # A refused request pipelined behind others: (status, message), answered
+        # once the requests before it are; nothing after it is read.
+        self._refusal: tuple[int, str] | None = None
         self._feeding = False  # inside parser.feed_data: heads not yet fully checked
+        self._next_scheduled = False  # _start_next is due (call_soon)
         self._in_head = False  # a request head has begun and not ended
-        self._head_fed = 0  # bytes received while the head is incomplete
+        self._head_began = False  # ... and it began in the read being fed
+        self._head_fed = 0  # bytes of the current head received so far
+        self._body_in_read = 0  # body bytes of the current request in the read being fed
+        self._framing_fed = 0  # bytes after the head that carried no body byte
         self._timer: asyncio.TimerHandle | None = None
         self._watch = IDLE
         self._watch_since = 0.0
         self._watch_timeout = 0.0
         self._last_data = 0.0
+        self._write_paused = False  # our write buffer is above its high-water mark
+        self._send_since = 0.0  # ... since then (loop time)
 
     # -- asyncio.Protocol ------------------------------------------------------
 
@@ -142,9 +175,11 @@ class ClientConnection(asyncio.Protocol):
         self._watch_from(IDLE, self.router.config.timeouts.client_header)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # lingering close: read and drop
+        if self._closing or self._refusal is not None:
+            return  # lingering close, or past a refused request: read and drop
         self._last_data = self.router.loop.time()
+        self._head_began = False
+        self._body_in_read = 0
         self._feeding = True
         try:
             self.parser.feed_data(data)
@@ -165,23 +200,44 @@ class ClientConnection(asyncio.Protocol):
             rest = data[exc.args[0] :]
             if rest:
                 self.data_received(rest)
-            elif self.current is None and self._queue:
-                self._start_queued()
+            else:
+                self._schedule_next()
             return
         except httptools.HttpParserError as exc:
             self._feeding = False
             self._refuse(400, f"malformed request: {exc}")
             return
         self._feeding = False
+        if self._in_head or self._parsing is not None:
+            self._count_unparsed(data)
+        if self.current is None and self._queue:
+            self._start_next()  # not inside a callback: at once
+
+    def _count_unparsed(self, data: bytes) -> None:
+        """Count what llhttp holds or skips unseen: a head not yet ended, trailers.
+
+        httptools hands a header line over only once it ends, so a line that
+        never ends would grow without limit; the bytes are counted as they
+        arrive instead.  A head that began in this read holds only the bytes
+        after the last head end and the body that followed it (the rest of
+        the read were the requests before it).
+        """
+        limit = self.router.config.limits.max_header_bytes
         if self._in_head:
-            # llhttp buffers a header line until its end: count what it holds.
-            self._head_fed += len(data)
-            limit = self.router.config.limits.max_header_bytes
+            if self._head_began:
+                start = data.rfind(_CRLF2)
+                start = start + 4 + self._body_in_read if start >= 0 else self._body_in_read
+                self._head_fed += max(len(data) - start, 0)
+            else:
+                self._head_fed += len(data)
             if self._head_fed > limit:
                 self._refuse(431, f"request head is larger than {limit} bytes")
-                return
-        if self.current is None and self._queue:
-            self._start_queued()
+        elif self._body_in_read:
+            self._framing_fed = 0  # body bytes came: the framing around them is bounded
+        else:
+            self._framing_fed += len(data)
+            if self._framing_fed > limit:
+                self._refuse(431, f"request trailers are larger than {limit} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -193,12 +249,18 @@ class ClientConnection(asyncio.Protocol):
             current.client_gone()
 
     def pause_writing(self) -> None:
+        self._write_paused = True
+        self._send_since = self.router.loop.time()
+        self._arm(self._send_since + self.router.config.timeouts.client_send)
         if self.current is not None:
             self.current.client_write_paused()
 
     def resume_writing(self) -> None:
+        self._write_paused = False
         if self.current is not None:
             self.current.client_write_resumed()
+        elif self._queue or self._refusal is not None:
+            self._schedule_next()
 
     # -- httptools callbacks ---------------------------------------------------
 
@@ -208,7 +270,9 @@ class ClientConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._header_count = 0
         self._in_head = True
+        self._head_began = True
         self._head_fed = 0
+        self._framing_fed = 0
         self._watch_from(HEAD, self.router.config.timeouts.client_header)
 
     def on_url(self, url: bytes) -> None:
@@ -230,6 +294,7 @@ class ClientConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         self._in_head = False
+        self._body_in_read = 0
         method = parser.get_method()
         if method == b"CONNECT":
             raise _Rejected(405, "CONNECT is not supported")
@@ -255,6 +320,7 @@ class ClientConnection(asyncio.Protocol):
             self._pause(PIPELINE)
 
     def on_body(self, body: bytes) -> None:
+        self._body_in_read += len(body)
         parsing = self._parsing
         if isinstance(parsing, _Queued):
             parsing.body.append(body)
@@ -276,6 +342,10 @@ class ClientConnection(asyncio.Protocol):
         if not self.transport.is_closing():
             self.transport.write(data)
 
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
     def pause_reading_for_upstream(self, pause: bool) -> None:
         if pause:
             self._pause(UPSTREAM_BUSY)
@@ -283,25 +353,52 @@ class ClientConnection(asyncio.Protocol):
             self._resume(UPSTREAM_BUSY)
 
     def exchange_done(self, exchange: Exchange) -> None:
-        """The current exchange ended: close, start the next queued one, or idle."""
+        """The current exchange ended: close, or start the next one (soon), or idle."""
         if exchange is not self.current:
             return
         self.current = None
         self._resume(UPSTREAM_BUSY)
-        if not exchange.client_keep_alive or self._doomed or self.router.stopping:
+        if exchange.reset_client:
+            self._abort()  # a response whose framing cannot show that it was cut short
+        elif not exchange.client_keep_alive or self.router.stopping:
             self._close(lingering=exchange is self._parsing)
+        elif self._queue or self._refusal is not None:
+            self._schedule_next()
+        else:
+            self._go_idle()
+
+    def _schedule_next(self) -> None:
+        """Start the next request once the caller's callbacks have unwound.
+
+        Never inside a parser callback: the parser that called us may still
+        fire events for the request that just ended (a HEAD answered without
+        a body ends the upstream message right after its head).
+        """
+        if not self._next_scheduled and self.current is None and not self._closing:
+            self._next_scheduled = True
+            self.router.loop.call_soon(self._start_next)
+
+    def _start_next(self) -> None:
+        self._next_scheduled = False
+        if self._closing or self.current is not None:
             return
-        if self._queue and not self._feeding:
+        if self._write_paused:
+            return  # resume_writing calls again: the client reads its answers first
+        if self._queue:
             self._start_queued()
-        elif not self._queue:
-            self._resume(PIPELINE)
-            if self._parsing is None and not self._in_head:
-                self._watch_from(IDLE, self.router.config.timeouts.keepalive)
-        # else: data_received starts the next one once its head is checked
+        elif self._refusal is not None:
+            status, message = self._refusal
+            self.write(error_response(status, message, close=True, date=self.router.date.value))
+            self._close(lingering=True)
+        else:
+            self._go_idle()
+
+    def _go_idle(self) -> None:
+        self._resume(PIPELINE)
+        if self._parsing is None and not self._in_head:
+            self._watch_from(IDLE, self.router.config.timeouts.keepalive)
 
     def _start_queued(self) -> None:
-        if self._closing:
-            return
         queued = self._queue.popleft()
         exchange = queued.exchange
         self.current = exchange
@@ -312,7 +409,7 @@ class ClientConnection(asyncio.Protocol):
             exchange.request_body(piece)
         if queued.complete:
             exchange.request_end()
-        if not self._queue:
+        if not self._queue and self._refusal is None:
             self._resume(PIPELINE)
 
     # -- flow control ----------------------------------------------------------
@@ -331,38 +428,58 @@ class ClientConnection(asyncio.Protocol):
     # -- deadlines -------------------------------------------------------------
 
     def _watch_from(self, what: int, timeout: float) -> None:
-        loop = self.router.loop
-        now = loop.time()
+        now = self.router.loop.time()
         self._watch = what
         self._watch_since = now
         self._watch_timeout = timeout
-        due = now + timeout
+        self._arm(now + timeout)
+
+    def _arm(self, due: float) -> None:
+        """Make the timer fire by ``due``; a later timer is moved, an earlier one kept."""
         timer = self._timer
         if timer is None or timer.when() > due:
             if timer is not None:
                 timer.cancel()
-            self._timer = loop.call_at(due, self._on_timer)
-        # else: the timer fires earlier, sees this phase and re-arms for its due time
+            self._timer = self.router.loop.call_at(due, self._on_timer)
+        # else: the timer fires earlier, sees what is due then and re-arms
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._closing or self._watch == NOTHING:
-            return
         loop = self.router.loop
-        if self._watch == BODY:
-            if self._paused:  # we stopped reading: the client did not stall
-                self._last_data = loop.time()
-            due = self._last_data + self._watch_timeout
-        else:
-            due = self._watch_since + self._watch_timeout
-        if loop.time() < due:
+        now = loop.time()
+        due = float("inf")
+        if self._write_paused:
+            # Checked even while closing: a close waits for the buffer to drain.
+            send_due = self._send_since + self.router.config.timeouts.client_send
+            if now >= send_due:
+                self._give_up_on_reader()
+                return
+            due = send_due
+        if not self._closing and self._watch != NOTHING:
+            if self._watch == BODY:
+                if self._paused:  # we stopped reading: the client did not stall
+                    self._last_data = now
+                watch_due = self._last_data + self._watch_timeout
+            else:
+                watch_due = self._watch_since + self._watch_timeout
+            if now >= watch_due:
+                if self._watch == IDLE:
+                    self._close(lingering=False)
+                elif self._watch == HEAD:
+                    self._refuse(408, "request head not received in time")
+                else:
+                    self._refuse(408, "request body stalled")
+                return
+            due = min(due, watch_due)
+        if due != float("inf"):
             self._timer = loop.call_at(due, self._on_timer)
-        elif self._watch == IDLE:
-            self._close(lingering=False)
-        elif self._watch == HEAD:
-            self._refuse(408, "request head not received in time")
-        else:
-            self._refuse(408, "request body stalled")
+
+    def _give_up_on_reader(self) -> None:
+        """The client left its answer unread for ``client_send``: reset it."""
+        current = self.current
+        if current is not None:
+            current.status = current.status or 408
+        self._abort()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -375,35 +492,31 @@ class ClientConnection(asyncio.Protocol):
         """A request we will not serve: answer if we still can, then close.
 
         Requests before it on the connection were good: they are answered
-        first, then the connection closes (the client retries the rest).
+        first, in order, then this one with the error, then the connection
+        closes (the client retries the rest).
         """
         current, parsing = self.current, self._parsing
         if current is not None and parsing is current:
             current.abort_request(status, message)  # its end closes the connection
             return
-        if self._doomed:
+        if self._refusal is not None or self._closing:
             return  # refused already; the connection closes after the requests before it
         if isinstance(parsing, _Queued):
             self._queue.remove(parsing)
         self._parsing = None
+        self._in_head = False
         if status != 500:  # our own failure is logged where it happened, not a refusal
             self.router.request_refused(status, message)
-        if current is None and not self._queue:
-            self.write(error_response(status, message, close=True, date=self.router.date.value))
-            self._close(lingering=True)
-            return
-        self._doomed = True
+        self._refusal = (status, message)
         self._watch = NOTHING  # nothing more is read from this client
-        self._cancel_timer()
         self._pause(PIPELINE)
-        if current is None:
-            self._start_queued()
+        self._schedule_next()
 
     def _close(self, lingering: bool) -> None:
         if self._closing:
             return
         self._closing = True
-        self._cancel_timer()
+        self._watch = NOTHING  # only the client_send deadline still applies
         transport = self.transport
         if lingering and transport.can_write_eof():
             # Half-close and drain what the client is still sending, so it can
@@ -411,6 +524,26 @@ class ClientConnection(asyncio.Protocol):
             self._paused = 0
             transport.resume_reading()
             transport.write_eof()
-            self.router.loop.call_later(LINGER_SECONDS, transport.close)
+            self.router.loop.call_later(LINGER_SECONDS, self._linger_over)
         else:
             transport.close()
+
+    def _linger_over(self) -> None:
+        if self.transport.get_write_buffer_size():
+            self._abort()  # the client never read our answer: do not wait for it
+        else:
+            self.transport.close()
+
+    def _abort(self) -> None:
+        """Reset the connection: the client sees a reset, the descriptor is free at once.
+
+        A plain ``abort`` only skips our buffer: the kernel would still send a
+        FIN after what it holds, which can pass for a complete answer.
+        """
+        self._closing = True
+        self._cancel_timer()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+        self.transport.abort()

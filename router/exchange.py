@@ -17,12 +17,23 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   is replayed once the backend may have started on it otherwise.
 - Errors before any response byte reached the client become a JSON error
   (502/503/504); after that, the client connection is closed so a truncated
-  response never looks complete.
+  response never looks complete: with a FIN where the framing shows the cut
+  (a short ``Content-Length``, no last chunk), with a reset where it cannot
+  (an HTTP/1.0 client reading until the close).
+- Heads are checked before anything is routed: one ``Host`` (required on
+  HTTP/1.1), at most one tenant header, no transfer coding but ``chunked``
+  (501), no fragment, no ``Via`` entry of this router (508: a backend URL
+  that leads back to us).  The kind is decided on the path a backend's
+  framework routes on (``wire.request_path``: absolute form, percent
+  escapes and dot segments resolved), so no spelling of an OpenAI path
+  escapes its limits and key rule.  Every forwarded request carries our
+  ``Via`` entry.
 - One read deadline at a time, re-armed lazily: ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
   between reads.  Time the client spends not reading (so that we stopped
-  reading the backend) is the client's, bounded by ``client_send``.
+  reading the backend) is the client's, bounded by ``client_send`` (the
+  client connection's deadline).
 """
 
 from __future__ import annotations
@@ -35,7 +46,14 @@ from typing import TYPE_CHECKING
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 from .extract import OPENAI_PATHS, BadRequest, decode_openai, prompt_key
-from .wire import CHUNKED_END, CONTINUE_100, HOP_BY_HOP, error_response, status_line
+from .wire import (
+    CHUNKED_END,
+    CONTINUE_100,
+    HOP_BY_HOP,
+    error_response,
+    request_path,
+    status_line,
+)
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
@@ -64,7 +82,7 @@ class Exchange:
         "_attempts",
         "_bodiless",
         "_body",
-        "_client_paused_at",
+        "_client_paused",
         "_conn",
         "_connecting",
         "_content_length",
@@ -99,6 +117,7 @@ class Exchange:
         "path",
         "request_complete",
         "request_id",
+        "reset_client",
         "started",
         "status",
         "target",
@@ -120,7 +139,7 @@ class Exchange:
         self._router = conn.router
         self.method = method
         self.target = target
-        self.path = target.partition(b"?")[0]
+        self.path = b""  # as the backend's framework will see it: set by start()
         self._headers = headers
         self.client_keep_alive = keep_alive
         self.http10 = http10
@@ -138,6 +157,7 @@ class Exchange:
         self.upstream: UpstreamConnection | None = None
         self.done = False
         self.request_complete = False
+        self.reset_client = False  # cut short where the framing cannot show it: reset
         self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
@@ -159,7 +179,8 @@ class Exchange:
         self._bodiless = False  # no Content-Length (or 0) and not chunked
         self._has_host = False
         self._upstream_framed = False  # the backend's response has a length or chunks
-        self._client_paused_at = 0.0  # loop time the client stopped reading, or 0
+        # The client connection's write buffer is full: the backend is not read.
+        self._client_paused = conn.write_paused
 
     # -- request side (driven by ClientConnection) ------------------------------
 
@@ -173,6 +194,9 @@ class Exchange:
         expect: bytes | None = None
         xff = b""
         drop: set[bytes] = set()
+        codings = b""
+        hosts = tenants = 0
+        looped = False
         for name, value in self._headers:
             lower = name.lower()
             if lower in HOP_BY_HOP:
@@ -180,6 +204,7 @@ class Exchange:
                     self._content_length = int(value)  # llhttp has checked it
                 elif lower == b"transfer-encoding":
                     self._request_chunked = True
+                    codings += value + b","
                 elif lower == b"expect":
                     expect = value.lower()
                 elif lower == b"connection":
@@ -187,6 +212,7 @@ class Exchange:
                 continue
             if lower == TENANT_HEADER:
                 tenant = value
+                tenants += 1
             elif lower == b"x-forwarded-for":
                 xff += value + b", "  # every line of it, in order
                 continue
@@ -196,24 +222,45 @@ class Exchange:
             elif lower == b"x-forwarded-proto":
                 continue
             elif lower == b"host":
-                self._has_host = True
+                hosts += 1
+            elif lower == b"via":
+                looped = looped or router.via_name in value
             elif lower.startswith(b"proxy"):
                 continue  # Proxy-* is for proxies; "Proxy:" is httpoxy's way into CGI backends
             forwarded.append((name, value))
         if drop:
+            drop.discard(b"host")  # "Connection: host" would strip what the backend needs
             forwarded = [(n, v) for n, v in forwarded if n.lower() not in drop]
         if not self.request_id:
             self.request_id = router.next_request_id()
         self._headers = forwarded
         self._xff = xff
         self._tenant_header = tenant
+        self._has_host = hosts == 1
         self._bodiless = not self._request_chunked and not self._content_length
+        path = request_path(self.target)
+        self.path = self.target if path is None else path
+        if looped:
+            self._fail(508, "request loop: it already passed through this router")
+            return
+        if hosts > 1 or (hosts == 0 and not self.http10):
+            self._fail(400, "a request must carry exactly one Host header")
+            return
+        if tenants > 1:
+            self._fail(400, f"the {TENANT_HEADER.decode()} header must appear once")
+            return
+        if codings and codings.replace(b" ", b"").replace(b"\t", b"").lower() != b"chunked,":
+            self._fail(501, "transfer codings other than chunked are not supported")
+            return
+        if path is None:
+            self._fail(400, "a request target must not carry a #fragment")
+            return
         if expect is not None and expect != b"100-continue":
             self._fail(417, "only Expect: 100-continue is supported")
             return
 
         if self.method == b"POST":
-            self.kind = Kind.OPENAI if self.path in OPENAI_PATHS else Kind.NATIVE
+            self.kind = Kind.OPENAI if path in OPENAI_PATHS else Kind.NATIVE
         if self.kind is Kind.OPENAI:
             if (self._content_length or 0) > router.config.limits.max_body_bytes:
                 limit = router.config.limits.max_body_bytes
@@ -356,6 +403,8 @@ class Exchange:
     def _attach(self, upstream: UpstreamConnection) -> None:
         upstream.attach(self)
         self.upstream = upstream
+        if self._client_paused:
+            upstream.transport.pause_reading()
         self._upstream_bytes = False
         pieces = [self._request_head()]
         if self._request_chunked:
@@ -391,6 +440,7 @@ class Exchange:
             self._xff,
             self._conn.peer_ip,
             self._router.forwarded_proto,
+            self._router.via,
             b"\r\nx-request-id: ",
             self.request_id,
             b"\r\n\r\n",
@@ -418,6 +468,7 @@ class Exchange:
         self.status = status
         self._use_read_timeout(self._router.config.timeouts.idle)
         content_length = None
+        codings: list[bytes] = []  # transfer codings besides chunked (gzip, ...)
         pieces = [status_line(status)]
         drop: tuple[bytes, ...] = ()
         for name, value in headers:
@@ -427,7 +478,11 @@ class Exchange:
                     content_length = value
                     self._upstream_framed = True
                 elif lower == b"transfer-encoding":
-                    self._upstream_framed = True
+                    codings += (c.strip().lower() for c in value.split(b","))
+                    # Chunked last frames the body; otherwise it runs to the close.
+                    self._upstream_framed = codings[-1] == b"chunked"
+                    if self._upstream_framed:
+                        codings.pop()
                 elif lower == b"connection":
                     drop += tuple(t.strip().lower() for t in value.split(b","))
                 continue
@@ -436,18 +491,28 @@ class Exchange:
             pieces += (name, b": ", value, b"\r\n")
         if drop:  # a Connection header may come after the fields it names
             pieces = _without_fields(pieces, drop)
-        if content_length is not None:
-            pieces += (b"content-length: ", content_length, b"\r\n")
-        if self.method == b"HEAD" or status in (204, 304):
+        if status in (204, 304):
+            # 204 must not carry a length; 304's is optional: neither is relayed.
             self._framing = NO_BODY
+        elif self.method == b"HEAD":
+            self._framing = NO_BODY
+            if content_length is not None:  # the length a GET would have had
+                pieces += (b"content-length: ", content_length, b"\r\n")
+        elif codings and self.http10:
+            self._fail(502, "the backend used a transfer coding an HTTP/1.0 client cannot take")
+            return
         elif content_length is not None:
             self._framing = LENGTH
+            pieces += (b"content-length: ", content_length, b"\r\n")
         elif self.http10:
             self._framing = UNTIL_CLOSE
             self.client_keep_alive = False
         else:
             self._framing = CHUNKED
-            pieces.append(b"transfer-encoding: chunked\r\n")
+            if codings:  # relayed as the backend applied them; only the chunking is ours
+                pieces += (b"transfer-encoding: ", b", ".join(codings), b", chunked\r\n")
+            else:
+                pieces.append(b"transfer-encoding: chunked\r\n")
         if not self.request_complete:
             self.client_keep_alive = False  # the backend answered before reading it all
         if not self.client_keep_alive:
@@ -551,18 +616,12 @@ class Exchange:
             return
         loop = self._router.loop
         now = loop.time()
-        paused_at = self._client_paused_at
-        if paused_at:
+        if self._client_paused:
             # We stopped reading the backend because the client does not read:
-            # the client's stall, bounded by client_send, not the backend's.
-            limit = self._router.config.timeouts.client_send
-            if now - paused_at >= limit:
-                self.status = self.status or 408
-                self._truncate()
-                return
+            # the client's stall, not the backend's (the client connection
+            # bounds it by client_send).
             self._last_read = now
-            due = min(now + self._read_timeout, paused_at + limit)
-            self._timer = loop.call_at(due, self._on_timer)
+            self._timer = loop.call_at(now + self._read_timeout, self._on_timer)
             return
         due = self._last_read + self._read_timeout
         if now < due:  # there was progress since the timer was set
@@ -601,8 +660,13 @@ class Exchange:
         self._finish(upstream_reusable=False)
 
     def _truncate(self) -> None:
-        """The response already started: close so the client sees it incomplete."""
+        """The response already started: close so the client sees it incomplete.
+
+        A response read until the close (HTTP/1.0 without a length) would
+        look complete after a FIN: that one is ended with a reset.
+        """
         self.client_keep_alive = False
+        self.reset_client = self._framing == UNTIL_CLOSE
         self._finish(upstream_reusable=False)
 
     def abort_request(self, status: int, message: str) -> None:
@@ -661,12 +725,12 @@ class Exchange:
         self._conn.pause_reading_for_upstream(False)
 
     def client_write_paused(self) -> None:
+        self._client_paused = True
         if self.upstream is not None:
-            self._client_paused_at = self._router.loop.time()
             self.upstream.transport.pause_reading()
 
     def client_write_resumed(self) -> None:
-        self._client_paused_at = 0.0
+        self._client_paused = False
         if self.upstream is not None:
             self._last_read = self._router.loop.time()
             self.upstream.transport.resume_reading()

@@ -13,6 +13,12 @@ Contract:
 - ``reused`` tells the exchange whether a failure before any response byte
   may just be that race, so that it can try again on a fresh connection.
 - Interim 1xx responses are swallowed: the router answers ``Expect`` itself.
+- A response head is limited to ``MAX_HEAD_BYTES``, counted as its bytes
+  arrive (httptools hands a header line over only once it ends), and so are
+  trailers and chunk framing (bytes after the head that carry no body
+  byte): a backend cannot make the router buffer without bound.
+- A parser that was replaced (a HEAD's answer ends at its head) fires
+  nothing more: its late events belong to no exchange.
 """
 
 from __future__ import annotations
@@ -44,9 +50,14 @@ class _HeadTooLarge(Exception):
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
+        "_body_in_read",
         "_head_bytes",
         "_headers",
+        "_in_head",
+        "_in_message",
         "_interim",
+        "_stale",
+        "_unparsed",
         "exchange",
         "idle_since",
         "open",
@@ -63,6 +74,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
+        self._in_head = False  # a response head has begun and not ended
+        self._in_message = False  # a response has begun and not ended
+        self._unparsed = 0  # bytes of the head, or of framing with no body byte, so far
+        self._body_in_read = False
+        self._stale = False  # the parser in feed_data was replaced: ignore its events
         self._interim = False
         self.open = False
         self.reused = False
@@ -85,16 +101,29 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         exchange.upstream_read()
+        self._stale = False
+        self._body_in_read = False
         try:
             self.parser.feed_data(data)
-            exchange.flush()
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if not isinstance(cause, _HeadTooLarge):
                 log.error("response handling failed", exc_info=cause)
             self._give_up(exchange, str(cause) if cause else "invalid response")
+            return
         except httptools.HttpParserError as exc:
             self._give_up(exchange, f"invalid response from backend: {exc}")
+            return
+        if self._in_message and not self._body_in_read:
+            # A head not yet ended, or trailers: bounded as the bytes arrive.
+            self._unparsed += len(data)
+            if self._unparsed > MAX_HEAD_BYTES:
+                where = "head" if self._in_head else "trailers"
+                self._give_up(
+                    exchange, f"invalid response from backend: {where} over {MAX_HEAD_BYTES} bytes"
+                )
+                return
+        exchange.flush()
 
     def _give_up(self, exchange: Exchange, reason: str) -> None:
         self.exchange = None
@@ -128,14 +157,23 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._headers = []  # trailers of the last response must not leak into this one
         self._head_bytes = 0
+        self._in_head = True
+        self._in_message = True
+        self._unparsed = 0
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._stale:
+            return
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
             raise _HeadTooLarge(f"invalid response from backend: head over {MAX_HEAD_BYTES} bytes")
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._unparsed = 0
+        if self._stale:
+            return
         status = self.parser.get_status_code()
         headers, self._headers = self._headers, []
         if 100 <= status < 200:
@@ -145,10 +183,15 @@ class UpstreamConnection(asyncio.Protocol):
         self.exchange.response_head(status, headers, self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
+        self._body_in_read = True
+        self._unparsed = 0
+        if self.exchange is not None and not self._stale:
             self.exchange.response_body(body)
 
     def on_message_complete(self) -> None:
+        self._in_head = self._in_message = False
+        if self._stale:
+            return
         if self._interim:
             self._interim = False
             return
@@ -159,6 +202,8 @@ class UpstreamConnection(asyncio.Protocol):
     def expect_new_response(self) -> None:
         """Forget the response in progress (it answered HEAD: it has no body)."""
         self.parser = httptools.HttpResponseParser(self)
+        self._stale = True  # until the next read, which the new parser gets
+        self._in_head = self._in_message = False
 
     # -- ownership -------------------------------------------------------------
 

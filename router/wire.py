@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import http
+import re
 import time
 
 import msgspec
@@ -17,6 +18,7 @@ __all__ = [
     "HOP_BY_HOP",
     "DateHeader",
     "error_response",
+    "request_path",
     "status_line",
 ]
 
@@ -45,6 +47,44 @@ _STATUS_LINES = {
     status.value: f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()
     for status in http.HTTPStatus
 }
+
+
+_ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+_PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
+
+
+def request_path(target: bytes) -> bytes | None:
+    """The path a backend's framework routes on, or None for a target no server should take.
+
+    Backends (aiohttp, uvicorn) accept the absolute form, drop the query,
+    percent-decode the path and resolve dot segments before they match a
+    route, so ``POST http://x/v1/chat/%63ompletions`` is a chat completion to
+    them: the router must classify it as one too.  Repeated slashes are
+    merged, which makes the classification err towards "OpenAI" (its limits
+    and key rule apply), never away from it.  A fragment is not part of a
+    request target (RFC 9112 3.2): None.
+    """
+    if b"#" in target:
+        return None
+    if target[:1] != b"/":
+        match = _ABSOLUTE_FORM.match(target)
+        if match is None:
+            return target  # asterisk-form ("OPTIONS *") or garbage: nothing to route on
+        target = target[match.end() :] or b"/"
+    path = target.partition(b"?")[0]
+    if b"%" in path:
+        path = _PERCENT.sub(lambda m: bytes((int(m[1], 16),)), path)
+    if b"/." in path or b"//" in path:
+        segments: list[bytes] = []
+        for segment in path.split(b"/"):
+            if segment == b"..":
+                if segments:
+                    segments.pop()
+            elif segment not in (b".", b""):
+                segments.append(segment)
+        trailing = b"/" if path.endswith((b"/", b"/.", b"/..")) and segments else b""
+        path = b"/" + b"/".join(segments) + trailing
+    return path
 
 
 def status_line(code: int) -> bytes:
@@ -76,11 +116,13 @@ _ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     414: "invalid_request_error",
+    417: "invalid_request_error",
     431: "invalid_request_error",
     501: "invalid_request_error",
     502: "bad_gateway",
     503: "service_unavailable",
     504: "gateway_timeout",
+    508: "loop_detected",
 }
 
 _encoder = msgspec.json.Encoder()
