@@ -63,6 +63,7 @@ class Router:
         # already carries it has come back to us (a backend URL pointing here).
         self.via_name = b"prefix-router-" + self._request_prefix
         self.via = b"\r\nvia: 1.1 " + self.via_name
+        self.head_tail = self.forwarded_proto + self.via  # constant lines of every upstream head
         self._request_seq = 0
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

@@ -45,15 +45,18 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
-from .extract import OPENAI_PATHS, BadRequest, decode_openai, prompt_key
-from .wire import (
-    CHUNKED_END,
-    CONTINUE_100,
-    HOP_BY_HOP,
-    error_response,
-    request_path,
-    status_line,
+from .extract import BadRequest, decode_openai, prompt_key
+from .heads import (
+    CHUNKED,
+    NO_BODY,
+    TENANT_HEADER,
+    UNTIL_CLOSE,
+    Kind,
+    read_request,
+    read_response,
+    upstream_head,
 )
+from .wire import CHUNKED_END, CONTINUE_100, error_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
@@ -62,48 +65,30 @@ if TYPE_CHECKING:
     from .client import ClientConnection
     from .upstream import UpstreamConnection
 
-__all__ = ["Exchange", "Kind"]
-
-
-class Kind:
-    PASSTHROUGH = "passthrough"
-    OPENAI = "openai"
-    NATIVE = "native"
-
-
-TENANT_HEADER = b"x-amzn-sagemaker-prefix-aware-id"
-
-# Response framing towards the client.
-NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
+__all__ = ["Exchange"]
 
 
 class Exchange:
     __slots__ = (
         "_attempts",
-        "_bodiless",
         "_body",
         "_client_paused",
         "_conn",
         "_connecting",
-        "_content_length",
         "_framing",
-        "_has_host",
         "_hasher",
         "_head_sent",
-        "_headers",
         "_last_read",
         "_out",
         "_read_timeout",
         "_replayable",
-        "_request_chunked",
+        "_request",
         "_router",
         "_stale_retried",
-        "_tenant_header",
         "_timer",
         "_tried",
         "_upstream_bytes",
         "_upstream_framed",
-        "_xff",
         "bytes_in",
         "bytes_out",
         "choice",
@@ -139,11 +124,14 @@ class Exchange:
         self._router = conn.router
         self.method = method
         self.target = target
-        self.path = b""  # as the backend's framework will see it: set by start()
-        self._headers = headers
+        # The head's meaning, decided now (pure); acted on when the exchange starts.
+        self._request = read_request(
+            method, target, headers, http10=http10, via_name=conn.router.via_name
+        )
+        self.path = self._request.path  # as the backend's framework will see it
         self.client_keep_alive = keep_alive
         self.http10 = http10
-        self.kind = Kind.PASSTHROUGH
+        self.kind = self._request.kind
         self.started = 0.0
         self.ended = 0.0
         self.ttft = 0.0
@@ -162,8 +150,6 @@ class Exchange:
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
-        self._content_length: int | None = None
-        self._request_chunked = False
         self._connecting = False
         self._head_sent = False  # to the client
         self._framing = NO_BODY
@@ -174,13 +160,8 @@ class Exchange:
         self._read_timeout = 0.0
         self._upstream_bytes = False
         self._stale_retried = False
-        self._xff = b""
-        self._tenant_header: bytes | None = None
-        self._bodiless = False  # no Content-Length (or 0) and not chunked
-        self._has_host = False
         self._upstream_framed = False  # the backend's response has a length or chunks
-        # The client connection's write buffer is full: the backend is not read.
-        self._client_paused = conn.write_paused
+        self._client_paused = False  # the client's write buffer is full: the backend is not read
 
     # -- request side (driven by ClientConnection) ------------------------------
 
@@ -189,94 +170,28 @@ class Exchange:
         router = self._router
         self.started = perf_counter()  # loop.time() is millisecond-grained on uvloop
         router.exchange_started()
-        forwarded: list[tuple[bytes, bytes]] = []
-        tenant: bytes | None = None
-        expect: bytes | None = None
-        xff = b""
-        drop: set[bytes] = set()
-        codings = b""
-        hosts = tenants = 0
-        looped = False
-        for name, value in self._headers:
-            lower = name.lower()
-            if lower in HOP_BY_HOP:
-                if lower == b"content-length":
-                    self._content_length = int(value)  # llhttp has checked it
-                elif lower == b"transfer-encoding":
-                    self._request_chunked = True
-                    codings += value + b","
-                elif lower == b"expect":
-                    expect = value.lower()
-                elif lower == b"connection":
-                    drop.update(t.strip().lower() for t in value.split(b","))
-                continue
-            if lower == TENANT_HEADER:
-                tenant = value
-                tenants += 1
-            elif lower == b"x-forwarded-for":
-                xff += value + b", "  # every line of it, in order
-                continue
-            elif lower == b"x-request-id":
-                self.request_id = value
-                continue
-            elif lower == b"x-forwarded-proto":
-                continue
-            elif lower == b"host":
-                hosts += 1
-            elif lower == b"via":
-                looped = looped or router.via_name in value
-            elif lower.startswith(b"proxy"):
-                continue  # Proxy-* is for proxies; "Proxy:" is httpoxy's way into CGI backends
-            forwarded.append((name, value))
-        if drop:
-            drop.discard(b"host")  # "Connection: host" would strip what the backend needs
-            forwarded = [(n, v) for n, v in forwarded if n.lower() not in drop]
-        if not self.request_id:
-            self.request_id = router.next_request_id()
-        self._headers = forwarded
-        self._xff = xff
-        self._tenant_header = tenant
-        self._has_host = hosts == 1
-        self._bodiless = not self._request_chunked and not self._content_length
-        path = request_path(self.target)
-        self.path = self.target if path is None else path
-        if looped:
-            self._fail(508, "request loop: it already passed through this router")
+        request = self._request
+        self.request_id = request.request_id or router.next_request_id()
+        self._client_paused = self._conn.write_paused
+        if request.refusal is not None:
+            self._fail(*request.refusal)
             return
-        if hosts > 1 or (hosts == 0 and not self.http10):
-            self._fail(400, "a request must carry exactly one Host header")
-            return
-        if tenants > 1:
-            self._fail(400, f"the {TENANT_HEADER.decode()} header must appear once")
-            return
-        if codings and codings.replace(b" ", b"").replace(b"\t", b"").lower() != b"chunked,":
-            self._fail(501, "transfer codings other than chunked are not supported")
-            return
-        if path is None:
-            self._fail(400, "a request target must not carry a #fragment")
-            return
-        if expect is not None and expect != b"100-continue":
-            self._fail(417, "only Expect: 100-continue is supported")
-            return
-
-        if self.method == b"POST":
-            self.kind = Kind.OPENAI if path in OPENAI_PATHS else Kind.NATIVE
         if self.kind is Kind.OPENAI:
-            if (self._content_length or 0) > router.config.limits.max_body_bytes:
+            if (request.content_length or 0) > router.config.limits.max_body_bytes:
                 limit = router.config.limits.max_body_bytes
                 self._fail(413, f"request body is larger than {limit} bytes")
                 return
         elif self.kind is Kind.NATIVE:
             try:
-                seed = tenant_seed(tenant)
+                seed = tenant_seed(request.tenant)
             except TenantKeyError as exc:
                 self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
                 return
-            self.tenant = tenant is not None and seed != 0
+            self.tenant = request.tenant is not None and seed != 0
             self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
         else:
             self._route()
-        if expect is not None and not self._bodiless and not self.http10 and not self.done:
+        if request.expect_continue and not request.bodiless and not self.http10 and not self.done:
             self._conn.write(CONTINUE_100)  # we read the body now: no need to wait for a backend
 
     def request_body(self, data: bytes) -> None:
@@ -310,7 +225,7 @@ class Exchange:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
             self._route()
         elif self.upstream is not None:
-            if self._request_chunked:
+            if self._request.chunked:
                 self.upstream.transport.write(CHUNKED_END)
             self._last_read = self._router.loop.time()
         # else: still connecting; _attach sends everything, end included
@@ -322,7 +237,7 @@ class Exchange:
         try:
             request = decode_openai(body)
             tenant_key = request.prompt_cache_key
-            seed = tenant_seed(tenant_key if tenant_key is not None else self._tenant_header)
+            seed = tenant_seed(tenant_key if tenant_key is not None else self._request.tenant)
             key = prompt_key(request, limit)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
@@ -335,8 +250,8 @@ class Exchange:
             return
         self.tenant = seed != 0
         self.key_hash = hash_key(key, seed)
-        self._content_length = len(body)
-        self._request_chunked = False
+        self._request.content_length = len(body)  # forwarded with a length now
+        self._request.chunked = False
         self._route()
 
     # -- routing and connecting ------------------------------------------------
@@ -406,8 +321,17 @@ class Exchange:
         if self._client_paused:
             upstream.transport.pause_reading()
         self._upstream_bytes = False
-        pieces = [self._request_head()]
-        if self._request_chunked:
+        backend = upstream.pool
+        pieces = [
+            upstream_head(
+                self._request,
+                host=backend.authority,
+                client_ip=self._conn.peer_ip,
+                tail=self._router.head_tail,
+                request_id=self.request_id,
+            )
+        ]
+        if self._request.chunked:
             for piece in self._body:
                 if piece:
                     pieces += (b"%x\r\n" % len(piece), piece, b"\r\n")
@@ -416,39 +340,15 @@ class Exchange:
         else:
             pieces += self._body
         upstream.transport.writelines(pieces)
-        if not self.request_complete and not self._bodiless:
+        if not self.request_complete and not self._request.bodiless:
             # The rest streams through; what was sent cannot be replayed.
             self._replayable = False
             self._body = []
         self._arm_read_deadline()
         self._conn.pause_reading_for_upstream(False)
 
-    def _request_head(self) -> bytes:
-        pieces = [self.method, b" ", self.target, b" HTTP/1.1\r\n"]
-        for name, value in self._headers:
-            pieces += (name, b": ", value, b"\r\n")
-        if self._request_chunked:
-            pieces.append(b"transfer-encoding: chunked\r\n")
-        elif self._content_length is not None:
-            pieces.append(b"content-length: %d\r\n" % self._content_length)
-        if not self._has_host:  # HTTP/1.0 clients may omit it; HTTP/1.1 servers require it
-            assert self.choice is not None
-            backend = self.choice.backend
-            pieces.append(b"host: %s:%d\r\n" % (backend.host.encode(), backend.port))
-        pieces += (
-            b"x-forwarded-for: ",
-            self._xff,
-            self._conn.peer_ip,
-            self._router.forwarded_proto,
-            self._router.via,
-            b"\r\nx-request-id: ",
-            self.request_id,
-            b"\r\n\r\n",
-        )
-        return b"".join(pieces)
-
     def _write_body(self, upstream: UpstreamConnection, data: bytes) -> None:
-        if not self._request_chunked:
+        if not self._request.chunked:
             upstream.transport.write(data)
         elif data:
             upstream.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
@@ -467,61 +367,23 @@ class Exchange:
             return
         self.status = status
         self._use_read_timeout(self._router.config.timeouts.idle)
-        content_length = None
-        codings: list[bytes] = []  # transfer codings besides chunked (gzip, ...)
-        pieces = [status_line(status)]
-        drop: tuple[bytes, ...] = ()
-        for name, value in headers:
-            lower = name.lower()
-            if lower in HOP_BY_HOP:
-                if lower == b"content-length":
-                    content_length = value
-                    self._upstream_framed = True
-                elif lower == b"transfer-encoding":
-                    codings += (c.strip().lower() for c in value.split(b","))
-                    # Chunked last frames the body; otherwise it runs to the close.
-                    self._upstream_framed = codings[-1] == b"chunked"
-                    if self._upstream_framed:
-                        codings.pop()
-                elif lower == b"connection":
-                    drop += tuple(t.strip().lower() for t in value.split(b","))
-                continue
-            if lower == b"x-request-id" or (drop and lower in drop):
-                continue  # ours is added below
-            pieces += (name, b": ", value, b"\r\n")
-        if drop:  # a Connection header may come after the fields it names
-            pieces = _without_fields(pieces, drop)
-        if status in (204, 304):
-            # 204 must not carry a length; 304's is optional: neither is relayed.
-            self._framing = NO_BODY
-        elif self.method == b"HEAD":
-            self._framing = NO_BODY
-            if content_length is not None:  # the length a GET would have had
-                pieces += (b"content-length: ", content_length, b"\r\n")
-        elif codings and self.http10:
+        response = read_response(
+            status,
+            headers,
+            method=self.method,
+            http10=self.http10,
+            # the backend may answer before reading it all: then the connection ends
+            keep_alive=self.client_keep_alive and self.request_complete,
+            request_id=self.request_id,
+        )
+        if response is None:
             self._fail(502, "the backend used a transfer coding an HTTP/1.0 client cannot take")
             return
-        elif content_length is not None:
-            self._framing = LENGTH
-            pieces += (b"content-length: ", content_length, b"\r\n")
-        elif self.http10:
-            self._framing = UNTIL_CLOSE
-            self.client_keep_alive = False
-        else:
-            self._framing = CHUNKED
-            if codings:  # relayed as the backend applied them; only the chunking is ours
-                pieces += (b"transfer-encoding: ", b", ".join(codings), b", chunked\r\n")
-            else:
-                pieces.append(b"transfer-encoding: chunked\r\n")
-        if not self.request_complete:
-            self.client_keep_alive = False  # the backend answered before reading it all
-        if not self.client_keep_alive:
-            pieces.append(b"connection: close\r\n")
-        elif self.http10:
-            pieces.append(b"connection: keep-alive\r\n")
-        pieces += (b"x-request-id: ", self.request_id, b"\r\n\r\n")
+        self._framing = response.framing
+        self._upstream_framed = response.framed
+        self.client_keep_alive = response.keep_alive
         self._head_sent = True
-        self._out.append(b"".join(pieces))
+        self._out.append(response.head)
         if self.method == b"HEAD":
             # httptools cannot be told that a response answers HEAD and would
             # wait for a body that never comes: end here, on a fresh parser.
@@ -734,12 +596,3 @@ class Exchange:
         if self.upstream is not None:
             self._last_read = self._router.loop.time()
             self.upstream.transport.resume_reading()
-
-
-def _without_fields(pieces: list[bytes], names: tuple[bytes, ...]) -> list[bytes]:
-    """Drop the fields a response's Connection header names (4 pieces per field)."""
-    kept = pieces[:1]
-    for index in range(1, len(pieces), 4):
-        if pieces[index].lower() not in names:
-            kept += pieces[index : index + 4]
-    return kept

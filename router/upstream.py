@@ -219,7 +219,7 @@ class UpstreamConnection(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections to one backend, most recently used first."""
 
-    __slots__ = ("_idle", "closed", "host", "keepalive", "loop", "max_idle", "port")
+    __slots__ = ("_idle", "authority", "closed", "host", "keepalive", "loop", "max_idle", "port")
 
     def __init__(
         self,
@@ -233,6 +233,8 @@ class Pool:
         self.loop = loop
         self.host = host
         self.port = port
+        # The Host of clients that sent none (HTTP/1.0); an IPv6 literal in brackets.
+        self.authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
         self.max_idle = max_idle
         self.keepalive = keepalive
         self._idle: list[UpstreamConnection] = []
