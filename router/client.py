@@ -24,7 +24,7 @@ Contract:
 - Reading pauses for three reasons, tracked as bits so that each resume
   undoes only its own pause: the upstream socket is full, the upstream
   connection is not there yet, pipelined requests wait.
-- Deadlines, one lazy timer per connection: a new connection or an idle
+- Deadlines, one lazy timer per connection (``LazyDeadline``): a new connection or an idle
   keep-alive one must start a request within ``client_header`` /
   ``keepalive`` seconds; a started head must complete within
   ``client_header`` (slowloris); a body must not stall for ``client_body``;
@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
+from .deadline import LazyDeadline
 from .exchange import Exchange
 from .log import get_logger
 from .wire import error_response
@@ -95,7 +96,7 @@ class _Queued:
         self.complete = False
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(asyncio.Protocol, LazyDeadline):
     __slots__ = (
         "_body_in_read",
         "_closing",
@@ -114,7 +115,6 @@ class ClientConnection(asyncio.Protocol):
         "_queue",
         "_refusal",
         "_send_since",
-        "_timer",
         "_url",
         "_watch",
         "_watch_since",
@@ -151,7 +151,7 @@ class ClientConnection(asyncio.Protocol):
         self._head_fed = 0  # bytes of the current head received so far
         self._body_in_read = 0  # body bytes of the current request in the read being fed
         self._framing_fed = 0  # bytes after the head that carried no body byte
-        self._timer: asyncio.TimerHandle | None = None
+        LazyDeadline.__init__(self)  # the connection's deadlines: see _deadline
         self._watch = IDLE
         self._watch_since = 0.0
         self._watch_timeout = 0.0
@@ -242,7 +242,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self.router.connections.discard(self)
-        self._cancel_timer()
+        self._disarm()
         self._queue.clear()
         current = self.current
         if current is not None:
@@ -434,17 +434,10 @@ class ClientConnection(asyncio.Protocol):
         self._watch_timeout = timeout
         self._arm(now + timeout)
 
-    def _arm(self, due: float) -> None:
-        """Make the timer fire by ``due``; a later timer is moved, an earlier one kept."""
-        timer = self._timer
-        if timer is None or timer.when() > due:
-            if timer is not None:
-                timer.cancel()
-            self._timer = self.router.loop.call_at(due, self._on_timer)
-        # else: the timer fires earlier, sees what is due then and re-arms
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.router.loop
 
-    def _on_timer(self) -> None:
-        self._timer = None
+    def _deadline(self) -> None:
         loop = self.router.loop
         now = loop.time()
         due = float("inf")
@@ -472,7 +465,7 @@ class ClientConnection(asyncio.Protocol):
                 return
             due = min(due, watch_due)
         if due != float("inf"):
-            self._timer = loop.call_at(due, self._on_timer)
+            self._arm(due)
 
     def _give_up_on_reader(self) -> None:
         """The client left its answer unread for ``client_send``: reset it."""
@@ -480,11 +473,6 @@ class ClientConnection(asyncio.Protocol):
         if current is not None:
             current.status = current.status or 408
         self._abort()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     # -- endings ---------------------------------------------------------------
 
@@ -541,7 +529,7 @@ class ClientConnection(asyncio.Protocol):
         FIN after what it holds, which can pass for a complete answer.
         """
         self._closing = True
-        self._cancel_timer()
+        self._disarm()
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):

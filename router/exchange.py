@@ -28,7 +28,7 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   escapes and dot segments resolved), so no spelling of an OpenAI path
   escapes its limits and key rule.  Every forwarded request carries our
   ``Via`` entry.
-- One read deadline at a time, re-armed lazily: ``first_byte`` from the
+- One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
   between reads.  Time the client spends not reading (so that we stopped
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .deadline import LazyDeadline
 from .extract import BadRequest, decode_openai, prompt_key
 from .heads import (
     CHUNKED,
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["Exchange"]
 
 
-class Exchange:
+class Exchange(LazyDeadline):
     __slots__ = (
         "_attempts",
         "_body",
@@ -85,7 +86,6 @@ class Exchange:
         "_request",
         "_router",
         "_stale_retried",
-        "_timer",
         "_tried",
         "_upstream_bytes",
         "_upstream_framed",
@@ -155,7 +155,7 @@ class Exchange:
         self._framing = NO_BODY
         self._tried: set[str] = set()  # backends that could not be reached
         self._attempts = 0
-        self._timer: asyncio.TimerHandle | None = None
+        LazyDeadline.__init__(self)  # the read deadline: first_byte, then idle
         self._last_read = 0.0
         self._read_timeout = 0.0
         self._upstream_bytes = False
@@ -465,15 +465,12 @@ class Exchange:
     def _use_read_timeout(self, timeout: float, wake: float | None = None) -> None:
         """Switch the read deadline; move the timer only if it must fire earlier."""
         self._read_timeout = timeout
-        due = self._last_read + (timeout if wake is None else wake)
-        timer = self._timer
-        if timer is None or timer.when() > due:
-            if timer is not None:
-                timer.cancel()
-            self._timer = self._router.loop.call_at(due, self._on_timer)
+        self._arm(self._last_read + (timeout if wake is None else wake))
 
-    def _on_timer(self) -> None:
-        self._timer = None
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self._router.loop
+
+    def _deadline(self) -> None:
         if self.done:
             return
         loop = self._router.loop
@@ -483,11 +480,11 @@ class Exchange:
             # the client's stall, not the backend's (the client connection
             # bounds it by client_send).
             self._last_read = now
-            self._timer = loop.call_at(now + self._read_timeout, self._on_timer)
+            self._arm(now + self._read_timeout)
             return
         due = self._last_read + self._read_timeout
         if now < due:  # there was progress since the timer was set
-            self._timer = loop.call_at(due, self._on_timer)
+            self._arm(due)
             return
         assert self.choice is not None
         backend = self.choice.backend
@@ -564,9 +561,7 @@ class Exchange:
         self.done = True
         router = self._router
         self.ended = perf_counter()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._disarm()
         if self.choice is not None:
             self.choice.release()
         upstream, self.upstream = self.upstream, None
