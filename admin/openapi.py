@@ -42,7 +42,11 @@ _ERRORS: dict[str, tuple[str, str]] = {
         "The body is not application/json (a missing Content-Type is read as JSON).",
     ),
     "422": ("ValidationError", "A value is out of range or of the wrong type; see `fields`."),
-    "500": ("InternalError", "An unexpected error; details are in the router's log only."),
+    "500": (
+        "InternalError",
+        "The state file could not be written (the message names it and why; nothing"
+        " was changed), or an unexpected error (details in the router's log only).",
+    ),
 }
 
 

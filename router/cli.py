@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         tls = tls_context(config)
         state_file = StateFile(config.state_file) if config.state_file else None
+        if state_file is not None:
+            state_file.check()  # a missing directory now, not a 500 at the first change
         state = state_file.load() if state_file else None
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
