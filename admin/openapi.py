@@ -268,8 +268,11 @@ def _components() -> dict[str, Any]:
     # BackendSpec checks its url in code (__post_init__), which the generated schema
     # cannot see; say it here so clients (and schemathesis) know the rule.
     schemas["BackendSpec"]["properties"]["url"].update(
-        description="http://HOST[:PORT], with no path, query or fragment.",
-        pattern=r"^http://[^/?#]+/?$",
+        description=(
+            "http://HOST[:PORT], with no credentials, path, query or fragment; PORT"
+            " 1-65535; not one of the router's own listeners."
+        ),
+        pattern=r"^http://[^/?#@\s]+/?$",
     )
     responses = {
         name: {"description": description, "content": _json(_ref("ErrorBody"))}
