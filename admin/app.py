@@ -36,6 +36,7 @@ from aiohttp.web_server import Server
 
 from router.config import ConfigError
 from router.control import Conflict, Control, ControlError, Invalid, NotFound, NotSaved
+from router.selfaddr import Listener
 
 from . import auth, openapi
 from .bodies import MAX_BODY
@@ -63,7 +64,8 @@ def _from_control(exc: ControlError) -> web.Response:
     if isinstance(exc, Conflict):
         return _error(409, message)
     if isinstance(exc, Invalid):
-        detail = ErrorDetail(message, "validation_error", [FieldError("$", message)])
+        path = "$" if exc.field is None else f"$.{exc.field}"
+        detail = ErrorDetail(message, "validation_error", [FieldError(path, message)])
         return json_response(ErrorBody(detail), status=422)
     if isinstance(exc, NotSaved):
         # The router's own storage failed (it logged that): a 500 that says what to fix.
@@ -211,6 +213,14 @@ class AdminServer:
         if self._port is None:
             raise RuntimeError("the admin server is not started")
         return self._port
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """Its bound sockets (a host name can bind several)."""
+        return [
+            Listener("admin listener", str(name[0]), int(name[1]))
+            for name in self._runner.addresses
+        ]
 
     async def close(self) -> None:
         await self._runner.cleanup()

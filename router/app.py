@@ -26,6 +26,7 @@ from .config import BackendSpec, Config, RoutingConfig
 from .health import HealthMonitor
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
+from .selfaddr import Listener
 from .upstream import Pool
 from .wire import DateHeader
 
@@ -94,6 +95,14 @@ class Router:
     def port(self) -> int:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """The client listener's bound sockets (a host name can bind several)."""
+        if self._server is None:
+            return []
+        names = (sock.getsockname() for sock in self._server.sockets)
+        return [Listener("client listener", str(name[0]), int(name[1])) for name in names]
 
     async def shutdown(self, grace: float | None = None) -> None:
         if self.stopping:

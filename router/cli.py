@@ -23,7 +23,7 @@ import signal
 import ssl
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +38,10 @@ from .config import (
     tls_context,
 )
 from .state import State, StateError, StateFile
+
+if TYPE_CHECKING:
+    from .app import Router
+    from .manage import RouterControl
 
 __all__ = ["main"]
 
@@ -217,7 +221,9 @@ async def _serve(
             admin = AdminServer(control, token=token)
             host, port = parse_address(config.admin_listen, "admin_listen")
             await admin.start(host, port)
+            control.admin_listeners = admin.listeners
             get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        await _refuse_own_addresses(control, router, state_file if state else None)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,6 +238,20 @@ async def _serve(
         if admin is not None:
             await admin.close()
         await control.close()
+
+
+async def _refuse_own_addresses(
+    control: RouterControl, router: Router, state_file: StateFile | None
+) -> None:
+    """ConfigError if a backend is one of the router's own listeners (a loop)."""
+    from .control import Invalid
+
+    for backend in router.fleet.backends.values():
+        try:
+            await control.refuse_own_address(backend.spec)
+        except Invalid as exc:
+            where = f" (backends come from the state file {state_file.path})" if state_file else ""
+            raise ConfigError(f"{exc}{where}") from None
 
 
 def _run_loadtests(module: str, argv: list[str]) -> int:
@@ -297,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    uvloop.run(_serve(config, token, state_file, state, tls))
+    try:
+        uvloop.run(_serve(config, token, state_file, state, tls))
+    except ConfigError as exc:  # found once listening: the router has shut down again
+        print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -54,7 +54,11 @@ class Conflict(ControlError):
 
 
 class Invalid(ControlError):
-    pass
+    """A value the router cannot take; ``field`` names it in the request body."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotSaved(ControlError):

@@ -4,6 +4,10 @@ Contract (see router/control.py for the interface):
 - Changes run one at a time under a lock.  Each builds the next ``State``,
   writes it to the state file (in a thread: fsync blocks) and only then
   applies it, so a failed write changes nothing and a 2xx answer is durable.
+- A backend whose url reaches one of the router's own listeners (see
+  ``selfaddr``) is refused with ``Invalid`` on ``url``: every request it got
+  would come straight back in.  ``admin_listeners`` is set by whoever starts
+  the admin server; the client listener is read from the router.
 - Draining: ``remove_backend`` marks the backend draining (no new requests),
   waits until its last request finishes or the timeout passes, then removes
   it.  The wait is an event fired by the lease tracker when the backend's
@@ -31,6 +35,7 @@ from .control import (
     Conflict,
     Decisions,
     DrainView,
+    Invalid,
     NotFound,
     NotSaved,
     Stats,
@@ -38,6 +43,7 @@ from .control import (
 )
 from .log import get_logger
 from .metrics import percentile
+from .selfaddr import Listener, own_listener
 from .state import SavedBackend, State, StateError, StateFile
 
 if TYPE_CHECKING:
@@ -78,6 +84,7 @@ class RouterControl:
         self._state_file = state_file
         self._lock = asyncio.Lock()
         self._drains: dict[str, _Drain] = {}
+        self.admin_listeners: list[Listener] = []
         router.fleet.loads.on_idle = self._backend_idle
 
     # -- reads ---------------------------------------------------------------------
@@ -156,6 +163,17 @@ class RouterControl:
 
     # -- changes -------------------------------------------------------------------
 
+    async def refuse_own_address(self, spec: BackendSpec) -> None:
+        """Raise Invalid if ``spec``'s url reaches one of this router's listeners."""
+        host, port = spec.address()
+        listener = await own_listener(host, port, [*self._router.listeners, *self.admin_listeners])
+        if listener is not None:
+            raise Invalid(
+                f"backend {spec.name!r} ({spec.url}) is this router's own {listener}: every"
+                " request sent to it would come back in",
+                field="url",
+            )
+
     async def _persist(self, state: State) -> None:
         if self._state_file is not None:
             try:
@@ -178,6 +196,7 @@ class RouterControl:
         )
 
     async def add_backend(self, spec: BackendSpec) -> BackendView:
+        await self.refuse_own_address(spec)
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")

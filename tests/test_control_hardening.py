@@ -9,7 +9,9 @@ and a regular file put in its place, so the next write fails with ENOTDIR.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -17,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
+from admin import AdminServer
+from router.app import Router
+from router.manage import RouterControl
+from router.selfaddr import Listener, own_listener
+from tests.conftest import StartRouter
 from tests.test_router_cli import ROOT, admin_call, spawn_router, stop
 from tests.test_router_http import Backend, Seen, echo
 
@@ -169,3 +177,159 @@ async def test_a_missing_state_directory_is_named_at_start_up_and_by_the_admin_a
             status, body = await admin_call(http, proc, "GET", "/admin/backends")
             assert (status, body) == (200, [])
         await stop(proc)
+
+
+# -- a backend that is the router itself --------------------------------------------
+
+
+@pytest.fixture
+async def own_admin(start_router: StartRouter) -> AsyncIterator[tuple[Router, int, str]]:
+    """A router on 127.0.0.1 with its admin API (both on ephemeral ports): the
+    router, its admin port and the admin base URL."""
+    router = await start_router([], health={"active": False})
+    control = RouterControl(router)
+    server = AdminServer(control, token=None)
+    await server.start("127.0.0.1", 0)
+    control.admin_listeners = server.listeners
+    try:
+        yield router, server.port, f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+        await control.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "listener"),
+    [
+        ("http://127.0.0.1:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://localhost:{router}/", "client listener 127.0.0.1:{router}"),
+        ("http://[::ffff:127.0.0.1]:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://0.0.0.0:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://127.0.0.1:{admin}", "admin listener 127.0.0.1:{admin}"),
+        ("http://LOCALHOST:{admin}", "admin listener 127.0.0.1:{admin}"),
+    ],
+)
+async def test_a_backend_at_one_of_the_routers_own_listeners_is_refused(
+    own_admin: tuple[Router, int, str], url: str, listener: str
+) -> None:
+    router, admin, base = own_admin
+    ports = {"router": router.port, "admin": admin}
+    spec = {"name": "me", "url": url.format(**ports)}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{base}/admin/backends", json=spec) as resp,
+    ):
+        assert resp.status == 422
+        error = (await resp.json())["error"]
+    assert error["type"] == "validation_error"
+    assert error["fields"][0]["path"] == "$.url"
+    assert (
+        f"backend 'me' ({spec['url']}) is this router's own {listener.format(**ports)}"
+        in (error["message"])
+    )
+    assert router.fleet.backends == {}
+
+
+async def test_other_ports_and_other_loopback_addresses_are_not_the_router(
+    own_admin: tuple[Router, int, str],
+) -> None:
+    router, _, base = own_admin
+    others = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.2:{router.port}"]
+    async with aiohttp.ClientSession() as http:
+        for i, url in enumerate(others):
+            spec = {"name": f"other-{i}", "url": url}
+            async with http.post(f"{base}/admin/backends", json=spec) as resp:
+                assert resp.status == 201, await resp.text()
+    assert sorted(router.fleet.backends) == ["other-0", "other-1"]
+
+
+try:
+    with open("/proc/sys/net/ipv4/ip_nonlocal_bind") as file:
+        NONLOCAL_BIND = file.read().strip()  # "1": any address can be bound, ours or not
+except OSError:
+    NONLOCAL_BIND = "unknown"
+
+
+def own_address() -> str | None:
+    """This host's address on its default route (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route is looked up
+        except OSError:
+            return None
+        address = str(sock.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("bound", ["0.0.0.0", "::"])
+async def test_a_listener_on_every_address_is_reached_by_every_local_address(bound: str) -> None:
+    # own_listener on data alone: the tests listen on 127.0.0.1 only.
+    listeners = [Listener("client listener", bound, 8080)]
+    for host in ["127.0.0.1", "127.9.9.9", "localhost", "::1", "0.0.0.0", "::", own_address()]:
+        if host is not None:
+            assert await own_listener(host, 8080, listeners) == listeners[0], host
+    assert await own_listener("127.0.0.1", 8081, listeners) is None  # another port
+    assert await own_listener("no-such-host.invalid", 8080, listeners) is None  # unresolved
+    if NONLOCAL_BIND == "0":
+        # Not this host's: binding to it fails, so it is someone else.
+        assert await own_listener("198.51.100.7", 8080, listeners) is None
+
+
+def reserved_port() -> socket.socket:
+    """A socket holding a 127.0.0.1 port without listening: SO_REUSEADDR lets the
+    router bind and listen on the same port, and no one else can take it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def serve_exit(*args: str) -> tuple[int | None, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "--access-log", "off", "--no-health-checks",
+        *args,
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    async with asyncio.timeout(WAIT * 2):
+        _, err = await proc.communicate()
+    return proc.returncode, err
+
+
+async def test_a_backend_at_one_of_the_routers_own_listeners_stops_start_up(
+    tmp_path: Path,
+) -> None:
+    with reserved_port() as client, reserved_port() as admin:
+        listen = f"127.0.0.1:{client.getsockname()[1]}"
+        admin_listen = f"127.0.0.1:{admin.getsockname()[1]}"
+        flags = ("--listen", listen, "--admin-listen", admin_listen)
+        code, err = await serve_exit(
+            *flags, "--backend", f"loop=http://localhost:{client.getsockname()[1]}"
+        )
+        assert code == 2, err
+        assert b"invalid configuration: backend 'loop'" in err
+        assert f"own client listener {listen}".encode() in err
+        code, err = await serve_exit(*flags, "--backend", f"adm=http://{admin_listen}")
+        assert code == 2, err
+        assert f"backend 'adm' (http://{admin_listen}) is this router's own admin".encode() in err
+        # From the state file, which wins over the flags: it is named.
+        state = tmp_path / "state.json"
+        state.write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "backends": [{"name": "saved", "url": f"http://{listen}"}],
+                    "RoutingConfig": {},
+                }
+            )
+        )
+        code, err = await serve_exit(*flags, "--state-file", str(state))
+        assert code == 2, err
+        assert b"backend 'saved'" in err
+        assert f"backends come from the state file {state}".encode() in err
+        assert b"Traceback" not in err
