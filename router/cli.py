@@ -5,9 +5,10 @@
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
-names the field.  A state file, when it exists, then wins for backends and
-routing.  SIGTERM and SIGINT drain in-flight requests (up to
-``timeouts.shutdown_grace``) and exit 0.
+names the field, as does a backend that is the router's own listener.  A
+state file, when it exists, then wins for backends and routing.  The soft
+``RLIMIT_NOFILE`` is raised to the hard limit (logged).  SIGTERM and SIGINT
+drain in-flight requests (up to ``timeouts.shutdown_grace``) and exit 0.
 
 This module is the composition root of the whole daemon: the one place that
 imports both ``router`` and ``admin`` (lazily, in ``_serve``), so that the
@@ -317,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+    from .admission import raise_nofile
+    from .log import get_logger
+
+    # Every client and upstream connection is a file descriptor: take all we may.
+    before, after = raise_nofile()
+    get_logger("router").info("file descriptor limit", nofile=after, raised_from=before)
     try:
         uvloop.run(_serve(config, token, state_file, state, tls))
     except ConfigError as exc:  # found once listening: the router has shut down again
