@@ -75,14 +75,21 @@ def nofile_limit() -> int | None:
 def raise_nofile() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit; return (before, after)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == soft:
-        return soft, soft
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        # Linux refuses a soft limit above fs.nr_open, "unlimited" included.
+        try:
+            with open("/proc/sys/fs/nr_open") as file:
+                target = int(file.read())
+        except (OSError, ValueError):
+            return soft, soft
+    if soft == resource.RLIM_INFINITY or target <= soft:
+        return soft, soft  # nothing to raise (never lower it)
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError):
-        # An unlimited hard limit can be above what the kernel allows (fs.nr_open).
         return soft, soft
-    return soft, hard
+    return soft, target
 
 
 def client_cap(nofile: int, backends: int, max_idle: int) -> int:
