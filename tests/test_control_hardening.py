@@ -48,6 +48,23 @@ async def state_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process
     return (await admin_call(http, proc, "GET", f"/admin/backends/{name}"))[1]["state"]
 
 
+async def serve_exit(*args: str) -> tuple[int | None, bytes]:
+    """Run ``prefix-router serve ARGS`` expecting it to exit; its code and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "--access-log", "off", "--no-health-checks",
+        *args,
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(WAIT * 2):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
+            proc.kill()
+            await proc.wait()
+    return proc.returncode, err
+
+
 @contextmanager
 def broken(directory: Path) -> Iterator[None]:
     """While inside, ``directory`` is a regular file: nothing can be written in it."""
@@ -145,14 +162,9 @@ async def test_a_missing_state_directory_is_named_at_start_up_and_by_the_admin_a
     backends: Callable[..., Awaitable[Backend]], tmp_path: Path
 ) -> None:
     missing = tmp_path / "nowhere" / "state.json"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--listen", "127.0.0.1:0",
-        "--admin-listen", "off", "--state-file", str(missing),
-        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    async with asyncio.timeout(WAIT):
-        _, err = await proc.communicate()
-    assert proc.returncode == 2
+    code, err = await serve_exit("--listen", "127.0.0.1:0", "--admin-listen", "off",
+                                 "--state-file", str(missing))  # fmt: skip
+    assert code == 2, err
     assert f"its directory {missing.parent} does not exist".encode() in err
 
     # Gone after start-up: the admin change fails with a 500 that says so, and
@@ -288,17 +300,6 @@ def reserved_port() -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
-
-
-async def serve_exit(*args: str) -> tuple[int | None, bytes]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--access-log", "off", "--no-health-checks",
-        *args,
-        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    async with asyncio.timeout(WAIT * 2):
-        _, err = await proc.communicate()
-    return proc.returncode, err
 
 
 async def test_a_backend_at_one_of_the_routers_own_listeners_stops_start_up(
