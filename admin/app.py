@@ -3,7 +3,8 @@
 Contract:
 - ``make_app(control, token=...)`` builds the app: the routes of ``routes.ROUTES``
   behind two middlewares.  The outer one turns every error into the JSON error
-  shape with its status (``RequestError``, ``ControlError``, aiohttp's 404/405/413)
+  shape with its status (``RequestError``, ``ControlError``, aiohttp's 404/405/413;
+  ``NotSaved`` is a 500 whose message names the state file and the reason)
   and any other exception into a bare 500, logged with its traceback here and
   never sent to the client.  The inner one checks the bearer token, when there is
   one, on every path but the probes, unknown paths included (their 404 is raised
@@ -34,7 +35,8 @@ from aiohttp.web_response import StreamResponse
 from aiohttp.web_server import Server
 
 from router.config import ConfigError
-from router.control import Conflict, Control, ControlError, Invalid, NotFound
+from router.control import Conflict, Control, ControlError, Invalid, NotFound, NotSaved
+from router.selfaddr import Listener
 
 from . import auth, openapi
 from .bodies import MAX_BODY
@@ -62,8 +64,12 @@ def _from_control(exc: ControlError) -> web.Response:
     if isinstance(exc, Conflict):
         return _error(409, message)
     if isinstance(exc, Invalid):
-        detail = ErrorDetail(message, "validation_error", [FieldError("$", message)])
+        path = "$" if exc.field is None else f"$.{exc.field}"
+        detail = ErrorDetail(message, "validation_error", [FieldError(path, message)])
         return json_response(ErrorBody(detail), status=422)
+    if isinstance(exc, NotSaved):
+        # The router's own storage failed (it logged that): a 500 that says what to fix.
+        return _error(500, message)
     raise exc  # a ControlError outside the tree is a bug: the 500 path logs it
 
 
@@ -207,6 +213,14 @@ class AdminServer:
         if self._port is None:
             raise RuntimeError("the admin server is not started")
         return self._port
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """Its bound sockets (a host name can bind several)."""
+        return [
+            Listener("admin listener", str(name[0]), int(name[1]))
+            for name in self._runner.addresses
+        ]
 
     async def close(self) -> None:
         await self._runner.cleanup()

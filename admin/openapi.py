@@ -42,7 +42,11 @@ _ERRORS: dict[str, tuple[str, str]] = {
         "The body is not application/json (a missing Content-Type is read as JSON).",
     ),
     "422": ("ValidationError", "A value is out of range or of the wrong type; see `fields`."),
-    "500": ("InternalError", "An unexpected error; details are in the router's log only."),
+    "500": (
+        "InternalError",
+        "The state file could not be written (the message names it and why; nothing"
+        " was changed), or an unexpected error (details in the router's log only).",
+    ),
 }
 
 
@@ -264,8 +268,11 @@ def _components() -> dict[str, Any]:
     # BackendSpec checks its url in code (__post_init__), which the generated schema
     # cannot see; say it here so clients (and schemathesis) know the rule.
     schemas["BackendSpec"]["properties"]["url"].update(
-        description="http://HOST[:PORT], with no path, query or fragment.",
-        pattern=r"^http://[^/?#]+/?$",
+        description=(
+            "http://HOST[:PORT], with no credentials, path, query or fragment; PORT"
+            " 1-65535; not one of the router's own listeners."
+        ),
+        pattern=r"^http://[^/?#@\s]+/?$",
     )
     responses = {
         name: {"description": description, "content": _json(_ref("ErrorBody"))}

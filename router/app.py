@@ -6,6 +6,9 @@ Contract:
   listener; ``shutdown()`` stops accepting, closes idle connections, lets
   in-flight requests finish for up to ``shutdown_grace`` seconds, then closes
   the rest.  Both are idempotent.
+- Client connections are capped below the fd limit read at ``start()`` (see
+  ``admission``): past the cap a client gets a 503, and the admin API, the
+  health checks and the upstream connections keep the fds they need.
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
   ``log_access`` and the shared objects); membership changes go through
@@ -20,16 +23,18 @@ import ssl
 from typing import TYPE_CHECKING
 
 from .accesslog import AccessLog
+from .admission import Admission, nofile_limit
 from .balancer import Backend, Balancer, Fleet
-from .client import ClientConnection
 from .config import BackendSpec, Config, RoutingConfig
 from .health import HealthMonitor
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
+from .selfaddr import Listener
 from .upstream import Pool
 from .wire import DateHeader
 
 if TYPE_CHECKING:
+    from .client import ClientConnection
     from .exchange import Exchange
 
 __all__ = ["Router"]
@@ -66,6 +71,7 @@ class Router:
         self.head_tail = self.forwarded_proto + self.via  # constant lines of every upstream head
         self._request_seq = 0
         self._server: asyncio.Server | None = None
+        self.admission: Admission = None  # type: ignore[assignment]  # set by start
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
 
@@ -76,8 +82,9 @@ class Router:
         for backend in self.fleet.backends.values():
             self._open_pool(backend)
         host, port = self.config.listen_address
+        self.admission = Admission(self, nofile_limit())
         self._server = await self.loop.create_server(
-            lambda: ClientConnection(self),
+            self.admission,
             host,
             port,
             backlog=1024,
@@ -93,12 +100,21 @@ class Router:
             tls=self.tls is not None,
             strategy=self.balancer.config.strategy.value,
             backends=sorted(self.fleet.backends),
+            max_clients=self.admission.cap if self.admission.nofile is not None else None,
         )
 
     @property
     def port(self) -> int:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """The client listener's bound sockets (a host name can bind several)."""
+        if self._server is None:
+            return []
+        names = (sock.getsockname() for sock in self._server.sockets)
+        return [Listener("client listener", str(name[0]), int(name[1])) for name in names]
 
     async def shutdown(self, grace: float | None = None) -> None:
         if self.stopping:

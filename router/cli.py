@@ -5,9 +5,10 @@
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
-names the field.  A state file, when it exists, then wins for backends and
-routing.  SIGTERM and SIGINT drain in-flight requests (up to
-``timeouts.shutdown_grace``) and exit 0.
+names the field, as does a backend that is the router's own listener.  A
+state file, when it exists, then wins for backends and routing.  The soft
+``RLIMIT_NOFILE`` is raised to the hard limit (logged).  SIGTERM and SIGINT
+drain in-flight requests (up to ``timeouts.shutdown_grace``) and exit 0.
 
 This module is the composition root of the whole daemon: the one place that
 imports both ``router`` and ``admin`` (lazily, in ``_serve``), so that the
@@ -23,7 +24,7 @@ import signal
 import ssl
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,6 +39,10 @@ from .config import (
     tls_context,
 )
 from .state import State, StateError, StateFile
+
+if TYPE_CHECKING:
+    from .app import Router
+    from .manage import RouterControl
 
 __all__ = ["main"]
 
@@ -217,7 +222,9 @@ async def _serve(
             admin = AdminServer(control, token=token)
             host, port = parse_address(config.admin_listen, "admin_listen")
             await admin.start(host, port)
+            control.admin_listeners = admin.listeners
             get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        await _refuse_own_addresses(control, router, state_file if state else None)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -232,6 +239,20 @@ async def _serve(
         if admin is not None:
             await admin.close()
         await control.close()
+
+
+async def _refuse_own_addresses(
+    control: RouterControl, router: Router, state_file: StateFile | None
+) -> None:
+    """ConfigError if a backend is one of the router's own listeners (a loop)."""
+    from .control import Invalid
+
+    for backend in router.fleet.backends.values():
+        try:
+            await control.refuse_own_address(backend.spec)
+        except Invalid as exc:
+            where = f" (backends come from the state file {state_file.path})" if state_file else ""
+            raise ConfigError(f"{exc}{where}") from None
 
 
 def _run_loadtests(module: str, argv: list[str]) -> int:
@@ -286,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         tls = tls_context(config)
         state_file = StateFile(config.state_file) if config.state_file else None
+        if state_file is not None:
+            state_file.check()  # a missing directory now, not a 500 at the first change
         state = state_file.load() if state_file else None
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
@@ -295,7 +318,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    uvloop.run(_serve(config, token, state_file, state, tls))
+    from .admission import raise_nofile
+    from .log import get_logger
+
+    # Every client and upstream connection is a file descriptor: take all we may.
+    before, after = raise_nofile()
+    get_logger("router").info("file descriptor limit", nofile=after, raised_from=before)
+    try:
+        uvloop.run(_serve(config, token, state_file, state, tls))
+    except ConfigError as exc:  # found once listening: the router has shut down again
+        print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import enum
+import ipaddress
 import re
 import ssl
 import tomllib
@@ -37,6 +38,7 @@ __all__ = [
     "RoutingConfig",
     "Strategy",
     "Timeouts",
+    "backend_address",
     "build_config",
     "load_toml",
     "parse_address",
@@ -116,18 +118,51 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
         self.address()
 
     def address(self) -> tuple[str, int]:
-        parts = urlsplit(self.url)
-        if parts.scheme != "http":
-            raise ValueError(f"backend url {self.url!r} must start with http://")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError(f"backend url {self.url!r} must not have a path or query")
+        return backend_address(self.url)
+
+
+# One DNS label (RFC 1123, plus "_" for container service names), and a name of them.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def backend_address(url: str) -> tuple[str, int]:
+    """(host, port) of a backend url ``http://HOST[:PORT][/]``, or ValueError saying why.
+
+    Credentials are refused without being quoted back: the message would carry
+    them into logs and API answers.
+    """
+    authority = re.split(r"[/?#]", url.partition("//")[2], maxsplit=1)[0]
+    if "@" in authority:
+        raise ValueError(
+            "backend url must not contain credentials (user:password@); the router"
+            " would store and show them"
+        )
+    if any(c.isspace() or not c.isprintable() for c in url):
+        # urlsplit silently drops tabs and newlines; the stored url would keep them.
+        raise ValueError(f"backend url {url!r} must not contain spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"backend url {url!r} has an invalid host or port") from None
+    if parts.scheme != "http":
+        raise ValueError(f"backend url {url!r} must start with http://")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"backend url {url!r} must not have a path or query")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"backend url {url!r} has no host")
+    if port == 0 or parts.netloc.endswith(":"):
+        raise ValueError(f"backend url {url!r} needs a port from 1 to 65535 after its colon")
+    if ":" in host:  # only a bracketed IPv6 address gets past urlsplit with a colon
         try:
-            port = parts.port or 80
+            ipaddress.IPv6Address(host)
         except ValueError:
-            raise ValueError(f"backend url {self.url!r} has an invalid port") from None
-        if not parts.hostname:
-            raise ValueError(f"backend url {self.url!r} has no host")
-        return parts.hostname, port
+            raise ValueError(f"backend url {url!r} has an invalid IPv6 address") from None
+    elif len(host) > 253 or not _HOSTNAME.fullmatch(host):
+        raise ValueError(f"backend url {url!r} has an invalid host name")
+    return host, 80 if port is None else port
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

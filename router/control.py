@@ -7,7 +7,9 @@ Contract:
   one at a time, and each is written to the state file (when there is one)
   *before* it returns, so a 2xx answer means the change survives a restart.
 - Errors form a small tree translated to HTTP by the admin app:
-  ``NotFound`` -> 404, ``Conflict`` -> 409, ``Invalid`` -> 422.
+  ``NotFound`` -> 404, ``Conflict`` -> 409, ``Invalid`` -> 422, ``NotSaved``
+  -> 500 (the state file could not be written, so the change was not made;
+  the message names the file and the reason).
 - Views are msgspec Structs: they encode straight to the JSON the admin API
   returns, and their JSON Schemas go into its OpenAPI document.
 """
@@ -31,6 +33,7 @@ __all__ = [
     "DrainView",
     "Invalid",
     "NotFound",
+    "NotSaved",
     "Stats",
     "Totals",
 ]
@@ -51,7 +54,15 @@ class Conflict(ControlError):
 
 
 class Invalid(ControlError):
-    pass
+    """A value the router cannot take; ``field`` names it in the request body."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NotSaved(ControlError):
+    """The state file could not be written: the change was not made."""
 
 
 class BackendPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -114,7 +125,8 @@ class Control(Protocol):
     """Errors: ``backend``, ``update_backend`` and ``remove_backend`` raise
     NotFound for an unknown name; ``add_backend`` raises Conflict for a taken
     one, and ``remove_backend(wait=True)`` when the drain is cancelled (the
-    backend was set active again); any change may raise Invalid.
+    backend was set active again); any change may raise Invalid, and NotSaved
+    when there is a state file and it cannot be written.
     ``metrics`` returns Prometheus text exposition format 0.0.4."""
 
     def backends(self) -> list[BackendView]: ...

@@ -4,11 +4,21 @@ Contract (see router/control.py for the interface):
 - Changes run one at a time under a lock.  Each builds the next ``State``,
   writes it to the state file (in a thread: fsync blocks) and only then
   applies it, so a failed write changes nothing and a 2xx answer is durable.
+- A backend whose url reaches one of the router's own listeners (see
+  ``selfaddr``) is refused with ``Invalid`` on ``url``: every request it got
+  would come straight back in.  ``admin_listeners`` is set by whoever starts
+  the admin server; the client listener is read from the router.
 - Draining: ``remove_backend`` marks the backend draining (no new requests),
   waits until its last request finishes or the timeout passes, then removes
   it.  The wait is an event fired by the lease tracker when the backend's
   in-flight count reaches zero, not a poll.  Setting the backend ``active``
   again while it drains cancels the removal.
+- A state file that cannot be written fails the change with ``NotSaved``
+  (500, naming the file and the reason) and changes nothing.  When that
+  happens as a drain ends, the backend stays ``draining`` (what the file
+  still says), the drain is over and reported to ``?wait=true`` callers as
+  that failure; a later DELETE starts a new drain.  No drain task ever ends
+  with an exception, so shutdown stays clean.
 """
 
 from __future__ import annotations
@@ -25,13 +35,16 @@ from .control import (
     Conflict,
     Decisions,
     DrainView,
+    Invalid,
     NotFound,
+    NotSaved,
     Stats,
     Totals,
 )
 from .log import get_logger
 from .metrics import percentile
-from .state import SavedBackend, State, StateFile
+from .selfaddr import Listener, own_listener
+from .state import SavedBackend, State, StateError, StateFile
 
 if TYPE_CHECKING:
     from .app import Router
@@ -54,13 +67,14 @@ def snapshot(router: Router) -> State:
 
 
 class _Drain:
-    __slots__ = ("done", "forced", "idle", "task", "timeout")
+    __slots__ = ("done", "error", "forced", "idle", "task", "timeout")
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self.idle = asyncio.Event()
         self.done = asyncio.Event()
         self.forced = False
+        self.error: str | None = None  # why it ended without removing the backend
         self.task: asyncio.Task[None] | None = None
 
 
@@ -70,6 +84,7 @@ class RouterControl:
         self._state_file = state_file
         self._lock = asyncio.Lock()
         self._drains: dict[str, _Drain] = {}
+        self.admin_listeners: list[Listener] = []
         router.fleet.loads.on_idle = self._backend_idle
 
     # -- reads ---------------------------------------------------------------------
@@ -148,9 +163,24 @@ class RouterControl:
 
     # -- changes -------------------------------------------------------------------
 
+    async def refuse_own_address(self, spec: BackendSpec) -> None:
+        """Raise Invalid if ``spec``'s url reaches one of this router's listeners."""
+        host, port = spec.address()
+        listener = await own_listener(host, port, [*self._router.listeners, *self.admin_listeners])
+        if listener is not None:
+            raise Invalid(
+                f"backend {spec.name!r} ({spec.url}) is this router's own {listener}: every"
+                " request sent to it would come back in",
+                field="url",
+            )
+
     async def _persist(self, state: State) -> None:
         if self._state_file is not None:
-            await asyncio.to_thread(self._state_file.save, state)
+            try:
+                await asyncio.to_thread(self._state_file.save, state)
+            except StateError as exc:
+                log.error("state file not written", error=str(exc))
+                raise NotSaved(str(exc)) from None
 
     def _state_with(
         self,
@@ -166,6 +196,7 @@ class RouterControl:
         )
 
     async def add_backend(self, spec: BackendSpec) -> BackendView:
+        await self.refuse_own_address(spec)
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
@@ -224,6 +255,8 @@ class RouterControl:
                 log.info("backend draining", backend=name, timeout_s=timeout)
         if wait:
             await drain.done.wait()
+            if drain.error is not None:
+                raise NotSaved(drain.error)
             if name in self._router.fleet.backends:
                 raise Conflict(f"the drain of {name!r} was cancelled: it is active again")
             return DrainView(name, "removed", 0, drain.timeout, drain.forced)
@@ -240,11 +273,27 @@ class RouterControl:
             async with self._lock:
                 if self._drains.get(name) is not drain:
                     return  # cancelled by a PATCH back to active
-                remaining = [s for s in snapshot(self._router).backends if s.name != name]
-                await self._persist(self._state_with(backends=remaining))
-                self._router.remove_backend(name)
                 del self._drains[name]
+                remaining = [s for s in snapshot(self._router).backends if s.name != name]
+                try:
+                    await self._persist(self._state_with(backends=remaining))
+                except NotSaved as exc:
+                    # The file still says draining, and so does the fleet.
+                    drain.error = (
+                        f"backend {name!r} drained but was not removed: {exc}; it stays"
+                        " draining, DELETE it again to retry"
+                    )
+                    log.error("backend not removed", backend=name, error=str(exc))
+                    return
+                self._router.remove_backend(name)
                 log.info("backend removed", backend=name, forced=drain.forced)
+        except Exception:
+            # A bug, not an outcome: logged here, since nothing awaits this task
+            # but close(), and reported to the waiting callers as a 500.
+            log.exception("drain failed", backend=name)
+            if self._drains.get(name) is drain:
+                del self._drains[name]
+            drain.error = f"the drain of {name!r} failed; see the router's log"
         finally:
             drain.done.set()
 

@@ -4,6 +4,11 @@ Contract:
 - ``save`` is atomic and durable: write a temporary file in the same
   directory, fsync it, rename it over the state file, fsync the directory.
   A crash at any point leaves either the old file or the new one, whole.
+  A symlinked state file is written through: the temporary file goes next to
+  the link's (resolved) target and replaces it, so the link stays a link.
+- ``save`` raises ``StateError`` naming the file and the reason (a missing
+  directory, a path through a regular file, no space...) when it cannot write;
+  the file is then unchanged.  ``check`` tells the same at start-up.
 - ``load`` returns None when there is no file, the saved ``State`` when there
   is, and raises ``StateError`` with a clear message when the file cannot be
   read or does not parse: a corrupt state file stops start-up, it is never
@@ -14,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -29,7 +35,7 @@ VERSION = 1
 
 
 class StateError(Exception):
-    """The state file exists but cannot be used."""
+    """The state file cannot be read, parsed or written."""
 
 
 class SavedBackend(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
@@ -78,17 +84,52 @@ class StateFile:
             raise StateError(f"state file {self.path} has version {state.version}, not {VERSION}")
         return state
 
+    def check(self) -> None:
+        """Raise StateError now if the state file's directory is not there to write in."""
+        target = self._target()
+        if not target.parent.is_dir():
+            raise StateError(self._cannot_write(target, errno.ENOENT, "No such file or directory"))
+        if target.is_dir():
+            raise StateError(f"state file {self._named(target)} is a directory")
+
     def save(self, state: State) -> None:
         """Replace the state file atomically (blocking: call it from a thread)."""
-        directory = self.path.parent
+        target = self._target()
         data = msgspec.json.format(msgspec.json.encode(state), indent=2) + b"\n"
-        fd, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
+        try:
+            self._replace(target, data)
+        except OSError as exc:
+            raise StateError(self._cannot_write(target, exc.errno, exc.strerror)) from None
+
+    def _target(self) -> Path:
+        # os.replace on a symlink would replace the link itself with a regular file
+        # and the change would never reach the file the link points to.
+        return Path(os.path.realpath(self.path))
+
+    def _named(self, target: Path) -> str:
+        return str(self.path) if target == self.path else f"{self.path} (-> {target})"
+
+    def _cannot_write(self, target: Path, code: int | None, reason: str | None) -> str:
+        directory = target.parent
+        if code in (errno.ENOENT, errno.ENOTDIR) and not directory.is_dir():
+            if directory.exists() or directory.is_symlink():
+                reason = f"{directory} is not a directory"
+            elif code == errno.ENOTDIR:
+                reason = f"a part of {directory} is not a directory"
+            else:
+                reason = f"its directory {directory} does not exist"
+        return f"cannot write state file {self._named(target)}: {reason}"
+
+    @staticmethod
+    def _replace(target: Path, data: bytes) -> None:
+        directory = target.parent
+        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", dir=directory)
         try:
             with os.fdopen(fd, "wb") as file:
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())
-            os.replace(temp, self.path)
+            os.replace(temp, target)
         except BaseException:
             Path(temp).unlink(missing_ok=True)
             raise

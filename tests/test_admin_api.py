@@ -357,6 +357,14 @@ async def test_add_duplicate_backend_is_409(api: Api) -> None:
         ({"name": "c", "url": "http://h:1/v1"}, "$.url", "path"),
         ({"name": "c", "url": "http://h:99999"}, "$.url", "port"),
         ({"name": "c", "url": "http://:80"}, "$.url", "host"),
+        ({"name": "c", "url": "http://h:0"}, "$.url", "port from 1 to 65535"),
+        ({"name": "c", "url": "http://h:"}, "$.url", "port from 1 to 65535"),
+        ({"name": "c", "url": "http://a b:80"}, "$.url", "spaces"),
+        ({"name": "c", "url": "http://h\n:80"}, "$.url", "control characters"),
+        ({"name": "c", "url": "http://-h:80"}, "$.url", "invalid host name"),
+        ({"name": "c", "url": "http://[::g]:80"}, "$.url", "invalid"),
+        ({"name": "c", "url": "http://user:pw@h:80"}, "$.url", "credentials"),
+        ({"name": "c", "url": "http://user@h:80"}, "$.url", "credentials"),
         ({"name": "c", "url": 5}, "$.url", "str"),
         ({"name": "c", "url": "http://h:1", "weight": 0}, "$.weight", ">= 1"),
         ({"name": "c", "url": "http://h:1", "weight": 1001}, "$.weight", "<= 1000"),
@@ -378,6 +386,7 @@ async def test_add_backend_bad_values_are_422_with_the_field(
     assert detail["fields"][0]["path"] == path
     assert words in detail["fields"][0]["message"]
     assert detail["message"] == detail["fields"][0]["message"]
+    assert "pw" not in detail["message"]  # credentials are never quoted back
     assert len(api.control.backends()) == 2  # nothing was added
 
 

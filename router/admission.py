@@ -1,0 +1,184 @@
+"""Admission: a cap on client connections, so the router keeps working at its fd limit.
+
+Contract:
+- Every client connection costs one file descriptor, and one more for its
+  upstream connection while a request is in flight.  Past ``RLIMIT_NOFILE``
+  an accept fails: libuv then accepts and closes at once (the client reads
+  an EOF) and nothing else can open a socket either, the admin API
+  (``/healthz`` included) and the health checks among them.
+- So client connections are capped (as nginx's ``worker_connections`` and
+  HAProxy's ``maxconn`` computed from ``ulimit -n``), at what the limit
+  leaves after a reserve::
+
+      spare = nofile - RESERVE - backends * PER_BACKEND
+      idle  = min(max_idle_upstream * backends, spare // 3)   # pooled upstreams
+      cap   = (spare - idle) // 2                             # client + its upstream
+
+  ``RESERVE`` covers the process's own fds, the admin listener and its
+  clients, the state file's write and the refusals below; ``PER_BACKEND``
+  a health check and a metrics scrape per backend.  The cap follows the
+  number of backends (recomputed when it changes, not per accept).
+- A client past the cap is answered, not dropped: a 503 JSON error with
+  ``connection: close``, then a half-close; what it sends meanwhile is read
+  and dropped (so the kernel does not reset the answer away) until it
+  closes or ``LINGER_SECONDS`` pass.  At most ``MAX_REFUSING`` refusals
+  linger at once; past that they are answered and closed at once.
+- The counting is exact and cheap: +1 when the protocol is built (in the
+  accept callback, before ``connection_made``, so a burst of accepts in one
+  loop iteration is counted as it happens), -1 in ``connection_lost``.
+- ``raise_nofile()`` lifts the soft limit to the hard one (start-up only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from typing import TYPE_CHECKING, cast
+
+from .client import ClientConnection
+from .log import get_logger
+from .wire import error_response
+
+if TYPE_CHECKING:
+    from .app import Router
+
+__all__ = [
+    "LINGER_SECONDS",
+    "MAX_REFUSING",
+    "PER_BACKEND",
+    "RESERVE",
+    "Admission",
+    "client_cap",
+    "nofile_limit",
+    "raise_nofile",
+]
+
+log = get_logger("router")
+
+# What a running router holds besides clients and upstreams (measured: 17 fds
+# for python, uvloop's epoll/eventfd/signal pipes, both listeners, stdio and the
+# access log), with room for: admin clients (16), a state-file save (temp file +
+# directory: 2), the refusals that linger (MAX_REFUSING) and a margin.
+MAX_REFUSING = 32
+RESERVE = 24 + 16 + 2 + MAX_REFUSING + 6
+PER_BACKEND = 2  # an active health check and a metrics scrape, each a connection
+LINGER_SECONDS = 1.0
+BUSY_MESSAGE = "the router is at its connection limit; retry later"
+
+
+def nofile_limit() -> int | None:
+    """The soft RLIMIT_NOFILE, or None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        # Linux refuses a soft limit above fs.nr_open, "unlimited" included.
+        try:
+            with open("/proc/sys/fs/nr_open") as file:
+                target = int(file.read())
+        except (OSError, ValueError):
+            return soft, soft
+    if soft == resource.RLIM_INFINITY or target <= soft:
+        return soft, soft  # nothing to raise (never lower it)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
+def client_cap(nofile: int, backends: int, max_idle: int) -> int:
+    """Client connections the limit allows (see the module docstring)."""
+    spare = nofile - RESERVE - backends * PER_BACKEND
+    idle = min(max_idle * backends, spare // 3)
+    return max(0, (spare - idle) // 2)
+
+
+class _Client(ClientConnection):
+    __slots__ = ()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.router.admission.clients -= 1
+        super().connection_lost(exc)
+
+
+class _Refusal(asyncio.Protocol):
+    """A client past the cap: a 503, a half-close, its bytes dropped, then close."""
+
+    __slots__ = ("admission", "timer", "transport")
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        t = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
+        admission = self.admission
+        router = admission.router
+        t.write(error_response(503, BUSY_MESSAGE, close=True, date=router.date.value))
+        router.request_refused(503, "connection limit")
+        if admission.refusing > MAX_REFUSING or not t.can_write_eof():
+            t.close()
+            return
+        t.write_eof()
+        self.timer = router.loop.call_later(LINGER_SECONDS, t.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not served: read and drop it
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.admission.refusing -= 1
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class Admission:
+    """The protocol factory of the client listener, with its connection cap."""
+
+    __slots__ = ("_backends", "cap", "clients", "full", "nofile", "refusing", "router")
+
+    def __init__(self, router: Router, nofile: int | None):
+        self.router = router
+        self.nofile = nofile  # None: no limit, no cap
+        self.clients = 0  # open client connections (counted from the accept)
+        self.refusing = 0  # refusals still lingering
+        self.full = False  # at the cap (logged once each time it is reached)
+        self._backends = -1
+        self.cap = 0
+        self._update()
+
+    def _update(self) -> None:
+        backends = len(self.router.pools)
+        self._backends = backends
+        if self.nofile is None:
+            self.cap = 1 << 62
+            return
+        max_idle = self.router.config.limits.max_idle_upstream
+        self.cap = client_cap(self.nofile, backends, max_idle)
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self.router.pools) != self._backends:
+            self._update()
+        if self.clients < self.cap:
+            if self.full and self.clients < self.cap * 9 // 10:
+                self.full = False
+                log.info("connection limit: accepting again", clients=self.clients, cap=self.cap)
+            self.clients += 1
+            return _Client(self.router)
+        if not self.full:
+            self.full = True
+            log.warning(
+                "connection limit reached: refusing new clients with 503",
+                cap=self.cap,
+                nofile=self.nofile,
+            )
+        self.refusing += 1
+        return _Refusal(self)

@@ -1,0 +1,336 @@
+"""The control plane when its storage fails, and what it refuses to be told.
+
+Each test runs ``prefix-router serve`` as a real process (``spawn_router``) and
+breaks its state file for real, in a way that stops root too (the tests run as
+root, where permissions stop nothing): the state file's directory is moved away
+and a regular file put in its place, so the next write fails with ENOTDIR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from admin import AdminServer
+from router.app import Router
+from router.manage import RouterControl
+from router.selfaddr import Listener, own_listener
+from tests.conftest import StartRouter
+from tests.test_router_cli import ROOT, admin_call, spawn_router, stop
+from tests.test_router_http import Backend, Seen, echo
+
+WAIT = 10.0
+
+
+@asynccontextmanager
+async def serving(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """``prefix-router serve ARGS``, killed at the end if a test did not stop it."""
+    proc, port = await spawn_router(*args)
+    try:
+        yield proc, port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def state_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, name: str) -> Any:
+    return (await admin_call(http, proc, "GET", f"/admin/backends/{name}"))[1]["state"]
+
+
+async def serve_exit(*args: str) -> tuple[int | None, bytes]:
+    """Run ``prefix-router serve ARGS`` expecting it to exit; its code and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "--access-log", "off", "--no-health-checks",
+        *args,
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(WAIT * 2):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
+            proc.kill()
+            await proc.wait()
+    return proc.returncode, err
+
+
+@contextmanager
+def broken(directory: Path) -> Iterator[None]:
+    """While inside, ``directory`` is a regular file: nothing can be written in it."""
+    aside = directory.with_name(directory.name + ".aside")
+    directory.rename(aside)
+    directory.write_text("not a directory\n")
+    try:
+        yield
+    finally:
+        directory.unlink()
+        aside.rename(directory)
+
+
+async def test_a_state_file_write_failing_as_a_drain_ends_is_reported_and_shutdown_is_clean(
+    backends: Callable[..., Awaitable[Backend]], tmp_path: Path
+) -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def held(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        started.set()
+        await release.wait()
+        return await echo(backend, seen, writer)
+
+    backend = await backends(held)
+    directory = tmp_path / "state"
+    directory.mkdir()
+    state = directory / "state.json"
+    flags = ("--state-file", str(state), "--no-health-checks", "--backend", f"b={backend.url}")
+    async with serving(*flags) as (proc, port):
+        async with aiohttp.ClientSession() as http:
+            request = asyncio.create_task(
+                http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"})
+            )
+            async with asyncio.timeout(WAIT):
+                await started.wait()  # in flight at b: the drain waits for it
+            # The DELETE that starts the drain waits for its end.
+            waiting = asyncio.create_task(
+                admin_call(http, proc, "DELETE", "/admin/backends/b?wait=true")
+            )
+            async with asyncio.timeout(WAIT):
+                # Each GET is a round trip; "draining" once the file says so, and
+                # then the DELETE is waiting (nothing awaits between the two).
+                while await state_of(http, proc, "b") != "draining":
+                    pass
+            assert b'"draining"' in state.read_bytes()
+            with broken(directory):
+                release.set()  # the drain ends, and its write fails
+                async with asyncio.timeout(WAIT):
+                    status, body = await waiting
+                    resp = await request
+                    assert resp.status == 200
+                    resp.release()
+                assert status == 500, body
+                message = body["error"]["message"]  # type: ignore[index]
+                assert str(state) in message
+                assert "not a directory" in message
+                assert "stays draining" in message
+                # Consistent: the file (untouched) and the router both say draining.
+                assert await state_of(http, proc, "b") == "draining"
+                # A new drain cannot even start while the file cannot be written.
+                status, body = await admin_call(http, proc, "DELETE", "/admin/backends/b?wait=true")
+                assert status == 500
+                assert str(state) in body["error"]["message"]  # type: ignore[index]
+            assert b'"draining"' in state.read_bytes()
+            # Storage back: a DELETE retries the removal, and it goes through.
+            status, body = await admin_call(http, proc, "DELETE", "/admin/backends/b?wait=true")
+            assert (status, body["state"]) == (200, "removed")
+            assert b'"b"' not in state.read_bytes()
+        rest = await stop(proc)  # exit 0
+        assert b"Traceback" not in rest
+
+
+async def test_a_symlinked_state_file_is_written_through_to_its_target(
+    backends: Callable[..., Awaitable[Backend]], tmp_path: Path
+) -> None:
+    backend = await backends()
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "state.json"
+    link = tmp_path / "state.json"
+    link.symlink_to(target)  # dangling until the first save
+    async with serving("--state-file", str(link), "--no-health-checks") as (proc, _):
+        async with aiohttp.ClientSession() as http:
+            for name in ("a", "b"):
+                status, _ = await admin_call(
+                    http, proc, "POST", "/admin/backends", {"name": name, "url": backend.url}
+                )
+                assert status == 201
+        assert link.is_symlink()
+        assert b'"b"' in target.read_bytes()
+        assert os.listdir(target.parent) == ["state.json"]  # no temporary file left
+        await stop(proc)
+
+
+async def test_a_missing_state_directory_is_named_at_start_up_and_by_the_admin_api(
+    backends: Callable[..., Awaitable[Backend]], tmp_path: Path
+) -> None:
+    missing = tmp_path / "nowhere" / "state.json"
+    code, err = await serve_exit("--listen", "127.0.0.1:0", "--admin-listen", "off",
+                                 "--state-file", str(missing))  # fmt: skip
+    assert code == 2, err
+    assert f"its directory {missing.parent} does not exist".encode() in err
+
+    # Gone after start-up: the admin change fails with a 500 that says so, and
+    # nothing changes.
+    backend = await backends()
+    directory = tmp_path / "state"
+    directory.mkdir()
+    flags = ("--state-file", str(directory / "state.json"), "--no-health-checks")
+    async with serving(*flags) as (proc, _):
+        async with aiohttp.ClientSession() as http:
+            directory.rmdir()
+            body: Any
+            status, body = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": "a", "url": backend.url}
+            )
+            assert status == 500
+            assert body["error"] == {
+                "message": f"cannot write state file {directory / 'state.json'}: its directory"
+                f" {directory} does not exist",
+                "type": "internal_error",
+            }
+            status, body = await admin_call(http, proc, "GET", "/admin/backends")
+            assert (status, body) == (200, [])
+        await stop(proc)
+
+
+# -- a backend that is the router itself --------------------------------------------
+
+
+@pytest.fixture
+async def own_admin(start_router: StartRouter) -> AsyncIterator[tuple[Router, int, str]]:
+    """A router on 127.0.0.1 with its admin API (both on ephemeral ports): the
+    router, its admin port and the admin base URL."""
+    router = await start_router([], health={"active": False})
+    control = RouterControl(router)
+    server = AdminServer(control, token=None)
+    await server.start("127.0.0.1", 0)
+    control.admin_listeners = server.listeners
+    try:
+        yield router, server.port, f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.close()
+        await control.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("url", "listener"),
+    [
+        ("http://127.0.0.1:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://localhost:{router}/", "client listener 127.0.0.1:{router}"),
+        ("http://[::ffff:127.0.0.1]:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://0.0.0.0:{router}", "client listener 127.0.0.1:{router}"),
+        ("http://127.0.0.1:{admin}", "admin listener 127.0.0.1:{admin}"),
+        ("http://LOCALHOST:{admin}", "admin listener 127.0.0.1:{admin}"),
+    ],
+)
+async def test_a_backend_at_one_of_the_routers_own_listeners_is_refused(
+    own_admin: tuple[Router, int, str], url: str, listener: str
+) -> None:
+    router, admin, base = own_admin
+    ports = {"router": router.port, "admin": admin}
+    spec = {"name": "me", "url": url.format(**ports)}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{base}/admin/backends", json=spec) as resp,
+    ):
+        assert resp.status == 422
+        error = (await resp.json())["error"]
+    assert error["type"] == "validation_error"
+    assert error["fields"][0]["path"] == "$.url"
+    assert (
+        f"backend 'me' ({spec['url']}) is this router's own {listener.format(**ports)}"
+        in (error["message"])
+    )
+    assert router.fleet.backends == {}
+
+
+async def test_other_ports_and_other_loopback_addresses_are_not_the_router(
+    own_admin: tuple[Router, int, str],
+) -> None:
+    router, _, base = own_admin
+    others = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.2:{router.port}"]
+    async with aiohttp.ClientSession() as http:
+        for i, url in enumerate(others):
+            spec = {"name": f"other-{i}", "url": url}
+            async with http.post(f"{base}/admin/backends", json=spec) as resp:
+                assert resp.status == 201, await resp.text()
+    assert sorted(router.fleet.backends) == ["other-0", "other-1"]
+
+
+try:
+    with open("/proc/sys/net/ipv4/ip_nonlocal_bind") as file:
+        NONLOCAL_BIND = file.read().strip()  # "1": any address can be bound, ours or not
+except OSError:
+    NONLOCAL_BIND = "unknown"
+
+
+def own_address() -> str | None:
+    """This host's address on its default route (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route is looked up
+        except OSError:
+            return None
+        address = str(sock.getsockname()[0])
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("bound", ["0.0.0.0", "::"])
+async def test_a_listener_on_every_address_is_reached_by_every_local_address(bound: str) -> None:
+    # own_listener on data alone: the tests listen on 127.0.0.1 only.
+    listeners = [Listener("client listener", bound, 8080)]
+    for host in ["127.0.0.1", "127.9.9.9", "localhost", "::1", "0.0.0.0", "::", own_address()]:
+        if host is not None:
+            assert await own_listener(host, 8080, listeners) == listeners[0], host
+    assert await own_listener("127.0.0.1", 8081, listeners) is None  # another port
+    assert await own_listener("no-such-host.invalid", 8080, listeners) is None  # unresolved
+    if NONLOCAL_BIND == "0":
+        # Not this host's: binding to it fails, so it is someone else.
+        assert await own_listener("198.51.100.7", 8080, listeners) is None
+
+
+def reserved_port() -> socket.socket:
+    """A socket holding a 127.0.0.1 port without listening: SO_REUSEADDR lets the
+    router bind and listen on the same port, and no one else can take it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def test_a_backend_at_one_of_the_routers_own_listeners_stops_start_up(
+    tmp_path: Path,
+) -> None:
+    with reserved_port() as client, reserved_port() as admin:
+        listen = f"127.0.0.1:{client.getsockname()[1]}"
+        admin_listen = f"127.0.0.1:{admin.getsockname()[1]}"
+        flags = ("--listen", listen, "--admin-listen", admin_listen)
+        code, err = await serve_exit(
+            *flags, "--backend", f"loop=http://localhost:{client.getsockname()[1]}"
+        )
+        assert code == 2, err
+        assert b"invalid configuration: backend 'loop'" in err
+        assert f"own client listener {listen}".encode() in err
+        code, err = await serve_exit(*flags, "--backend", f"adm=http://{admin_listen}")
+        assert code == 2, err
+        assert f"backend 'adm' (http://{admin_listen}) is this router's own admin".encode() in err
+        # From the state file, which wins over the flags: it is named.
+        state = tmp_path / "state.json"
+        state.write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "backends": [{"name": "saved", "url": f"http://{listen}"}],
+                    "RoutingConfig": {},
+                }
+            )
+        )
+        code, err = await serve_exit(*flags, "--state-file", str(state))
+        assert code == 2, err
+        assert b"backend 'saved'" in err
+        assert f"backends come from the state file {state}".encode() in err
+        assert b"Traceback" not in err
