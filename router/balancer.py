@@ -266,6 +266,7 @@ class Fleet:
     ) -> None:
         deadline = time.perf_counter() + self.SLICE_SECONDS
         try:
+            next(steps)  # at least one step per slice, however short the slice
             while time.perf_counter() < deadline:
                 next(steps)
         except StopIteration as done:
