@@ -35,7 +35,7 @@ from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping
-from itertools import repeat
+from itertools import chain, repeat
 from operator import call, itemgetter, rshift
 from types import MappingProxyType
 
@@ -66,7 +66,6 @@ _STEP = 2048
 _BUCKET_BITS = 8
 
 _first_item = itemgetter(0)
-_second_item = itemgetter(1)
 
 
 def _hashes(name: str, start: int, stop: int) -> Iterator[int]:
@@ -169,7 +168,11 @@ class Ring:
         # Sorted tables, and the index over the top ``index_bits``: first[b] is
         # the index of the first point at or above bucket b's start.
         points: array[int] = array("Q")
-        owners: list[str] = []
+        # Owners go into small tuples, joined into one at the end: a tuple of
+        # strings is untracked by the garbage collector, whereas one growing
+        # list of a million owners would be traversed by every collection
+        # during the build (and by every full one after), stalling the loop.
+        owner_runs: list[tuple[str, ...]] = []
         first: array[int] = array("I" if size < 1 << 32 else "Q")
         shift = 64 - index_bits
         per_sort_bucket = 1 << (index_bits - sort_bits)
@@ -183,10 +186,12 @@ class Ring:
             if not hashes:
                 first.extend(repeat(lo, per_sort_bucket))
                 continue
-            pairs = sorted(zip(hashes, ranks, strict=True))
-            ordered = list(map(_first_item, pairs))
+            # Stable: equal hashes keep member (name) order.  No tuples: they
+            # would be a million objects for the garbage collector to track.
+            order = sorted(range(len(hashes)), key=hashes.__getitem__)
+            ordered = list(map(hashes.__getitem__, order))
             points.extend(ordered)
-            owners.extend(map(names.__getitem__, map(_second_item, pairs)))
+            owner_runs.append(tuple(map(names.__getitem__, map(ranks.__getitem__, order))))
             first.extend(
                 map(
                     lo.__add__,
@@ -202,6 +207,8 @@ class Ring:
                 done = 0
                 yield
         first.append(len(points))
+        owners = tuple(chain.from_iterable(owner_runs))
+        del owner_runs
 
         self._weights = weights
         self._view = MappingProxyType(weights)
@@ -290,7 +297,7 @@ class Ring:
         return self._points == other._points and self._owners == other._owners
 
     def __hash__(self) -> int:
-        return hash((self._points.tobytes(), tuple(self._owners)))
+        return hash((self._points.tobytes(), self._owners))
 
     def __repr__(self) -> str:
         return f"Ring({dict(sorted(self._weights.items()))!r}, vnodes={self._vnodes})"
