@@ -1,28 +1,47 @@
 """An immutable consistent-hash ring over named, weighted members.
 
 Contract:
-- A member of weight ``w`` owns ``vnodes * w`` points; point ``idx`` of member
-  ``name`` sits at ``hash_key(b"idx:name")``.  Points are sorted by
-  ``(hash, name)``, so two equal 64-bit points (a collision) are ordered the
-  same way everywhere: the same membership gives the same ring in any
-  insertion order and in any process.
-- Rings never change.  ``with_member``, ``without_member`` and ``with_weight``
-  return a new ring and reuse the point hashes of the members they do not
-  touch; lookups never rebuild anything.
+- Point ``idx`` of member ``name`` sits at ``hash_key(b"idx:name")``; a member
+  owns its points ``0 .. count - 1``.  While the whole ring fits the point
+  budget (``vnodes * total_weight <= max_points``), ``count = vnodes *
+  weight``; past it, ``count = max(1, max_points * weight // total_weight)``:
+  points per weight unit shrink so that the ring stays at about ``max_points``
+  (1,000 backends all of weight 100 get ~2,097 points each, as 2,048 of
+  weight 1 would).  The two formulas agree at the boundary.
+- Points are sorted by ``(hash, name)``, so two equal 64-bit points (a
+  collision) are ordered the same way everywhere: the same membership gives
+  the same ring in any order of changes and in any process.
+- Movement: within the budget, a change moves only keys to or from the member
+  it changes (an add moves ~1/(n+1) of the keys, all to the newcomer).  Past
+  the budget every member's count follows the total weight, so a change also
+  trims or extends the others' last points: about as many keys again move
+  between unchanged members (an add moves ~2/(n+1)).
+- Rings never change.  ``steps_to(weights)`` builds the ring for a new
+  membership in steps of bounded work (a generator whose return value is the
+  ring; ~1 ms per step), reusing the point hashes of this ring, so that a
+  caller on an event loop can interleave it with other work and publish the
+  result by reference.  ``with_member``, ``without_member``, ``with_weight``
+  and the constructor run those steps at once.
 - ``walk(h)`` is the preference list of a key hash: the distinct members met
   clockwise from the first point at or after ``h`` (wrapping), each once.
   ``primary(h)`` is its first element, without building the walk.
+- Memory: 8 bytes per point for its hash, 8 for its owner, ~4 to 8 for the
+  bucket index and 8 for the per-member hash cache: ~60 MB at the budget.
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Generator, Iterator, Mapping
+from itertools import chain, repeat
+from operator import call, itemgetter, rshift
 from types import MappingProxyType
 
-from .keys import hash_key
+from .keys import _murmur128 as murmur128
 
-__all__ = ["DEFAULT_VNODES", "Ring"]
+__all__ = ["DEFAULT_VNODES", "MAX_POINTS", "Ring", "check_weight"]
 
 # Points per weight unit.  Ketama and nginx use 160, but a member's share of
 # the hash space is a sum of k exponential gaps, so its relative spread is
@@ -32,20 +51,38 @@ __all__ = ["DEFAULT_VNODES", "Ring"]
 # tests/test_hashring_ring.py), at 8 bytes and one bisect level per doubling.
 DEFAULT_VNODES = 1024
 
+# The point budget: 2,048 members of weight 1 at the default vnodes (so 2,001
+# backends keep exact consistent hashing), ~60 MB, and a rebuild of ~1 s of
+# work in ~1 ms steps.  Past it, shares stay as accurate as 2,048 members'
+# (1/sqrt(points per member)), and changes move a little more (see above).
+MAX_POINTS = 1 << 21
+
 _SPACE = 1 << 64
+# Work per step of a build, in points: ~0.3-1 ms of pure Python.
+_STEP = 2048
+# Points per sorting bucket: the points are bucketed by their top bits and
+# each small bucket sorted on its own, so no single C call (one big sort) runs
+# for long and the build can pause between buckets.
+_BUCKET_BITS = 8
+
+_first_item = itemgetter(0)
 
 
-def _member_points(name: str, stop: int, start: int = 0) -> tuple[int, ...]:
-    """Hashes of points ``start``..``stop - 1`` of ``name`` (``"idx:name"`` keys)."""
-    return tuple(hash_key(f"{idx}:{name}".encode()) for idx in range(start, stop))
+def _hashes(name: str, start: int, stop: int) -> Iterator[int]:
+    """Hashes of points ``start``..``stop - 1`` of ``name``: ``hash_key(b"idx:name")``."""
+    encoded = name.encode()
+    keys = map(b"%d:%b".__mod__, zip(range(start, stop), repeat(encoded)))
+    return map(_first_item, map(murmur128, keys))
 
 
 class Ring:
     __slots__ = (
+        "_counts",
         "_first",
+        "_hashes_of",
+        "_max_points",
         "_owners",
         "_points",
-        "_points_of",
         "_shift",
         "_total_weight",
         "_view",
@@ -53,82 +90,181 @@ class Ring:
         "_weights",
     )
 
-    def __init__(self, weights: Mapping[str, int] | None = None, *, vnodes: int = DEFAULT_VNODES):
+    def __init__(
+        self,
+        weights: Mapping[str, int] | None = None,
+        *,
+        vnodes: int = DEFAULT_VNODES,
+        max_points: int = MAX_POINTS,
+    ):
         if vnodes < 1:
             raise ValueError(f"vnodes must be at least 1, got {vnodes}")
+        if max_points < 1:
+            raise ValueError(f"max_points must be at least 1, got {max_points}")
         self._vnodes = vnodes
-        self._weights: dict[str, int] = {}
-        self._points_of: dict[str, tuple[int, ...]] = {}
-        for name, weight in (weights or {}).items():
-            self._weights[name] = _check_weight(name, weight)
-            self._points_of[name] = _member_points(name, vnodes * weight)
-        self._seal()
+        self._max_points = max_points
+        for _ in self._fill(dict(weights or {}), {}):
+            pass
 
-    def _seal(self) -> None:
-        """Derive the sorted point table from ``_points_of``; the ring is then frozen."""
-        # Sort (hash, name) pairs packed into one int, hash high and the rank of
-        # the name low: ties between equal hashes go by name, and sorting plain
-        # ints is several times faster than sorting tuples.
-        names = sorted(self._points_of)
-        bits = len(names).bit_length()
-        mask = (1 << bits) - 1
-        placed = sorted(
-            (h << bits) | rank for rank, name in enumerate(names) for h in self._points_of[name]
-        )
-        self._points: list[int] = [packed >> bits for packed in placed]
-        self._owners: list[str] = [names[packed & mask] for packed in placed]
-        self._total_weight = sum(self._weights.values())
-        # A bucket index over the top bits of the hash: _first[b] is the index
-        # of the first point at or above bucket b's start.  With about one
-        # bucket per point, a lookup is two list reads and a bisect over a
-        # range of zero to a few points, instead of ~13 comparisons of 64-bit
-        # ints over the whole table.
-        bucket_bits = max(1, len(self._points).bit_length())
-        self._shift = 64 - bucket_bits
-        points = self._points
-        self._first = [bisect_left(points, start) for start in range(0, _SPACE, 1 << self._shift)]
-        self._first.append(len(points))
-        self._view = MappingProxyType(self._weights)
+    def _fill(
+        self, weights: dict[str, int], cache: Mapping[str, array[int]]
+    ) -> Generator[None, None, Ring]:
+        """Build this ring's tables for ``weights`` in steps; ``cache`` holds known hashes.
 
-    def _derive(self, weights: dict[str, int], points_of: dict[str, tuple[int, ...]]) -> Ring:
+        A cached array holds the hashes of points 0, 1, ... of its member; it
+        may be longer than the count a ring uses (rings read only their count)
+        and is extended in place, which older rings sharing it never see.
+        """
+        for name, weight in weights.items():
+            check_weight(name, weight)
+        total_weight = sum(weights.values())
+        names = sorted(weights)
+        vnodes, budget = self._vnodes, self._max_points
+        if vnodes * total_weight <= budget:
+            counts = {name: vnodes * weights[name] for name in names}
+        else:
+            counts = {name: max(1, budget * weights[name] // total_weight) for name in names}
+        hashes_of: dict[str, array[int]] = {}
+        for name in names:
+            count = counts[name]
+            known = cache.get(name)
+            if known is None:
+                known = array("Q")
+            elif len(known) > 2 * count + _STEP:
+                known = known[:count]  # shrunk a lot: do not keep the tail alive
+            while len(known) < count:
+                start = len(known)
+                known.extend(_hashes(name, start, min(count, start + _STEP)))
+                yield
+            hashes_of[name] = known
+
+        # Bucket sort: by the top bits of the hash into buckets of 256-512 points (in
+        # member order, so a stable sort within a bucket breaks hash ties by
+        # name), then each bucket sorted alone.  The loops are C-level maps.
+        size = sum(counts.values())
+        # About one index bucket per 1-2 points: a lookup bisects 0-2 points.
+        index_bits = max(1, size.bit_length() - 1)
+        sort_bits = max(0, index_bits - _BUCKET_BITS)
+        sort_shift = 64 - sort_bits
+        bucket_hashes: list[array[int]] = []
+        bucket_ranks: list[array[int]] = []
+        for start in range(0, 1 << sort_bits, _STEP):
+            batch = min(_STEP, (1 << sort_bits) - start)
+            bucket_hashes.extend(map(array, repeat("Q", batch)))
+            bucket_ranks.extend(map(array, repeat("I", batch)))
+            yield
+        add_hash = [bucket.append for bucket in bucket_hashes]
+        add_rank = [bucket.append for bucket in bucket_ranks]
+        for rank, name in enumerate(names):
+            known, count = hashes_of[name], counts[name]
+            for start in range(0, count, _STEP):
+                chunk = known[start : min(count, start + _STEP)]
+                ids = list(map(rshift, chunk, repeat(sort_shift)))
+                _drain(map(call, map(add_hash.__getitem__, ids), chunk))
+                _drain(map(call, map(add_rank.__getitem__, ids), repeat(rank)))
+                yield
+        del add_hash, add_rank
+
+        # Sorted tables, and the index over the top ``index_bits``: first[b] is
+        # the index of the first point at or above bucket b's start.
+        points: array[int] = array("Q")
+        # Owners go into small tuples, joined into one at the end: a tuple of
+        # strings is untracked by the garbage collector, whereas one growing
+        # list of a million owners would be traversed by every collection
+        # during the build (and by every full one after), stalling the loop.
+        owner_runs: list[tuple[str, ...]] = []
+        first: array[int] = array("I" if size < 1 << 32 else "Q")
+        shift = 64 - index_bits
+        per_sort_bucket = 1 << (index_bits - sort_bits)
+        step = 1 << shift
+        done = 0
+        for bucket in range(1 << sort_bits):
+            hashes, ranks = bucket_hashes[bucket], bucket_ranks[bucket]
+            bucket_hashes[bucket] = bucket_ranks[bucket] = _EMPTY  # free as we go
+            lo = len(points)
+            start = bucket * per_sort_bucket * step
+            if not hashes:
+                first.extend(repeat(lo, per_sort_bucket))
+                continue
+            # Stable: equal hashes keep member (name) order.  No tuples: they
+            # would be a million objects for the garbage collector to track.
+            order = sorted(range(len(hashes)), key=hashes.__getitem__)
+            ordered = list(map(hashes.__getitem__, order))
+            points.extend(ordered)
+            owner_runs.append(tuple(map(names.__getitem__, map(ranks.__getitem__, order))))
+            first.extend(
+                map(
+                    lo.__add__,
+                    map(
+                        bisect_left,
+                        repeat(ordered),
+                        range(start, start + per_sort_bucket * step, step),
+                    ),
+                )
+            )
+            done += len(ordered) + per_sort_bucket
+            if done >= _STEP:
+                done = 0
+                yield
+        first.append(len(points))
+        owners = tuple(chain.from_iterable(owner_runs))
+        del owner_runs
+
+        self._weights = weights
+        self._view = MappingProxyType(weights)
+        self._total_weight = total_weight
+        self._counts = counts
+        self._hashes_of = hashes_of
+        self._points = points
+        self._owners = owners
+        self._first = first
+        self._shift = shift
+        return self
+
+    def _blank(self) -> Ring:
         ring = Ring.__new__(Ring)
         ring._vnodes = self._vnodes
-        ring._weights = weights
-        ring._points_of = points_of
-        ring._seal()
+        ring._max_points = self._max_points
         return ring
 
     # -- membership changes: each returns a new ring --------------------------
 
+    def steps_to(self, weights: Mapping[str, int]) -> Generator[None, None, Ring]:
+        """The ring for membership ``weights``, built in steps (see the contract)."""
+        return self._blank()._fill(dict(weights), self._hashes_of)
+
+    def _derive(self, weights: dict[str, int]) -> Ring:
+        ring = self._blank()
+        for _ in ring._fill(weights, self._hashes_of):
+            pass
+        return ring
+
     def with_member(self, name: str, weight: int = 1) -> Ring:
         if name in self._weights:
             raise KeyError(f"member {name!r} is already on the ring")
-        weights = {**self._weights, name: _check_weight(name, weight)}
-        points = {**self._points_of, name: _member_points(name, self._vnodes * weight)}
-        return self._derive(weights, points)
+        return self._derive({**self._weights, name: check_weight(name, weight)})
 
     def without_member(self, name: str) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
-        weights = {n: w for n, w in self._weights.items() if n != name}
-        points = {n: p for n, p in self._points_of.items() if n != name}
-        return self._derive(weights, points)
+        return self._derive({n: w for n, w in self._weights.items() if n != name})
 
     def with_weight(self, name: str, weight: int) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
-        count = self._vnodes * _check_weight(name, weight)
-        old = self._points_of[name]
         # Point idx of a member does not depend on its weight, so a reweight
         # keeps the points it had and only adds or drops the tail.
-        hashes = old[:count] if count <= len(old) else old + _member_points(name, count, len(old))
-        return self._derive({**self._weights, name: weight}, {**self._points_of, name: hashes})
+        return self._derive({**self._weights, name: check_weight(name, weight)})
 
     # -- reading ------------------------------------------------------------
 
     @property
     def vnodes(self) -> int:
         return self._vnodes
+
+    @property
+    def max_points(self) -> int:
+        return self._max_points
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -145,6 +281,10 @@ class Ring:
     def weight(self, name: str) -> int:
         return self._weights[name]
 
+    def points_of(self, name: str) -> int:
+        """How many points ``name`` owns (see the contract)."""
+        return self._counts[name]
+
     def __len__(self) -> int:
         return len(self._weights)
 
@@ -157,7 +297,7 @@ class Ring:
         return self._points == other._points and self._owners == other._owners
 
     def __hash__(self) -> int:
-        return hash((tuple(self._points), tuple(self._owners)))
+        return hash((self._points.tobytes(), self._owners))
 
     def __repr__(self) -> str:
         return f"Ring({dict(sorted(self._weights.items()))!r}, vnodes={self._vnodes})"
@@ -208,7 +348,16 @@ class Ring:
                     return
 
 
-def _check_weight(name: str, weight: int) -> int:
+_EMPTY: array[int] = array("Q")
+
+
+def _drain(calls: Iterator[object]) -> None:
+    """Run a lazy map for its effects, in C (a zero-length deque)."""
+    deque(calls, maxlen=0)
+
+
+def check_weight(name: str, weight: int) -> int:
+    """``weight`` if it is a positive integer, else ValueError naming ``name``."""
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ValueError(f"weight of {name!r} must be a positive integer, got {weight!r}")
     return weight

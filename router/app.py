@@ -12,7 +12,9 @@ Contract:
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
   ``log_access`` and the shared objects); membership changes go through
-  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.
+  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.  Both
+  change the fleet at once; the ring follows in the background (``await
+  router.fleet.settled()`` for it), so neither blocks the loop.
 """
 
 from __future__ import annotations

@@ -211,9 +211,9 @@ async def _serve(
     from .manage import RouterControl
 
     router = Router(with_state(config, state), tls=tls)
-    for saved in state.backends if state else ():
-        if saved.state == "draining":
-            router.fleet.set_state(saved.name, AdminState.DRAINING)
+    saved_backends = state.backends if state else []
+    draining = [saved.name for saved in saved_backends if saved.state == "draining"]
+    router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
     control = RouterControl(router, state_file)
     admin = None
     try:

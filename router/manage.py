@@ -90,10 +90,11 @@ class RouterControl:
     # -- reads ---------------------------------------------------------------------
 
     def backends(self) -> list[BackendView]:
-        return [self._view(b) for _, b in sorted(self._router.fleet.backends.items())]
+        total = self._total_requests()  # once, not per backend
+        return [self._view(b, total) for _, b in sorted(self._router.fleet.backends.items())]
 
     def backend(self, name: str) -> BackendView:
-        return self._view(self._get(name))
+        return self._view(self._get(name), self._total_requests())
 
     def routing(self) -> RoutingConfig:
         return self._router.balancer.config
@@ -136,9 +137,12 @@ class RouterControl:
             raise NotFound(f"no backend named {name!r}")
         return backend
 
-    def _view(self, backend: Backend) -> BackendView:
+    def _total_requests(self) -> int:
+        return sum(b.requests for b in self._router.fleet.backends.values())
+
+    def _view(self, backend: Backend, total: int) -> BackendView:
+        """``total``: requests routed to all backends (``share``'s denominator)."""
         router = self._router
-        total = sum(b.requests for b in router.fleet.backends.values())
         window = list(router.recorder.windows.get(backend.name, ()))
         scraped = router.health.scraped.get(backend.name)
         return BackendView(
@@ -205,8 +209,9 @@ class RouterControl:
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
             backend = self._router.add_backend(spec)
+            await self._router.fleet.settled()  # the ring is rebuilt in slices
             log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
-            return self._view(backend)
+            return self._view(backend, self._total_requests())
 
     async def update_backend(self, name: str, patch: BackendPatch) -> BackendView:
         async with self._lock:
@@ -221,12 +226,13 @@ class RouterControl:
             fleet = self._router.fleet
             if weight != backend.weight:
                 fleet.set_weight(name, weight)
+                await fleet.settled()  # the ring is rebuilt in slices
             if state != backend.state.value:
                 fleet.set_state(name, AdminState(state))
                 if state == "active":
                     self._cancel_drain(name)
             log.info("backend changed", backend=name, weight=weight, state=state)
-            return self._view(backend)
+            return self._view(backend, self._total_requests())
 
     async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
         async with self._lock:

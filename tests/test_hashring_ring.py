@@ -194,3 +194,111 @@ def test_membership_errors() -> None:
         ring.with_weight("z", 2)
     with pytest.raises(ValueError, match="vnodes"):
         Ring({"a": 1}, vnodes=0)
+
+
+# -- the point budget and stepwise builds ----------------------------------------------------
+
+# vnodes 64 and a budget of 2,000 points: 31 weight units fit, more are scaled down.
+SMALL_BUDGET = {"vnodes": 64, "max_points": 2000}
+
+
+def test_points_follow_weight_within_the_budget_and_are_scaled_past_it() -> None:
+    within = Ring({"a": 10, "b": 21}, **SMALL_BUDGET)  # 31 * 64 = 1,984 points
+    assert (within.points_of("a"), within.points_of("b")) == (640, 1344)
+    past = within.with_weight("b", 90)  # 100 * 64 would be 6,400
+    assert (past.points_of("a"), past.points_of("b")) == (200, 1800)
+    assert len(past._points) == 2000
+    # A member keeps point idx 0.. whatever its count: the scaled ring is the
+    # unscaled one's points, each member's list cut shorter.
+    assert set(past._points) <= set(Ring({"a": 10, "b": 90}, vnodes=64)._points)
+
+
+def test_one_member_never_gets_less_than_one_point() -> None:
+    ring = Ring({"tiny": 1, "huge": 1000}, vnodes=64, max_points=100)
+    assert ring.points_of("tiny") == 1
+    assert ring.primary(0) in ("tiny", "huge")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.dictionaries(names, st.integers(1, 40), min_size=1, max_size=10), st.randoms())
+def test_past_the_budget_the_same_membership_still_gives_the_same_ring_in_any_order(
+    weights: dict[str, int], rnd: random.Random
+) -> None:
+    items = list(weights.items())
+    rnd.shuffle(items)
+    built_at_once = Ring(dict(items), **SMALL_BUDGET)
+    grown = Ring(**SMALL_BUDGET)
+    rnd.shuffle(items)
+    for name, weight in items:
+        grown = grown.with_member(name, weight + 1).with_weight(name, weight)
+    assert grown == built_at_once
+
+
+@balance
+@given(st.dictionaries(names, st.integers(50, 100), min_size=64, max_size=64))
+def test_past_the_budget_64_heavy_members_hold_within_15_percent_of_weight_share(
+    weights: dict[str, int],
+) -> None:
+    # ~4,800 weight units at 1,024 vnodes would be ~5 M points; the budget of
+    # 2**17 gives each member ~1,500-2,700 points, more than 1,024 at weight 1.
+    ring = Ring(weights, max_points=1 << 17)
+    assert len(ring._points) <= 1 << 17
+    assert_within(ring.ownership(), ring, 0.15)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.dictionaries(names, st.integers(1, 3), min_size=4, max_size=12), names)
+def test_past_the_budget_an_add_moves_about_two_shares(
+    weights: dict[str, int], newcomer: str
+) -> None:
+    if newcomer in weights:
+        return
+    before = Ring(dict.fromkeys(weights, 1), vnodes=256, max_points=len(weights) * 128)
+    after = before.with_member(newcomer)
+    n = len(weights)
+    assert 0.5 / (n + 1) <= after.ownership()[newcomer] <= 1.5 / (n + 1)
+    rng = random.Random(n)
+    keys = [rng.getrandbits(64) for _ in range(4000)]
+    moved = sum(before.primary(k) != after.primary(k) for k in keys)
+    # The newcomer's share plus the others' dropped last points (see the contract).
+    assert moved / len(keys) <= 3.0 / (n + 1)
+
+
+def test_a_stepwise_build_equals_a_fresh_one_and_yields_often() -> None:
+    base = Ring({f"m-{i}": 1 for i in range(20)}, vnodes=512)
+    target = {**{f"m-{i}": 1 for i in range(1, 20)}, "m-3": 40, "new": 2}
+    steps = base.steps_to(target)
+    count = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            built = done.value
+            break
+        count += 1
+    assert built == Ring(target, vnodes=512)
+    # 20,480 new hashes alone are 10 steps of 2,048; sorting ~30,700 points more.
+    assert count >= 20
+    assert list(built.walk(12345)) == list(Ring(target, vnodes=512).walk(12345))
+
+
+def test_rings_sharing_a_members_hash_cache_stay_independent() -> None:
+    base = Ring({"a": 1, "b": 1}, vnodes=32)
+    heavy = base.with_weight("a", 5)  # extends a's cached hashes in place
+    heavier = base.with_weight("a", 9)
+    light = heavier.with_weight("a", 1)
+    assert base == Ring({"a": 1, "b": 1}, vnodes=32)
+    assert heavy == Ring({"a": 5, "b": 1}, vnodes=32)
+    assert heavier == Ring({"a": 9, "b": 1}, vnodes=32)
+    assert light == base
+
+
+def test_point_hashes_are_hash_key_of_idx_colon_name() -> None:
+    from hashring import hash_key
+
+    ring = Ring({"gpü-0": 1, "b": 2}, vnodes=8)
+    expected = sorted(
+        [hash_key(f"{i}:gpü-0".encode()) for i in range(8)]
+        + [hash_key(f"{i}:b".encode()) for i in range(16)]
+    )
+    assert list(ring._points) == expected
