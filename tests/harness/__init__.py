@@ -1,0 +1,1 @@
+"""Helpers shared by model-based tests (pure code: no sockets, no fixtures)."""
