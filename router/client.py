@@ -108,6 +108,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_header_count",
         "_headers",
         "_in_head",
+        "_last_request",
         "_last_data",
         "_next_scheduled",
         "_parsing",
@@ -147,6 +148,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._feeding = False  # inside parser.feed_data: heads not yet fully checked
         self._next_scheduled = False  # _start_next is due (call_soon)
         self._in_head = False  # a request head has begun and not ended
+        self._last_request = False  # the last head closes the connection (no keep-alive)
         self._head_began = False  # ... and it began in the read being fed
         self._head_fed = 0  # bytes of the current head received so far
         self._body_in_read = 0  # body bytes of the current request in the read being fed
@@ -177,6 +179,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
     def data_received(self, data: bytes) -> None:
         if self._closing or self._refusal is not None:
             return  # lingering close, or past a refused request: read and drop
+        if self._last_request and self._parsing is None and not self._in_head:
+            return  # after a request that closes the connection: never parsed
         self._last_data = self.router.loop.time()
         self._head_began = False
         self._body_in_read = 0
@@ -205,6 +209,14 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             return
         except httptools.HttpParserError as exc:
             self._feeding = False
+            if self._last_request and self._parsing is None:
+                # Bytes after a request that closes the connection: never a
+                # request (RFC 9112 9.6), so not refused either; the close
+                # after its answer drops them.
+                self._pause(PIPELINE)
+                if self.current is None and self._queue:
+                    self._start_next()
+                return
             self._refuse(400, f"malformed request: {exc}")
             return
         self._feeding = False
@@ -312,6 +324,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             parser.get_http_version() == "1.0",
         )
         self._headers = []  # trailers, if any, land here and are dropped
+        self._last_request = not parser.should_keep_alive()
         self._watch_from(BODY, self.router.config.timeouts.client_body)
         queued = _Queued(exchange)
         self._queue.append(queued)
@@ -361,7 +374,10 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if exchange.reset_client:
             self._abort()  # a response whose framing cannot show that it was cut short
         elif not exchange.client_keep_alive or self.router.stopping:
-            self._close(lingering=exchange is self._parsing)
+            # Lingering: bytes the client sent after this request (unread, or
+            # still coming) would make the kernel reset the connection and
+            # throw away the answer the client has not read yet.
+            self._close(lingering=True)
         elif self._queue or self._refusal is not None:
             self._schedule_next()
         else:

@@ -459,17 +459,6 @@ class ConnectionModel(RuleBasedStateMachine):
                 await backend.close()
 
 
-# Known data-plane defects (issue 10: 1, 6, 7) and the two new ones below make the
-# model fail on the code this test was written against; the lead removes the mark
-# once they are fixed.
-ISSUE_10 = pytest.mark.xfail(
-    strict=False,
-    reason="issue 10 defects 1, 6, 7 and the new ones below (pipelining after close, "
-    "close without lingering) are being fixed",
-)
-
-
-@ISSUE_10
 def test_a_client_connection_keeps_the_models_contract() -> None:
     phases = [Phase.explicit, Phase.reuse, Phase.generate]
     if os.environ.get("MODEL_SHRINK"):  # minutes when a step stalls: on demand only
@@ -494,7 +483,6 @@ def test_a_client_connection_keeps_the_models_contract() -> None:
 # -- new defects the model found, as plain tests ---------------------------------------
 
 
-@ISSUE_10
 async def test_requests_pipelined_after_connection_close_are_dropped_not_refused(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -518,7 +506,6 @@ async def test_requests_pipelined_after_connection_close_are_dropped_not_refused
     assert router.recorder.refused == {}, "a well-formed pipeline was counted as refused"
 
 
-@ISSUE_10
 async def test_a_closing_connection_lingers_so_a_slow_reader_gets_the_whole_answer(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
@@ -568,7 +555,6 @@ async def test_a_closing_connection_lingers_so_a_slow_reader_gets_the_whole_answ
     assert rest == len(data)
 
 
-@ISSUE_10
 async def test_a_refused_pipeline_reads_nothing_more_and_logs_no_internal_error(
     backends: StartBackend, start_router: StartRouter, capsys: pytest.CaptureFixture[str]
 ) -> None:
