@@ -131,7 +131,7 @@ def pick(
     bucket, first_points = key_hash >> ring._shift, ring._first
     lo, hi = first_points[bucket], first_points[bucket + 1]
     start = lo if lo == hi else bisect_left(ring._points, key_hash, lo, hi)
-    first = owners[start % len(owners)]
+    first = ring._names[owners[start % len(owners)]]
     if (
         first not in avoid
         and loads.get(first, 0) < threshold

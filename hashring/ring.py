@@ -25,8 +25,10 @@ Contract:
 - ``walk(h)`` is the preference list of a key hash: the distinct members met
   clockwise from the first point at or after ``h`` (wrapping), each once.
   ``primary(h)`` is its first element, without building the walk.
-- Memory: 8 bytes per point for its hash, 8 for its owner, ~4 to 8 for the
-  bucket index and 8 for the per-member hash cache: ~60 MB at the budget.
+- Memory: 8 bytes per point for its hash, 2 (4 past 65,535 members) for its
+  owner's rank, ~4 for the bucket index and 8 for the per-member hash cache:
+  ~45 MB at the budget, in arrays: no object per point for the garbage
+  collector to traverse, nothing to free point by point.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Generator, Iterator, Mapping
-from itertools import chain, repeat
+from itertools import repeat
 from operator import call, itemgetter, rshift
 from types import MappingProxyType
 
@@ -81,6 +83,7 @@ class Ring:
         "_first",
         "_hashes_of",
         "_max_points",
+        "_names",
         "_owners",
         "_points",
         "_shift",
@@ -168,11 +171,11 @@ class Ring:
         # Sorted tables, and the index over the top ``index_bits``: first[b] is
         # the index of the first point at or above bucket b's start.
         points: array[int] = array("Q")
-        # Owners go into small tuples, joined into one at the end: a tuple of
-        # strings is untracked by the garbage collector, whereas one growing
-        # list of a million owners would be traversed by every collection
-        # during the build (and by every full one after), stalling the loop.
-        owner_runs: list[tuple[str, ...]] = []
+        # Owners as ranks into ``names``, in an array: no Python object per point
+        # for the garbage collector to traverse (a tuple of a million names is
+        # traversed by the first collection that meets it: milliseconds), and
+        # nothing to join or free point by point when a ring is published.
+        owners: array[int] = array("H" if len(names) <= 0xFFFF else "I")
         first: array[int] = array("I" if size < 1 << 32 else "Q")
         shift = 64 - index_bits
         per_sort_bucket = 1 << (index_bits - sort_bits)
@@ -191,7 +194,7 @@ class Ring:
             order = sorted(range(len(hashes)), key=hashes.__getitem__)
             ordered = list(map(hashes.__getitem__, order))
             points.extend(ordered)
-            owner_runs.append(tuple(map(names.__getitem__, map(ranks.__getitem__, order))))
+            owners.extend(map(ranks.__getitem__, order))
             first.extend(
                 map(
                     lo.__add__,
@@ -207,8 +210,6 @@ class Ring:
                 done = 0
                 yield
         first.append(len(points))
-        owners = tuple(chain.from_iterable(owner_runs))
-        del owner_runs
 
         self._weights = weights
         self._view = MappingProxyType(weights)
@@ -216,6 +217,7 @@ class Ring:
         self._counts = counts
         self._hashes_of = hashes_of
         self._points = points
+        self._names = tuple(names)
         self._owners = owners
         self._first = first
         self._shift = shift
@@ -294,25 +296,30 @@ class Ring:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Ring):
             return NotImplemented
-        return self._points == other._points and self._owners == other._owners
+        # Every member owns a point: equal points and owner ranks mean equal names.
+        return (
+            self._points == other._points
+            and self._owners == other._owners
+            and self._names == other._names
+        )
 
     def __hash__(self) -> int:
-        return hash((self._points.tobytes(), self._owners))
+        return hash((self._points.tobytes(), self._owners.tobytes(), self._names))
 
     def __repr__(self) -> str:
         return f"Ring({dict(sorted(self._weights.items()))!r}, vnodes={self._vnodes})"
 
     def ownership(self) -> dict[str, float]:
         """Exact share of the 64-bit hash space each member owns as primary."""
-        points, owners = self._points, self._owners
-        owned = dict.fromkeys(self._weights, 0)
+        points, owners, names = self._points, self._owners, self._names
+        owned = [0] * len(names)
         if points:
             # The key space is [0, 2**64); keys above the last point wrap to the first.
             previous = points[-1] - _SPACE
             for point, owner in zip(points, owners, strict=True):
                 owned[owner] += point - previous
                 previous = point
-        return {name: span / _SPACE for name, span in owned.items()}
+        return {name: span / _SPACE for name, span in zip(names, owned, strict=True)}
 
     # -- lookups --------------------------------------------------------------
 
@@ -321,7 +328,7 @@ class Ring:
         points = self._points
         if not points:
             return None
-        return self._owners[self._index(key_hash) % len(points)]
+        return self._names[self._owners[self._index(key_hash) % len(points)]]
 
     def _index(self, key_hash: int) -> int:
         """Index of the first point at or after ``key_hash`` (``len`` if none)."""
@@ -332,17 +339,17 @@ class Ring:
 
     def walk(self, key_hash: int) -> Iterator[str]:
         """Yield each member once, in clockwise order from ``key_hash``."""
-        owners = self._owners
+        owners, names = self._owners, self._names
         if not owners:
             return
         start = self._index(key_hash)
-        remaining = len(self._weights)
-        seen: set[str] = set()
+        remaining = len(names)
+        seen: set[int] = set()
         for index in range(start, start + len(owners)):
             owner = owners[index % len(owners)]
             if owner not in seen:
                 seen.add(owner)
-                yield owner
+                yield names[owner]
                 remaining -= 1
                 if not remaining:
                     return

@@ -132,7 +132,8 @@ def test_walk_lists_every_member_once_starting_with_the_primary(
 
 def test_walk_follows_points_clockwise_and_wraps() -> None:
     ring = Ring({"a": 1, "b": 1, "c": 1}, vnodes=4)
-    points, owners = ring._points, ring._owners
+    points = ring._points
+    owners = [ring._names[rank] for rank in ring._owners]
     # A key just past the last point wraps to the first point's owner.
     assert ring.primary(points[-1] + 1) == owners[0]
     # A key equal to a point belongs to that point.
