@@ -6,7 +6,10 @@
 Starts ``loadtests.fastbackend`` (answers at once, keeps no body) and
 ``prefix-router serve`` in front of it with its admin listener, all on
 127.0.0.1, then runs a probe: one keep-alive connection sending a small chat
-request every ``--probe-ms`` (1 ms) and timing each answer.  While the probe
+request every ``--probe-ms`` (1 ms) and timing each answer: by default a body
+the router refuses itself (400, connection kept), so that the figure is the
+router's loop and not the backend, which receives the large bodies too
+(``--probe-backend`` sends a real chat request instead).  While the probe
 runs, each shape is sent on a connection of its own:
 
 - data plane, bodies just under ``max_body_bytes`` (32 MiB): the pathological
@@ -22,7 +25,9 @@ For each shape it prints the longest probe latency seen while the shape was
 in flight (a probe sent during a stall waits for it: that latency is the
 stall as a client sees it), the probe's median and maximum over a baseline
 window of the same run with no shape, and the ratio of the two.  Each data
-shape is sent ``--repeats`` times; the worst is shown.  Every wait has a
+shape is sent ``--repeats`` times; the worst is shown.  "extract ms" is
+``decode_openai`` + ``prompt_key`` of the same body timed in this process:
+the part of the stall that is routing-key extraction.  Every wait has a
 timeout, the run stops by itself, and only processes it started are stopped.
 """
 
@@ -47,6 +52,9 @@ SHAPE_TIMEOUT_S = 120.0
 PROBE_BODY = json.dumps(
     {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}
 ).encode()
+# Answered by the router itself (400, keep-alive): the probe then measures the
+# router's loop alone, not the backend that receives the large bodies too.
+LOCAL_PROBE_BODY = b'{"messages": 1}'
 
 
 class Http:
@@ -96,8 +104,9 @@ def host_port(url: str) -> tuple[str, int]:
 class Probe:
     """Small requests back to back on one connection; each one's (sent, latency)."""
 
-    def __init__(self, url: str, interval: float):
+    def __init__(self, url: str, interval: float, local: bool = True):
         self.client = Http(*host_port(url))
+        self.body, self.expect = (LOCAL_PROBE_BODY, 400) if local else (PROBE_BODY, 200)
         self.interval = interval
         self.samples: list[tuple[float, float]] = []
         self.answered = asyncio.Event()  # set at each answer
@@ -106,8 +115,8 @@ class Probe:
         while not stop.is_set():
             sent = time.perf_counter()
             async with asyncio.timeout(SHAPE_TIMEOUT_S):
-                status, _ = await self.client.request("POST", "/v1/chat/completions", PROBE_BODY)
-            if status != 200:
+                status, _ = await self.client.request("POST", "/v1/chat/completions", self.body)
+            if status != self.expect:
                 raise fleet.FleetError(f"probe got HTTP {status}")
             self.samples.append((sent, time.perf_counter() - sent))
             self.answered.set()
@@ -219,7 +228,24 @@ def data_shapes(size: int) -> list[tuple[str, str, Callable[[], bytes]]]:
 # -- the run -------------------------------------------------------------------------
 
 
-Row = tuple[str, str, float, str]  # shape, body, worst probe latency (s), note
+Row = tuple[str, str, float, str, str]  # shape, body, worst probe latency (s), extract, note
+
+
+def extract_ms(path: str, body: bytes) -> str:
+    """``decode_openai`` + ``prompt_key`` of ``body`` in this process: the router's
+    share of the stall that extraction is, against the rest (reading, copying,
+    forwarding the body)."""
+    from router.extract import BadRequest, decode_openai, prompt_key
+
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        try:
+            prompt_key(decode_openai(body, 4096), 4096)
+        except BadRequest:
+            pass
+        best = min(best, time.perf_counter() - start)
+    return f"{best * 1e3:,.1f}"
 
 
 async def timed(probe: Probe, action: Callable[[], Awaitable[str]]) -> tuple[float, str]:
@@ -254,7 +280,7 @@ async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Ro
             worst = max(worst, stall)
             notes.append(note)
         fleet.say(f"  {name}: worst probe {worst * 1e3:,.1f} ms ({'; '.join(notes)})")
-        rows.append((name, f"{len(body) / MiB:.1f} MiB", worst, notes[-1]))
+        rows.append((name, f"{len(body) / MiB:.1f} MiB", worst, extract_ms(path, body), notes[-1]))
         del body
     return rows
 
@@ -277,7 +303,7 @@ async def admin_rows(
         stall, note = await timed(
             probe, lambda w=weight: call("PATCH", "/admin/backends/fb-0", {"weight": w})
         )
-        rows.append((f"PATCH weight={weight}", "-", stall, note))
+        rows.append((f"PATCH weight={weight}", "-", stall, "-", note))
         fleet.say(f"  PATCH weight={weight}: worst probe {stall * 1e3:,.1f} ms ({note})")
     if args.adds:
         durations: list[float] = []
@@ -293,10 +319,10 @@ async def admin_rows(
             )
 
         stall, note = await timed(probe, add_all)
-        rows.append((f"add {args.adds} backends one by one", "-", stall, note))
+        rows.append((f"add {args.adds} backends one by one", "-", stall, "-", note))
         fleet.say(f"  adds: worst probe {stall * 1e3:,.1f} ms ({note})")
         stall, note = await timed(probe, lambda: call("GET", "/admin/stats"))
-        rows.append((f"GET /admin/stats, {args.adds + 1} backends", "-", stall, note))
+        rows.append((f"GET /admin/stats, {args.adds + 1} backends", "-", stall, "-", note))
     await client.close()
     return rows
 
@@ -313,7 +339,7 @@ async def stats_row(
         children, sims, "--no-health-checks", label="router-stats"
     )
     took = time.perf_counter() - started
-    probe = Probe(url, args.probe_ms / 1000)
+    probe = Probe(url, args.probe_ms / 1000, not args.probe_backend)
     stop = asyncio.Event()
     task = asyncio.create_task(probe.run(stop))
     try:
@@ -336,7 +362,7 @@ async def stats_row(
         await router.stop()
     note = f"{notes[-1]}; router started in {took:.1f} s"
     fleet.say(f"  stats with {args.stats_backends} backends: worst probe {worst * 1e3:,.1f} ms")
-    return [(f"GET /admin/stats, {args.stats_backends} backends", "-", worst, note)]
+    return [(f"GET /admin/stats, {args.stats_backends} backends", "-", worst, "-", note)]
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -351,7 +377,7 @@ async def main_async(args: argparse.Namespace) -> None:
         router, url, admin = await fleet.start_router(
             children, {"fb-0": backend_url}, "--no-health-checks"
         )
-        probe = Probe(url, args.probe_ms / 1000)
+        probe = Probe(url, args.probe_ms / 1000, not args.probe_backend)
         stop = asyncio.Event()
         task = asyncio.create_task(probe.run(stop))
         try:
@@ -392,6 +418,9 @@ def main() -> None:
     parser.add_argument("--body-mib", type=float, default=31.9, help="data shapes' size")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--probe-ms", type=float, default=1.0)
+    parser.add_argument(
+        "--probe-backend", action="store_true", help="probe through the backend, not a local 400"
+    )
     parser.add_argument("--baseline-s", type=float, default=2.0)
     parser.add_argument("--adds", type=int, default=200, help="backends added one by one")
     parser.add_argument("--stats-backends", type=int, default=2001, help="0: skip")
