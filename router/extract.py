@@ -63,15 +63,16 @@ Contract (the README's "Routing key" section says the same for users):
   syntax: the backend validates it.  Strings routing does not decode are not
   checked for valid UTF-8.
 - ``decode_openai(body, limit)`` sizes its reading for ``limit``, the
-  ``PrefixLength`` the key will use; without it the minimum (1,024) is
-  assumed and ``prompt_key`` reads the body again only if that was not
-  enough.  Errors are the same either way.  Heads are sized for at most
-  ``HEAD_LIMIT`` (4,096; built at import): past it, a body whose key needs
-  more than 2,048 messages, 2,049 tools or 1,024 token ids is decoded whole
-  as a small one is (every routing field type-checked, cost in proportion
-  to the body: the old bound, for PrefixLength above 4,096 only).
+  ``PrefixLength`` the key will use (default 4,096, the default
+  PrefixLength): the element counts above, and so the extent of the type
+  checks, follow it.  ``prompt_key`` with a larger limit reads the body
+  again if a head was cut.  Heads are sized for at most ``HEAD_LIMIT``
+  (4,096; built at import, ~10 us per element): past it, a body whose key
+  needs more than 2,048 messages, 2,049 tools or 1,024 token ids is decoded
+  whole as a small one is (every routing field type-checked, cost in
+  proportion to the body: the old bound, for PrefixLength above 4,096 only).
 - Strings at the top level (``prompt``, ``input``, ``instructions``) are
-  decoded whole in the one pass: at C speed, no slower than skipping them.
+  decoded whole in the one pass, at C speed (unlike message contents).
 - Errors: ``BadRequest`` with an OpenAI-style message naming what was wrong
   (invalid JSON or UTF-8, wrong types, nesting too deep).  Type errors of the
   parts read for the key may come from ``prompt_key``/``prompt_text``, not
@@ -529,7 +530,7 @@ def _bounded_text(envelope: Any, limit: int) -> str:
 
 
 def decode_openai(
-    body: bytes | bytearray | memoryview, limit: int = MIN_PREFIX_LENGTH
+    body: bytes | bytearray | memoryview, limit: int = HEAD_LIMIT
 ) -> OpenAIRequest | BoundedRequest:
     """Decode the routing fields of an OpenAI body, or raise ``BadRequest``.
 

@@ -263,10 +263,11 @@ def test_errors_name_the_field_whichever_reader_finds_them(
 
 def test_a_body_read_for_a_shorter_prefix_is_read_again_when_that_was_not_enough() -> None:
     body = json.dumps({"messages": [{"role": ""}] * 3000, "pad": "p" * FAST_BODY_BYTES}).encode()
-    request = decode_openai(body)  # sized for the least PrefixLength, 1,024
+    request = decode_openai(body, 1024)  # sized for the least PrefixLength
     assert isinstance(request, BoundedRequest)
     assert prompt_key(request, 4096) == f"{RS}{US}".encode() * 2048
-    assert prompt_key(decode_openai(body, 4096), 4096) == f"{RS}{US}".encode() * 2048
+    assert prompt_key(decode_openai(body), 4096) == f"{RS}{US}".encode() * 2048
     ids = json.dumps({"prompt": list(range(2000)), "pad": "p" * FAST_BODY_BYTES}).encode()
     assert prompt_key(decode_openai(ids), 8000) == array("I", range(2000)).tobytes()
+    assert prompt_key(decode_openai(ids, 1024), 8000) == array("I", range(2000)).tobytes()
     assert isinstance(decode_openai(ids[:100] + b"]}"), OpenAIRequest)
