@@ -235,7 +235,7 @@ class Exchange(LazyDeadline):
         self._body = [body]
         limit = self._router.balancer.config.prefix_aware.prefix_length
         try:
-            request = decode_openai(body)
+            request = decode_openai(body, limit)
             tenant_key = request.prompt_cache_key
             seed = tenant_seed(tenant_key if tenant_key is not None else self._request.tenant)
             key = prompt_key(request, limit)
