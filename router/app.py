@@ -29,6 +29,7 @@ from .admission import Admission, nofile_limit
 from .balancer import Backend, Balancer, Fleet
 from .config import BackendSpec, Config, RoutingConfig
 from .health import HealthMonitor
+from .keyworker import KeyWorker
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
 from .selfaddr import Listener
@@ -76,11 +77,13 @@ class Router:
         self.admission: Admission = None  # type: ignore[assignment]  # set by start
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
+        self.keyworker: KeyWorker = None  # type: ignore[assignment]  # set by start
 
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.keyworker = KeyWorker(self.loop)  # its process starts with the first large body
         for backend in self.fleet.backends.values():
             self._open_pool(backend)
         host, port = self.config.listen_address
@@ -138,6 +141,7 @@ class Router:
         for conn in list(self.connections):
             conn.transport.abort()
         await self.health.close()
+        await self.keyworker.close()
         for pool in self.pools.values():
             pool.close()
         if self._sweeper is not None:

@@ -182,6 +182,9 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 32 * 1024
     max_headers: Annotated[int, Meta(ge=8, le=1000)] = 100
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 32 * 1024 * 1024  # OpenAI kinds
+    # OpenAI bodies above this are keyed in a helper process (router/keyworker.py):
+    # the JSON syntax pass over the whole body would hold the loop. 0: never.
+    key_offload_bytes: Annotated[int, Meta(ge=0, le=1 << 30)] = 1024 * 1024
     max_idle_upstream: Annotated[int, Meta(ge=0, le=10_000)] = 64  # pooled per backend
 
 

@@ -231,26 +231,54 @@ class Exchange(LazyDeadline):
         # else: still connecting; _attach sends everything, end included
 
     def _route_openai(self) -> None:
+        router = self._router
+        limit = router.balancer.config.prefix_aware.prefix_length
+        offload = router.config.limits.key_offload_bytes
+        if offload and self.bytes_in > offload:
+            # One syntax pass over a large body would hold the loop: the key
+            # worker computes the same key in its own process.
+            future = router.keyworker.key(self._body, self.bytes_in, limit)
+            future.add_done_callback(self._keyed)
+            return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = [body]
-        limit = self._router.balancer.config.prefix_aware.prefix_length
         try:
             request = decode_openai(body, limit)
-            tenant_key = request.prompt_cache_key
-            seed = tenant_seed(tenant_key if tenant_key is not None else self._request.tenant)
             key = prompt_key(request, limit)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
+        self._route_key(key, request.prompt_cache_key)
+
+    def _keyed(self, future: asyncio.Future[tuple[bytes, str | None]]) -> None:
+        """The key worker's answer for a large body."""
+        if self.done:  # the client left meanwhile
+            return
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, BadRequest):
+            self._fail(400, str(exc), param=exc.param)
+        elif exc is not None or future.cancelled():
+            # Ours, not the backend's nor the client's: retry later.
+            self._fail(503, "the router could not read this request body now; retry")
+        else:
+            key, prompt_cache_key = future.result()
+            self._route_key(key, prompt_cache_key)
+
+    def _route_key(self, key: bytes, prompt_cache_key: str | None) -> None:
+        """Salt an OpenAI request's key with its tenant and route it."""
+        try:
+            seed = tenant_seed(
+                prompt_cache_key if prompt_cache_key is not None else self._request.tenant
+            )
         except TenantKeyError as exc:
-            if request.prompt_cache_key is None:  # the header was the tenant key
+            if prompt_cache_key is None:  # the header was the tenant key
                 self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
             else:
                 self._fail(400, f"invalid prompt_cache_key: {exc}", param="prompt_cache_key")
             return
         self.tenant = seed != 0
         self.key_hash = hash_key(key, seed)
-        self._request.content_length = len(body)  # forwarded with a length now
+        self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
         self._route()
 
