@@ -136,7 +136,8 @@ class RouterCollector:
 
         refused = CounterMetricFamily(
             "prefix_router_refused_requests",
-            "Requests refused before routing (malformed 400, slow 408, too large 413/414/431).",
+            "Requests refused before routing (malformed 400, slow 408, too large 413/414/431,"
+            " connection limit 503).",
             labels=["status"],
         )
         for status, count in sorted(recorder.refused.items()):
