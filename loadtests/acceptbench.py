@@ -32,7 +32,7 @@ MODES = {"close": ["-H", "Connection: close"], "keepalive": []}
 
 def _router(tree: Path, backend: str) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "admin", "serve", "--listen", "127.0.0.1:0",
          "--admin-listen", "off", "--access-log", "off", "--no-health-checks",
          "--backend", f"fb={backend}"],
         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stderr=subprocess.PIPE,

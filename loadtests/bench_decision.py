@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hashring import hash_key, tenant_seed
 from loadtests.bench_hashring import median_ns_per_item
-from router.balancer import Balancer, Fleet
+from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.extract import decode_openai, prompt_key
+from router.fleet import Fleet
 
 FLEETS = (7, 64, 1024)
 PREFIX_LENGTH = 4096

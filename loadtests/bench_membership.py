@@ -105,7 +105,7 @@ async def _child(kind: str, count: int) -> dict[str, float]:
     from router.app import Router
     from router.config import BackendSpec
     from router.control import BackendPatch
-    from router.manage import RouterControl
+    from router.control.live import RouterControl
 
     config = _config(count)
     start = time.perf_counter()

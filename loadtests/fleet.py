@@ -164,7 +164,7 @@ async def start_router(
     deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     backends = [arg for name, url in sims.items() for arg in ("--backend", f"{name}={url}")]
     child = await spawn(
-        children, label, "router", "serve", "--listen", "127.0.0.1:0",
+        children, label, "admin", "serve", "--listen", "127.0.0.1:0",
         "--admin-listen", "127.0.0.1:0", *flags, *backends,
     )  # fmt: skip
     address = admin = None

@@ -9,7 +9,7 @@ Contract
 - A discrete-event simulation in *model* seconds: the clock jumps from event
   to event, nothing sleeps and nothing reads a wall clock except to report
   how long the run took. Same arguments, same results.
-- Routing is the data plane's, unchanged: ``router.balancer.Fleet`` and
+- Routing is the data plane's, unchanged: ``router.fleet.Fleet`` and
   ``Balancer`` under a ``router.config.RoutingConfig``, fed the key hash that
   ``router/exchange.py`` computes. OpenAI form: the chat body is encoded and
   decoded with ``decode_openai``, keyed with ``prompt_key`` cut at
@@ -43,11 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from admin.cli import prefix_aware_flags
 from hashring import hash_key, tenant_seed
-from router.balancer import Balancer, Choice, Fleet
-from router.cli import prefix_aware_flags
+from router.balancer import Balancer, Choice
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
+from router.fleet import Fleet
 
 from . import report, workloads
 from .simserver.model import Engine, KVCache, Ticket, Timing, tokenize

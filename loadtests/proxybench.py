@@ -927,7 +927,7 @@ async def start_target(ctx: Ctx, target: Target) -> Running:
         return Running(url, proc.pid, proc.stop, f"aiohttp {aiohttp.__version__}")
     if name == "prefix-router":
         backends = [a for i, u in enumerate(ctx.backends) for a in ("--backend", f"fb-{i}={u}")]
-        argv = [sys.executable, "-m", "router", "serve", "--listen", "127.0.0.1:0",
+        argv = [sys.executable, "-m", "admin", "serve", "--listen", "127.0.0.1:0",
                 "--strategy", "prefix", "--prefix-length", str(PREFIX), "--access-log", "off",
                 "--admin-listen", "127.0.0.1:0", *backends]  # fmt: skip
         proc = await _spawn(ctx, name, argv)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
-from .balancer import Backend, Balancer, Fleet
+from .balancer import Balancer
 from .config import BackendSpec, Config, RoutingConfig
+from .fleet import Backend, Fleet
 from .health import HealthMonitor
 from .keyworker import KeyWorker
 from .log import get_logger

@@ -474,7 +474,7 @@ def prompt_text(request: OpenAIRequest | BoundedRequest, limit: int) -> str:
         if size >= limit:
             break
         role, content = message.role, message.content
-        if type(content) is str:  # the common case, in one step
+        if isinstance(content, str):  # the common case, in one step
             parts += (RS, role, US, content)
             size += 2 + len(role) + len(content)
             continue

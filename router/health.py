@@ -33,8 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from .log import get_logger
 
 if TYPE_CHECKING:
-    from .balancer import Backend, Fleet
     from .config import HealthConfig
+    from .fleet import Backend, Fleet
 
 __all__ = ["HealthMonitor", "Scraped"]
 

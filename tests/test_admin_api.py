@@ -62,7 +62,7 @@ class _Drain:
 
 
 class FakeControl:
-    """``Control`` in memory, behaving like ``router.manage.RouterControl``."""
+    """``Control`` in memory, behaving like ``router.control.live.RouterControl``."""
 
     def __init__(self, *names: str) -> None:
         self._backends: dict[str, _Backend] = {}

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from admin import AdminServer
 from router.app import Router
-from router.manage import RouterControl
+from router.control.live import RouterControl
 from tests.conftest import SimFleet, StartRouter
 
 TOKEN = "s3cret-admin-token"

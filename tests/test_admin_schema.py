@@ -33,7 +33,7 @@ from admin import AdminServer
 from admin.openapi import document
 from router.app import Router
 from router.config import build_config
-from router.manage import RouterControl
+from router.control.live import RouterControl
 from router.state import StateFile
 from tests.conftest import router_config
 from tests.test_admin_api import TOKEN, FakeControl

@@ -33,7 +33,7 @@ from admin import AdminServer
 from loadtests.faultproxy import FaultProxy
 from loadtests.simserver.model import filler_pieces
 from router.app import Router
-from router.manage import RouterControl
+from router.control.live import RouterControl
 from tests.conftest import FAST, SimFleet, StartRouter
 from tests.test_router_http import Backend, Seen, connect, echo, quiet, req
 

@@ -23,7 +23,7 @@ import pytest
 
 from admin import AdminServer
 from router.app import Router
-from router.manage import RouterControl
+from router.control.live import RouterControl
 from router.selfaddr import Listener, own_listener
 from tests.conftest import StartRouter
 from tests.test_router_cli import ROOT, admin_call, spawn_router, stop
@@ -51,7 +51,7 @@ async def state_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process
 async def serve_exit(*args: str) -> tuple[int | None, bytes]:
     """Run ``prefix-router serve ARGS`` expecting it to exit; its code and stderr."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--access-log", "off", "--no-health-checks",
+        sys.executable, "-m", "admin", "serve", "--access-log", "off", "--no-health-checks",
         *args,
         cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

@@ -75,7 +75,7 @@ async def test_compare_prints_both_strategies_and_prefix_hits_more() -> None:
 
 
 MODULE = ("-m", "loadtests.demo", "--serve")
-CLI = ("-m", "router", "demo", "--serve")
+CLI = ("-m", "admin", "demo", "--serve")
 
 
 @pytest.mark.parametrize(
@@ -129,10 +129,10 @@ async def test_serve_answers_then_stops_cleanly(command: tuple[str, ...], ctrl_c
 
 
 def test_cli_demo_without_a_clone_says_so(tmp_path: Path) -> None:
-    for package in ("router", "hashring"):  # an install: the packages, no loadtests/
+    for package in ("router", "hashring", "admin"):  # an install: the packages, no loadtests/
         shutil.copytree(ROOT / package, tmp_path / package)
     done = subprocess.run(
-        [sys.executable, "-m", "router", "demo"],
+        [sys.executable, "-m", "admin", "demo"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

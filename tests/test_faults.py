@@ -634,7 +634,7 @@ async def test_the_admin_api_never_echoes_a_malformed_header_line(
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
     from admin import AdminServer
-    from router.manage import RouterControl
+    from router.control.live import RouterControl
 
     router = await start_router(await sim_fleet(1))
     control = RouterControl(router)

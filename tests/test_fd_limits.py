@@ -32,7 +32,7 @@ LIMITED = (
     "import resource, runpy, sys;"
     f"resource.setrlimit(resource.RLIMIT_NOFILE, ({SOFT}, {HARD}));"
     "sys.argv[0] = 'prefix-router';"
-    "runpy.run_module('router', run_name='__main__', alter_sys=True)"
+    "runpy.run_module('admin', run_name='__main__', alter_sys=True)"
 )
 
 REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}"

@@ -16,10 +16,10 @@ import pytest
 
 from hashring import Ring
 from router.app import Router
-from router.balancer import Fleet
 from router.config import BackendSpec
 from router.control import BackendPatch
-from router.manage import RouterControl
+from router.control.live import RouterControl
+from router.fleet import Fleet
 from tests.conftest import StartRouter
 from tests.test_router_http import Backend, connect, echo, quiet, req
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from router.cli import config_from_args, main
+from admin.cli import config_from_args, main
 from router.config import ConfigError, Strategy
 from tests.conftest import SimFleet
 
@@ -21,12 +21,12 @@ ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
 
 
 async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
-    """Start ``python -m router serve ARGS`` and return it with its port (the
+    """Start ``python -m admin serve ARGS`` and return it with its port (the
     admin API, on an ephemeral port, is up too once this returns)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router",
+        "admin",
         "serve",
         "--listen",
         "127.0.0.1:0",
@@ -57,7 +57,7 @@ async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
 def parse(argv: list[str]):  # type: ignore[no-untyped-def]
     import argparse
 
-    from router.cli import _serve_parser
+    from admin.cli import _serve_parser
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers(dest="command"))
@@ -257,7 +257,7 @@ async def test_a_corrupt_state_file_stops_start_up_and_is_left_alone(tmp_path: P
     state = tmp_path / "state.json"
     state.write_bytes(b'{"version": 1, "backends": [{"name": "a"')
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "serve", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "admin", "serve", "--listen", "127.0.0.1:0",
         "--admin-listen", "off", "--state-file", str(state),
         cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

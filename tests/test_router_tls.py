@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import trustme
 
-from router.cli import main
+from admin.cli import main
 from tests.conftest import SimFleet, StartRouter
 
 

@@ -1,6 +1,6 @@
 """``RouterControl``: the ``Control`` interface implemented over a live ``Router``.
 
-Contract (see router/control.py for the interface):
+Contract (see router/control/__init__.py for the interface):
 - Changes run one at a time under a lock.  Each builds the next ``State``,
   writes it to the state file (in a thread: fsync blocks) and only then
   applies it, so a failed write changes nothing and a 2xx answer is durable.
@@ -27,9 +27,13 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from .balancer import AdminState, Backend
-from .config import BackendSpec, RoutingConfig
-from .control import (
+from ..config import BackendSpec, RoutingConfig
+from ..fleet import AdminState, Backend
+from ..log import get_logger
+from ..metrics import percentile
+from ..selfaddr import Listener, own_listener
+from ..state import SavedBackend, State, StateError, StateFile
+from . import (
     BackendPatch,
     BackendView,
     Conflict,
@@ -41,13 +45,9 @@ from .control import (
     Stats,
     Totals,
 )
-from .log import get_logger
-from .metrics import percentile
-from .selfaddr import Listener, own_listener
-from .state import SavedBackend, State, StateError, StateFile
 
 if TYPE_CHECKING:
-    from .app import Router
+    from ..app import Router
 
 __all__ = ["RouterControl", "snapshot"]
 

@@ -10,9 +10,11 @@ state file, when it exists, then wins for backends and routing.  The soft
 ``RLIMIT_NOFILE`` is raised to the hard limit (logged).  SIGTERM and SIGINT
 drain in-flight requests (up to ``timeouts.shutdown_grace``) and exit 0.
 
-This module is the composition root of the whole daemon: the one place that
-imports both ``router`` and ``admin`` (lazily, in ``_serve``), so that the
-dependency direction hashring <- router <- admin holds everywhere else.
+This module is the composition root of the whole daemon: it wires the data
+plane (``router``) to the control plane (the admin API of this package), so
+it lives in the outermost layer and the dependency direction hashring <-
+router <- admin holds without exception (``tests/test_layers.py``).  Heavy
+imports are lazy: ``--help`` and ``demo`` do not load the data plane.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .config import (
+from router.config import (
     Config,
     ConfigError,
     backend_flag,
@@ -38,11 +40,11 @@ from .config import (
     parse_routing,
     tls_context,
 )
-from .state import State, StateError, StateFile
+from router.state import State, StateError, StateFile
 
 if TYPE_CHECKING:
-    from .app import Router
-    from .manage import RouterControl
+    from router.app import Router
+    from router.control.live import RouterControl
 
 __all__ = ["main"]
 
@@ -204,11 +206,10 @@ async def _serve(
     tls: ssl.SSLContext | None = None,
 ) -> None:
     from admin import AdminServer
-
-    from .app import Router
-    from .balancer import AdminState
-    from .log import get_logger
-    from .manage import RouterControl
+    from router.app import Router
+    from router.control.live import RouterControl
+    from router.fleet import AdminState
+    from router.log import get_logger
 
     router = Router(with_state(config, state), tls=tls)
     saved_backends = state.backends if state else []
@@ -245,7 +246,7 @@ async def _refuse_own_addresses(
     control: RouterControl, router: Router, state_file: StateFile | None
 ) -> None:
     """ConfigError if a backend is one of the router's own listeners (a loop)."""
-    from .control import Invalid
+    from router.control import Invalid
 
     for backend in router.fleet.backends.values():
         try:
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
-    from .log import configure
+    from router.log import configure
 
     configure()
     if args.command in ("demo", "bench"):
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    from .admission import raise_nofile
-    from .log import get_logger
+    from router.admission import raise_nofile
+    from router.log import get_logger
 
     # Every client and upstream connection is a file descriptor: take all we may.
     before, after = raise_nofile()

@@ -21,7 +21,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
-from .config import BackendSpec, RoutingConfig
+from ..config import BackendSpec, RoutingConfig
 
 __all__ = [
     "BackendPatch",
