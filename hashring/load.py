@@ -17,7 +17,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 
 __all__ = ["Lease", "LoadTracker"]
 
@@ -41,17 +41,6 @@ class Lease:
         self._tracker = None
         tracker._release(self.member)
         return True
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"Lease({self.member!r}, held={self.held})"

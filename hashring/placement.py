@@ -134,11 +134,9 @@ class Placement:
                 chosen = self._replica(
                     ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
                 )
-            if chosen is not None:
-                pass  # a hot key's replica
-            elif home not in avoid and loads.get(home, 0) < threshold:
+            if chosen is None and home not in avoid and loads.get(home, 0) < threshold:
                 chosen = Pick(home, Decision.PRIMARY, 0)
-            else:
+            elif chosen is None:
                 # Home is avoided (down, draining, tried) or at its threshold: the
                 # walk passes it by (or, when all are at theirs, may return it as
                 # the least loaded).  Not a new home.
@@ -147,6 +145,7 @@ class Placement:
                 )
                 if chosen is not None and chosen.decision is Decision.PRIMARY:
                     chosen = Pick(chosen.member, Decision.OVERFLOW, chosen.position)
+            # else: a hot key's replica
         else:
             chosen = self._walk(
                 ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=True

@@ -11,7 +11,8 @@ Contract:
   health checks and the upstream connections keep the fds they need.
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
-  ``log_access`` and the shared objects); membership changes go through
+  ``exchange_started``/``exchange_finished``, ``request_refused`` and the
+  shared objects); membership changes go through
   ``add_backend`` / ``remove_backend`` so that pools follow the fleet.  Both
   change the fleet at once; the ring follows in the background (``await
   router.fleet.settled()`` for it), so neither blocks the loop.
