@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from .ring import Ring
 
-__all__ = ["Decision", "LoadBound", "Pick", "pick"]
+__all__ = ["Decision", "LoadBound", "Pick", "exact_factor", "pick", "walk"]
 
 
 class Decision(enum.Enum):
@@ -72,7 +72,7 @@ class LoadBound:
             raise ValueError(f"balance factor must be at least 1.0, got {balance}")
         self.threshold = threshold
         self.balance = balance
-        exact = Fraction(str(balance)) if balance is not None else Fraction(0)
+        exact = exact_factor(balance) if balance is not None else Fraction(0)
         self.numerator = exact.numerator  # 0 when there is no balance factor
         self.denominator = exact.denominator
 
@@ -142,18 +142,65 @@ def pick(
     ):
         return _new_pick(Pick, (first, PRIMARY, 0))
 
+    return walk(
+        ring,
+        key_hash,
+        avoid,
+        loads,
+        threshold,
+        share_num,
+        share_den,
+        balance_loads,
+        balance_loads,
+        soft=False,
+    )
+
+
+def exact_factor(factor: float) -> Fraction:
+    """A balance factor as the fraction its decimal writing says (1.1 is 11/10)."""
+    return Fraction(str(factor))
+
+
+def walk(
+    ring: Ring,
+    key_hash: int,
+    avoid: Set[str],
+    loads: Mapping[str, int],
+    threshold: int,
+    share_num: int,
+    share_den: int,
+    shares: Mapping[str, int],
+    fallback_loads: Mapping[str, int],
+    *,
+    soft: bool,
+) -> Pick | None:
+    """The one bounded walk of the key's preference list (``pick`` and ``Placement``).
+
+    The first member not in ``avoid`` whose ``loads`` is below ``threshold``
+    and whose ``shares`` count is below ``ceil(share_num * weight /
+    share_den)`` (no share bound when ``share_num`` is 0) wins: ``PRIMARY`` at
+    position 0, else ``OVERFLOW``.  With ``soft``, the share bound gives way
+    before the threshold does: the first member below ``threshold`` wins next.
+    Else ``FALLBACK``: the fewest ``fallback_loads`` (earliest on ties).
+    Integer arithmetic only: a float bound lets one request too many through.
+    """
+    weights = ring._view  # a friend's read: this runs on the request path
     best: Pick | None = None
+    below: Pick | None = None
     best_load = 0
     position = 0
     for member in ring.walk(key_hash):
         if member in avoid:
             continue
-        load = balance_loads.get(member, 0)
-        if loads.get(member, 0) < threshold and (
-            not share_num or load < -(-(share_num * weights[member]) // share_den)
-        ):
-            return _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
+        if loads.get(member, 0) < threshold:
+            if not share_num or shares.get(member, 0) < -(
+                -(share_num * weights[member]) // share_den
+            ):
+                return _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
+            if soft and below is None:
+                below = _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
+        load = fallback_loads.get(member, 0)
         if best is None or load < best_load:
             best, best_load = _new_pick(Pick, (member, FALLBACK, position)), load
         position += 1
-    return best
+    return below if below is not None else best

@@ -48,7 +48,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Set
 from itertools import islice
 
-from .bounded import Decision, Pick
+from .bounded import Decision, Pick, exact_factor, walk
 from .ring import Ring
 
 __all__ = ["Placement"]
@@ -68,20 +68,19 @@ SCAN_REPLICAS = 8
 class Placement:
     __slots__ = (
         "_counts",
+        "_factor",
         "_key_counts",
         "_recent",
         "_replica_ring",
         "_replicas",
+        "_share_ratio",
         "_table",
         "_tick",
         "capacity",
-        "factor",
     )
 
     def __init__(self, factor: float, *, capacity: int = DEFAULT_CAPACITY):
-        if factor < 1:
-            raise ValueError(f"balance factor must be at least 1.0, got {factor}")
-        self.factor = factor
+        self.factor = factor  # checked, and kept as an exact fraction too (below)
         self.capacity = capacity
         self._table: OrderedDict[int, str] = OrderedDict()
         # The last ``window`` decisions, (member, key hash), and their tallies.
@@ -92,6 +91,17 @@ class Placement:
         self._replicas: dict[int, list[str]] = {}
         self._replica_ring: Ring | None = None
         self._tick = 0
+
+    @property
+    def factor(self) -> float:
+        return self._factor
+
+    @factor.setter
+    def factor(self, factor: float) -> None:
+        if factor < 1:
+            raise ValueError(f"balance factor must be at least 1.0, got {factor}")
+        self._factor = factor
+        self._share_ratio = exact_factor(factor)
 
     def __len__(self) -> int:
         return len(self._table)
@@ -245,28 +255,28 @@ class Placement:
         *,
         bounded: bool,
     ) -> Pick | None:
-        weights = ring.weights
-        total_weight = sum(w for name, w in weights.items() if name not in avoid)
-        # c * (window decisions + this one) * weight / total weight, as in bounded.py
-        scale = self.factor * (len(self._recent) + 1) / total_weight if total_weight else 0.0
-        below_threshold: Pick | None = None
-        least: Pick | None = None
-        least_load = 0
-        position = 0
-        for member in ring.walk(key_hash):
-            if member in avoid:
-                continue
-            if loads.get(member, 0) < threshold:
-                decision = Decision.PRIMARY if position == 0 else Decision.OVERFLOW
-                if not bounded or self._counts[member] < scale * weights[member]:
-                    return Pick(member, decision, position)
-                if below_threshold is None:
-                    below_threshold = Pick(member, decision, position)
-            load = fallback_loads.get(member, 0)
-            if least is None or load < least_load:
-                least, least_load = Pick(member, Decision.FALLBACK, position), load
-            position += 1
-        return below_threshold if below_threshold is not None else least
+        share_num = share_den = 0
+        if bounded:
+            weights = ring.weights
+            total_weight = sum(w for name, w in weights.items() if name not in avoid)
+            if total_weight:
+                # c * (window decisions + this one) * weight / total weight, in
+                # integers as bounded.walk does: ceil(share_num * weight / share_den).
+                factor = self._share_ratio
+                share_num = factor.numerator * (len(self._recent) + 1)
+                share_den = factor.denominator * total_weight
+        return walk(
+            ring,
+            key_hash,
+            avoid,
+            loads,
+            threshold,
+            share_num,
+            share_den,
+            self._counts,
+            fallback_loads,
+            soft=True,
+        )
 
     def _remember(self, key_hash: int, member: str) -> None:
         table = self._table
