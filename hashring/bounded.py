@@ -38,7 +38,9 @@ from .ring import Ring
 __all__ = ["Decision", "LoadBound", "Pick", "exact_factor", "pick", "walk"]
 
 
-class Decision(enum.Enum):
+class Decision(enum.StrEnum):
+    """Where a request went; members are the strings the access log writes."""
+
     PRIMARY = "primary"
     OVERFLOW = "overflow"
     FALLBACK = "fallback"

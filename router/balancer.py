@@ -185,8 +185,7 @@ class Balancer:
                 backend.overflow += 1
             else:
                 backend.fallback += 1
-        # _value_: an Enum's .value is a descriptor, several times slower to read.
-        return backend, decision._value_, position
+        return backend, decision, position  # a StrEnum: the string itself
 
     def _random(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
         fleet = self.fleet

@@ -38,6 +38,8 @@ Contract:
 
 from __future__ import annotations
 
+import enum
+
 from .extract import OPENAI_PATHS
 from .wire import HOP_BY_HOP, request_path, status_line
 
@@ -61,8 +63,8 @@ TENANT_HEADER = b"x-amzn-sagemaker-prefix-aware-id"
 NO_BODY, LENGTH, CHUNKED, UNTIL_CLOSE = 0, 1, 2, 3
 
 
-class Kind:
-    """What routing reads of a request (compared with ``is``: interned strings)."""
+class Kind(enum.StrEnum):
+    """What routing reads of a request; members are the strings the access log writes."""
 
     PASSTHROUGH = "passthrough"  # no key: least outstanding
     OPENAI = "openai"  # the extracted prompt text

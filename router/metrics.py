@@ -171,6 +171,13 @@ class RouterCollector:
             "Connect failures, resets, timeouts and 5xx answers.",
             labels=["backend"],
         )
+        idle = GaugeMetricFamily(
+            "prefix_router_upstream_idle_connections",
+            "Keep-alive connections to the backend waiting in the pool.",
+            labels=["backend"],
+        )
+        for name, pool in sorted(router.pools.items()):
+            idle.add_metric([name], pool.idle)
         for name, backend in sorted(fleet.backends.items()):
             in_flight.add_metric([name], fleet.loads.get(name))
             healthy.add_metric([name], 1 if backend.healthy else 0)
@@ -179,7 +186,7 @@ class RouterCollector:
             overflow.add_metric([name], backend.overflow)
             fallback.add_metric([name], backend.fallback)
             errors.add_metric([name], backend.errors)
-        yield from (in_flight, healthy, draining, weight, overflow, fallback, errors)
+        yield from (in_flight, healthy, draining, weight, overflow, fallback, errors, idle)
 
         for metric, source, text in (
             ("prefix_router_ttft_seconds", recorder.ttft, "Time to first response byte."),

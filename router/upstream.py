@@ -240,6 +240,11 @@ class Pool:
         self._idle: list[UpstreamConnection] = []
         self.closed = False  # the backend was removed: nothing comes back in
 
+    @property
+    def idle(self) -> int:
+        """Pooled connections (the prefix_router_upstream_idle_connections gauge)."""
+        return len(self._idle)
+
     def take(self) -> UpstreamConnection | None:
         """An open idle connection, or None; connections idle too long are closed."""
         idle = self._idle

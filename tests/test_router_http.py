@@ -457,6 +457,8 @@ async def test_one_client_connection_serves_many_requests_over_one_backend_conne
     assert [(s.connection, s.number) for s in backend.requests] == [(1, n) for n in range(1, 7)]
     # The client's "Connection: close" is hop-by-hop: the upstream stays pooled.
     assert router.pools[backend.name].idle == 1
+    metrics = router.collector.render().decode()
+    assert f'prefix_router_upstream_idle_connections{{backend="{backend.name}"}} 1.0' in metrics
 
 
 async def test_a_pooled_connection_the_backend_closed_while_idle_is_replaced(
