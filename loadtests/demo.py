@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from router import metrics
+
 from .fleet import (
     Child,
     FleetError,
@@ -179,8 +181,11 @@ async def run_workload(url: str, bodies: list[bytes], concurrency: int) -> list[
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # nearest rank
+    """``router.metrics.percentile`` (nearest rank) of a run's TTFTs, never empty."""
+    value = metrics.percentile(values, q)
+    if value is None:
+        raise DemoError("no request completed")
+    return value
 
 
 def report(runs: list[Run], names: list[str]) -> str:

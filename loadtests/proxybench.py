@@ -92,6 +92,8 @@ from typing import Any
 
 import httptools
 
+from router.metrics import percentile
+
 SELF = Path(__file__).resolve()
 ROOT = SELF.parent.parent
 GEN_CPUS, PROXY_CPUS = {0}, {1}
@@ -415,13 +417,6 @@ async def _connect(host: str, port: int) -> _Conn:
     return conn
 
 
-def _pct(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
-
-
 @dataclass
 class GenStats:
     requests: int = 0
@@ -440,11 +435,11 @@ class GenStats:
 
     def finish(self) -> GenStats:
         if self.latencies:
-            self.p50_ms = _ms(_pct(self.latencies, 50))
-            self.p99_ms = _ms(_pct(self.latencies, 99))
+            self.p50_ms = _ms(percentile(self.latencies, 0.50))
+            self.p99_ms = _ms(percentile(self.latencies, 0.99))
         if self.ttfbs:
-            self.ttfb_p50_ms = _ms(_pct(self.ttfbs, 50))
-            self.ttfb_p99_ms = _ms(_pct(self.ttfbs, 99))
+            self.ttfb_p50_ms = _ms(percentile(self.ttfbs, 0.50))
+            self.ttfb_p99_ms = _ms(percentile(self.ttfbs, 0.99))
         return self
 
     def record(self, status: int, t0: float, first: float, end: float, nbytes: int) -> None:
