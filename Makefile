@@ -38,7 +38,7 @@ bench-decision: $(STAMP)
 # The proxy ladder: installs HAProxy, nginx, wrk (apt-get) and the Rust peers
 # (their own venv) when missing; about 15 minutes.
 bench-proxy: $(STAMP)
-	$(BIN)/python loadtests/proxybench.py --install
+	$(BIN)/python -m loadtests.proxybench --install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis results

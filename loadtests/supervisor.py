@@ -2,7 +2,8 @@
 
 Contract:
 - ``start(children, name, argv)`` runs ``argv`` (in the repository root
-  unless ``cwd`` says otherwise) in a process group of its own: a terminal's
+  unless ``cwd`` says otherwise) in a session, so a process group, of its own
+  (``start_new_session``: uvloop has no ``process_group``): a terminal's
   Ctrl-C reaches only the parent, which then stops each child once.  Had the
   child got the SIGINT too, our SIGTERM could land after its loop removed its
   handlers and kill it mid-exit (seen: -15).  The child is appended to
@@ -175,7 +176,7 @@ async def start(
     out: IO[bytes] | None = log.open("wb") if log is not None else None
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, env=env, stdin=devnull, process_group=0,
+            *argv, cwd=cwd, env=env, stdin=devnull, start_new_session=True,
             stdout=out if out is not None else (pipe if stdout else devnull),
             stderr=subprocess.STDOUT if out is not None else pipe,
         )  # fmt: skip
@@ -209,7 +210,7 @@ async def run(argv: Sequence[str], within: float, *, cwd: Path | None = ROOT) ->
     pipe = asyncio.subprocess.PIPE
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=pipe, stderr=pipe,
-        process_group=0,
+        start_new_session=True,
     )  # fmt: skip
     child = Child(Path(argv[0]).name, proc)
     try:
