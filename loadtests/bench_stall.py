@@ -1,6 +1,6 @@
 """Loop-stall benchmark: how long one request can keep every other client waiting.
 
-    python loadtests/bench_stall.py [--body-mib 31.9] [--repeats 2] [--adds 200]
+    python -m loadtests.bench_stall [--body-mib 31.9] [--repeats 2] [--adds 200]
                                     [--stats-backends 2001] [--only SUBSTRING]
 
 Starts ``loadtests.fastbackend`` (answers at once, keeps no body) and
@@ -40,14 +40,10 @@ import json
 import random
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtests import fleet
+from . import fleet
 
 MiB = 1024 * 1024
 SHAPE_TIMEOUT_S = 120.0
@@ -433,7 +429,9 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench_stall", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--body-mib", type=float, default=31.9, help="data shapes' size")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--probe-ms", type=float, default=1.0)

@@ -370,7 +370,9 @@ def plots(runs: list[Run], out_dir: Path, *, prefix: str = "") -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Re-print a saved run's tables.")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.report", description="Re-print a saved run's tables."
+    )
     parser.add_argument("results", type=Path, help="a results.json of bench or offline")
     parser.add_argument("--since", type=float, default=0.0, help="from this second on")
     args = parser.parse_args(argv)
