@@ -42,6 +42,7 @@ import socket
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from . import fleet
 
@@ -192,7 +193,7 @@ def random_body(kind: str, size: int, seed: int) -> bytes:
                     {"type": rng.choice(["text", "image_url"]), "text": random_text(rng, 5)}
                     for _ in range(rng.randint(0, 30))
                 ]
-            item = {"role": rng.choice(["user", "assistant", ""]), "content": content}
+            item: object = {"role": rng.choice(["user", "assistant", ""]), "content": content}
         else:
             item = random_value(rng)
         piece = json.dumps(item, ensure_ascii=rng.random() < 0.5).encode()
@@ -280,7 +281,7 @@ async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Ro
         if args.only and args.only not in name:
             continue
         body = make()
-        worst, notes = 0.0, []
+        worst, notes = 0.0, list[str]()
         for _ in range(args.repeats):
 
             async def send(path: str = path, body: bytes = body) -> str:
@@ -314,9 +315,8 @@ async def admin_rows(
         return f"HTTP {status} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
 
     for weight in (1000, 1):
-        stall, note = await timed(
-            probe, lambda w=weight: call("PATCH", "/admin/backends/fb-0", {"weight": w})
-        )
+        patch = partial(call, "PATCH", "/admin/backends/fb-0", {"weight": weight})
+        stall, note = await timed(probe, patch)
         rows.append((f"PATCH weight={weight}", "-", stall, "-", note))
         fleet.say(f"  PATCH weight={weight}: worst probe {stall * 1e3:,.1f} ms ({note})")
     if args.adds:
@@ -365,7 +365,7 @@ async def stats_row(
             status, _ = await client.request("GET", "/admin/stats")
             return f"HTTP {status} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
 
-        worst, notes = 0.0, []
+        worst, notes = 0.0, list[str]()
         for _ in range(args.repeats):
             stall, note = await timed(probe, stats)
             worst, notes = max(worst, stall), [*notes, note]
