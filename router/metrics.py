@@ -79,9 +79,9 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
     The project's one definition: /admin/stats and every table of loadtests/ use it.
     Always a value that was observed (no interpolation between two latencies that
-    never happened), the "P99 = the request 99 % of requests were not slower than"
-    that latency tables mean, and exact for any n: P50 of an even count is the
-    lower middle.  None when ``values`` is empty.
+    never happened): P99 is a latency that at least 99 % of the values do not
+    exceed, as latency tables mean it; P50 of an even count is the lower middle.
+    None when ``values`` is empty.
     """
     if not 0 <= q <= 1:
         raise ValueError(f"q must be in [0, 1], not {q!r}")
