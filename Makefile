@@ -30,15 +30,15 @@ demo: $(STAMP)
 	$(BIN)/prefix-router demo
 
 bench-hashring: $(STAMP)
-	$(BIN)/python loadtests/bench_hashring.py
+	$(BIN)/python -m loadtests.bench_hashring
 
 bench-decision: $(STAMP)
-	$(BIN)/python loadtests/bench_decision.py
+	$(BIN)/python -m loadtests.bench_decision
 
 # The proxy ladder: installs HAProxy, nginx, wrk (apt-get) and the Rust peers
 # (their own venv) when missing; about 15 minutes.
 bench-proxy: $(STAMP)
-	$(BIN)/python loadtests/proxybench.py --install
+	$(BIN)/python -m loadtests.proxybench --install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis results

@@ -1,0 +1,35 @@
+"""Load tests, benchmarks and their harness.  Nothing outside ``loadtests`` imports it.
+
+Every entry point runs one way, from the repository root with the project's
+venv: ``python -m loadtests.NAME [--help]``.  Figures and the commands that
+produced them: ``loadtests/RESULTS.md``.
+
+Benchmarks (each prints its figures; medians, ratios within one run):
+  bench             live: workloads through router or peers to a simulated fleet
+  offline           the same routing code against a discrete-event fleet model
+  demo              RANDOM vs PREFIX_AWARE on a small simulated fleet (``make demo``)
+  proxybench        the proxy ladder: router vs HAProxy, nginx, Rust peers (``make bench-proxy``)
+  bench_decision    ns per routing decision: extract, hash, pick (``make bench-decision``)
+  bench_hashring    ns per key and keys moved on growth (``make bench-hashring``)
+  bench_stall       longest event-loop stall under pathological bodies and admin calls
+  bench_membership  start-up cost and loop stall of membership changes
+  acceptbench       accept rate with a connection per request, two trees compared
+  soak              hours of load with instances killed and faults injected
+  report            re-print a saved run's tables (``--since`` for the warm part)
+
+Servers the benchmarks start (also runnable alone):
+  simserver         simulated vLLM instances: prefix cache, prefill/decode timing
+  fastbackend       a near-free OpenAI-shaped responder, the backend of proxybench
+  faultproxy        a TCP proxy that delays, cuts and corrupts connections
+
+Library modules:
+  supervisor        child processes: start, read a ready line, stop by PID; free_port
+  fleet             simulated fleets and routers as children; their addresses
+  peers             sglang-router and vllm-router in a venv of their own
+  workloads         seeded request streams with shared prefixes, and their fleet
+  report            summaries, tables, JSON, plots (percentiles: router.metrics)
+
+Dependencies: ``loadtests`` may import ``hashring`` and ``router``; this
+package imports nothing at import time, so ``bench_membership`` children can
+import ``router`` from another tree.
+"""

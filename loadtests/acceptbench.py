@@ -1,10 +1,10 @@
 """Accept rate: prefix-router with one new connection per request, two trees compared.
 
-    python loadtests/acceptbench.py --base /tmp/base-tree [--rounds 3] [--seconds 5]
+    python -m loadtests.acceptbench --base /tmp/base-tree [--rounds 3] [--seconds 5]
 
 Contract:
 - ``--base`` is another checkout of the project (``git archive REV | tar -x -C
-  DIR``); this tree is the candidate.  One fast backend (``fastbackend.py``)
+  DIR``); this tree is the candidate.  One fast backend (``loadtests.fastbackend``)
   serves both.  Each round starts each tree's router afresh, base then
   candidate, and runs wrk against it twice: ``close`` (``Connection: close``:
   a TCP connect, an accept and a close per request, what a connection cap
@@ -16,89 +16,92 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from . import supervisor
+from .fleet import SERVE, listening_address
+from .supervisor import Child, ChildError
+
+ROOT = supervisor.ROOT
 MODES = {"close": ["-H", "Connection: close"], "keepalive": []}
+START_TIMEOUT_S = 20.0
 
 
-def _router(tree: Path, backend: str) -> tuple[subprocess.Popen[bytes], int]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "admin", "serve", "--listen", "127.0.0.1:0",
+async def _router(children: list[Child], tree: Path, backend: str) -> tuple[Child, int]:
+    child = await supervisor.start(
+        children, f"router of {tree}",
+        [*SERVE, "--listen", "127.0.0.1:0",
          "--admin-listen", "off", "--access-log", "off", "--no-health-checks",
          "--backend", f"fb={backend}"],
-        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stderr=subprocess.PIPE,
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
     )  # fmt: skip
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        event = json.loads(proc.stderr.readline() or b'{"event": "exited"}')
-        if event["event"] == "listening":
-            return proc, int(event["address"].rpartition(":")[2])
-        if event["event"] == "exited":
-            break
-    proc.kill()
-    raise RuntimeError(f"the router of {tree} did not start")
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+    address = await child.wait_line(listening_address, "'listening' log line", deadline)
+    return child, int(address.rpartition(":")[2])
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _wrk(port: int, mode: str, seconds: int) -> float:
-    out = subprocess.run(
-        ["wrk", "-t1", "-c32", f"-d{seconds}s", *MODES[mode],
-         f"http://127.0.0.1:{port}/v1/models"],
-        capture_output=True, text=True, check=True, timeout=seconds + 30,
-    ).stdout  # fmt: skip
+async def _wrk(port: int, mode: str, seconds: int) -> float:
+    argv = ["wrk", "-t1", "-c32", f"-d{seconds}s", *MODES[mode],
+            f"http://127.0.0.1:{port}/v1/models"]  # fmt: skip
+    done = await supervisor.run(argv, within=seconds + 30)
+    out = done.stdout
+    if done.returncode != 0:
+        raise ChildError(f"wrk exited with {done.returncode}: {done.stderr[-500:]}")
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
-        raise RuntimeError(f"wrk saw {errors[1]} error answers:\n{out}")
+        raise ChildError(f"wrk saw {errors[1]} error answers:\n{out}")
     match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    assert match, out
+    if match is None:
+        raise ChildError(f"wrk printed no rate:\n{out}")
     return float(match[1])
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+async def measure(base: Path, rounds: int, seconds: int) -> dict[tuple[str, str], list[float]]:
+    trees = {"base": base, "candidate": ROOT}
+    children: list[Child] = []
+    rates: dict[tuple[str, str], list[float]] = {}
+    try:
+        backend = await supervisor.start(
+            children, "fastbackend",
+            [sys.executable, "-m", "loadtests.fastbackend", "--count", "1"], stdout=True,
+        )  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        url = json.loads(await backend.line("the backend's address", deadline, stdout=True))["url"]
+        for _ in range(rounds):
+            for name, tree in trees.items():
+                router, port = await _router(children, tree, url)
+                try:
+                    for mode in MODES:
+                        await _wrk(port, mode, 1)  # warm-up
+                        rate = await _wrk(port, mode, seconds)
+                        rates.setdefault((name, mode), []).append(rate)
+                finally:
+                    await router.stop()
+    finally:
+        for child in reversed(children):
+            await child.stop()
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.acceptbench", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--base", type=Path, required=True, help="the tree to compare against")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=5)
-    args = p.parse_args()
-    trees = {"base": args.base.resolve(), "candidate": ROOT}
-    backend_proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "loadtests" / "fastbackend.py"), "--count", "1"],
-        stdout=subprocess.PIPE,
-    )
-    assert backend_proc.stdout is not None
-    backend = json.loads(backend_proc.stdout.readline())["url"]
-    rates: dict[tuple[str, str], list[float]] = {}
+    args = p.parse_args(argv)
     try:
-        for _ in range(args.rounds):
-            for name, tree in trees.items():
-                proc, port = _router(tree, backend)
-                try:
-                    for mode in MODES:
-                        _wrk(port, mode, 1)  # warm-up
-                        rate = _wrk(port, mode, args.seconds)
-                        rates.setdefault((name, mode), []).append(rate)
-                finally:
-                    _stop(proc)
-    finally:
-        _stop(backend_proc)
+        rates = asyncio.run(measure(args.base.resolve(), args.rounds, args.seconds))
+    except ChildError as exc:
+        print(f"acceptbench: {exc}", file=sys.stderr)
+        return 1
     print(f"| mode | base req/s | candidate req/s | candidate / base |  ({args.rounds} rounds)")
     print("|---|---:|---:|---:|")
     for mode in MODES:

@@ -1,6 +1,6 @@
 """Benchmark of one whole routing decision, as the data plane makes it.
 
-    python loadtests/bench_decision.py [--repeats 7] [--requests 2000]
+    python -m loadtests.bench_decision [--repeats 7] [--requests 2000]
 
 For an OpenAI chat body with a 4 KiB prompt (a 3.9 KiB system prompt and a
 short question, PrefixLength 4096) it prints the nanoseconds per request of:
@@ -23,16 +23,14 @@ import json
 import random
 import sys
 from functools import partial
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hashring import hash_key, tenant_seed
-from loadtests.bench_hashring import median_ns_per_item
 from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.extract import decode_openai, prompt_key
 from router.fleet import Fleet
+
+from .bench_hashring import median_ns_per_item
 
 FLEETS = (7, 64, 1024)
 PREFIX_LENGTH = 4096
@@ -117,7 +115,9 @@ def decide_all(chooser: Balancer, items: list[bytes]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench_decision", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()

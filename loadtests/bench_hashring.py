@@ -1,6 +1,6 @@
 """Benchmark of the pure routing core: cost per key and keys moved on growth.
 
-    python loadtests/bench_hashring.py [--repeats 5] [--keys 2000]
+    python -m loadtests.bench_hashring [--repeats 5] [--keys 2000]
 
 Prints, for prefix lengths of 1 KiB, 4 KiB and 64 KiB and rings of 7, 64 and
 1,024 members (default vnodes), the nanoseconds per key of:
@@ -21,9 +21,6 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hashring import LoadBound, LoadTracker, Ring, hash_key, pick
 
@@ -104,7 +101,9 @@ def bench_movement() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench_hashring", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--keys", type=int, default=2000)
     args = parser.parse_args()

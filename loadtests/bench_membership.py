@@ -1,6 +1,6 @@
 """Benchmark of membership changes: start-up cost and how long they stall the loop.
 
-    python loadtests/bench_membership.py [--baseline /work/main] [--repeats 3]
+    python -m loadtests.bench_membership [--baseline /work/main] [--repeats 3]
 
 Each figure is measured in a fresh child process running a real ``Router``
 (uvloop, listening on 127.0.0.1, health checks off, no traffic) and its
@@ -27,13 +27,15 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent.parent
+from . import supervisor  # imports no router: a child imports it from its tree
+
+HERE = supervisor.ROOT
+CHILD_TIMEOUT_S = 600.0
 SIZES = (200, 1000, 2001)
 CHANGE_FLEET = 1000
 STATS_FLEET = 2001
@@ -156,17 +158,14 @@ def child_main(tree: str, kind: str, count: int) -> None:
 # -- the parent: children per tree, medians, the table ---------------------------------------
 
 
-def measure(tree: Path, kind: str, count: int, repeats: int) -> dict[str, float]:
+async def measure(tree: Path, kind: str, count: int, repeats: int) -> dict[str, float]:
     runs = []
+    argv = [sys.executable, "-m", "loadtests.bench_membership", "--child", str(tree), kind]
     for _ in range(repeats):
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", str(tree), kind, str(count)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=600,
-        )
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        done = await supervisor.run([*argv, str(count)], CHILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise supervisor.ChildError(f"{kind} {count} in {tree} failed:\n{done.stderr[-2000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
@@ -176,14 +175,16 @@ def _ratio(after: float, before: float | None) -> str:
     return f"{before / after:,.1f}x"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench_membership", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--baseline", metavar="TREE", help="a checkout to compare with (main)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--child", nargs=3, metavar=("TREE", "KIND", "COUNT"), help=argparse.SUPPRESS
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         tree, kind, count = args.child
         child_main(tree, kind, int(count))
@@ -191,8 +192,12 @@ def main() -> None:
     trees = {"after": HERE}
     if args.baseline:
         trees = {"before": Path(args.baseline).resolve(), **trees}
+    asyncio.run(table(trees, args.repeats))
+
+
+async def table(trees: dict[str, Path], repeats: int) -> None:
     print(
-        f"# membership benchmark: Python {sys.version.split()[0]}, median of {args.repeats}"
+        f"# membership benchmark: Python {sys.version.split()[0]}, median of {repeats}"
         f" child processes; {', '.join(f'{k} = {v}' for k, v in trees.items())}"
     )
     columns = list(trees)
@@ -201,7 +206,7 @@ def main() -> None:
     print(f"| backends | {header} | speed-up |")
     print("|---:|" + "---:|---:|" * len(columns) + "---:|")
     for count in SIZES:
-        got = {c: measure(t, "startup", count, args.repeats) for c, t in trees.items()}
+        got = {c: await measure(t, "startup", count, repeats) for c, t in trees.items()}
         cells = " | ".join(
             f"{got[c]['startup_s']:.2f} | {got[c]['peak_rss_mib']:,.0f}" for c in columns
         )
@@ -219,7 +224,7 @@ def main() -> None:
         ("stats() at 2,001", "stats", STATS_FLEET),
     ]
     for label, kind, count in changes:
-        got = {c: measure(t, kind, count, args.repeats) for c, t in trees.items()}
+        got = {c: await measure(t, kind, count, repeats) for c, t in trees.items()}
         cells = " | ".join(f"{got[c]['change_s']:.3f} | {got[c]['stall_ms']:,.1f}" for c in columns)
         before = got["before"]["stall_ms"] if "before" in got else None
         print(f"| {label} | {cells} | {_ratio(got['after']['stall_ms'], before)} |")

@@ -1,6 +1,6 @@
 """Loop-stall benchmark: how long one request can keep every other client waiting.
 
-    python loadtests/bench_stall.py [--body-mib 31.9] [--repeats 2] [--adds 200]
+    python -m loadtests.bench_stall [--body-mib 31.9] [--repeats 2] [--adds 200]
                                     [--stats-backends 2001] [--only SUBSTRING]
 
 Starts ``loadtests.fastbackend`` (answers at once, keeps no body) and
@@ -40,14 +40,11 @@ import json
 import random
 import socket
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from functools import partial
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtests import fleet
+from . import fleet
 
 MiB = 1024 * 1024
 SHAPE_TIMEOUT_S = 120.0
@@ -196,7 +193,7 @@ def random_body(kind: str, size: int, seed: int) -> bytes:
                     {"type": rng.choice(["text", "image_url"]), "text": random_text(rng, 5)}
                     for _ in range(rng.randint(0, 30))
                 ]
-            item = {"role": rng.choice(["user", "assistant", ""]), "content": content}
+            item: object = {"role": rng.choice(["user", "assistant", ""]), "content": content}
         else:
             item = random_value(rng)
         piece = json.dumps(item, ensure_ascii=rng.random() < 0.5).encode()
@@ -284,7 +281,7 @@ async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Ro
         if args.only and args.only not in name:
             continue
         body = make()
-        worst, notes = 0.0, []
+        worst, notes = 0.0, list[str]()
         for _ in range(args.repeats):
 
             async def send(path: str = path, body: bytes = body) -> str:
@@ -318,9 +315,8 @@ async def admin_rows(
         return f"HTTP {status} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
 
     for weight in (1000, 1):
-        stall, note = await timed(
-            probe, lambda w=weight: call("PATCH", "/admin/backends/fb-0", {"weight": w})
-        )
+        patch = partial(call, "PATCH", "/admin/backends/fb-0", {"weight": weight})
+        stall, note = await timed(probe, patch)
         rows.append((f"PATCH weight={weight}", "-", stall, "-", note))
         fleet.say(f"  PATCH weight={weight}: worst probe {stall * 1e3:,.1f} ms ({note})")
     if args.adds:
@@ -369,7 +365,7 @@ async def stats_row(
             status, _ = await client.request("GET", "/admin/stats")
             return f"HTTP {status} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
 
-        worst, notes = 0.0, []
+        worst, notes = 0.0, list[str]()
         for _ in range(args.repeats):
             stall, note = await timed(probe, stats)
             worst, notes = max(worst, stall), [*notes, note]
@@ -433,7 +429,9 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench_stall", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--body-mib", type=float, default=31.9, help="data shapes' size")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--probe-ms", type=float, default=1.0)

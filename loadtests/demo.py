@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from router import metrics
+
 from .fleet import (
     Child,
     FleetError,
@@ -179,8 +181,11 @@ async def run_workload(url: str, bodies: list[bytes], concurrency: int) -> list[
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]  # nearest rank
+    """``router.metrics.percentile`` (nearest rank) of a run's TTFTs, never empty."""
+    value = metrics.percentile(values, q)
+    if value is None:
+        raise DemoError("no request completed")
+    return value
 
 
 def report(runs: list[Run], names: list[str]) -> str:
@@ -197,12 +202,12 @@ def report(runs: list[Run], names: list[str]) -> str:
             f"| {share} % |"
         )
     old, new = runs
-    p50, p90 = (
+    change50, change90 = (
         f"{(percentile(new.ttfts, q) / percentile(old.ttfts, q) - 1) * 100:+.0f} %"
         for q in (0.5, 0.9)
     )
     lines.append(
-        f"\n{new.strategy} vs {old.strategy}: P50 TTFT {p50}, P90 TTFT {p90}, "
+        f"\n{new.strategy} vs {old.strategy}: P50 TTFT {change50}, P90 TTFT {change90}, "
         f"prefix-cache hit rate {old.hit_rate:.0%} -> {new.hit_rate:.0%}"
     )
     return "\n".join(lines)
@@ -252,7 +257,7 @@ Router (PREFIX_AWARE) at {url}  (pids: fleet {fleet.pid}, router {router.pid})
 
 The x-sim-instance response header names the instance that answered. Ctrl-C stops all.
 """)
-    waits = [asyncio.ensure_future(stop.wait())]
+    waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
     waits += [asyncio.ensure_future(c.proc.wait()) for c in children]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -1,7 +1,7 @@
 """A minimal OpenAI-shaped responder that costs little CPU: the backend of proxy benchmarks.
 
 Contract:
-- ``python loadtests/fastbackend.py --count 2`` serves ``fb-0`` .. ``fb-N`` on free
+- ``python -m loadtests.fastbackend --count 2`` serves ``fb-0`` .. ``fb-N`` on free
   ports of 127.0.0.1 (``--port`` to choose the first one) in ONE process and one
   event loop (uvloop when installed), and prints one JSON line per instance on
   stdout, ``{"name": "fb-0", "url": "http://127.0.0.1:PORT"}``, once all listen.
@@ -327,7 +327,9 @@ async def serve(count: int, first_port: int, events: int, name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.fastbackend", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--count", type=int, default=2, help="instances to serve (default 2)")
     parser.add_argument("--port", type=int, default=0, help="first port (default: free ports)")
     parser.add_argument("--events", type=int, default=64, help="SSE chunks per stream (64)")

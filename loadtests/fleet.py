@@ -1,14 +1,11 @@
-"""Child processes of the load tests: simulated fleets, routers, peers.
+"""Simulated fleets and routers as child processes, for the load tests.
 
 Contract:
-- ``spawn`` runs ``python -m ...`` in the repository root, in a process group
-  of its own (a terminal's Ctrl-C reaches only the parent, which then stops
-  each child once), registered in the caller's list before any await, with
-  its stderr always drained (a full pipe would block it).
-- ``Child.stop`` is SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``, then
-  reaping; idempotent.  Only processes started here are ever signalled.
-- Failures raise ``FleetError`` with a message that says what and where,
-  including the child's last stderr lines.
+- Children are ``loadtests.supervisor`` children (``Child``; its contract:
+  own process group, stderr drained, stop by PID with SIGTERM then SIGKILL,
+  idempotent); ``spawn`` runs ``python -m ...`` in the repository root.
+- Failures raise ``FleetError`` (the supervisor's ``ChildError``) with a
+  message that says what and where, including the child's last stderr lines.
 - ``start_sims`` / ``start_router`` return addresses read from the children's
   own output; ``counters`` reads vLLM's prefix-cache counters from /metrics.
 """
@@ -16,107 +13,51 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import math
 import re
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+from .supervisor import ROOT, STOP_TIMEOUT_S, Child, ChildError, say, start
+
+__all__ = [
+    "ROOT",
+    "SERVE",
+    "START_TIMEOUT_S",
+    "STOP_TIMEOUT_S",
+    "Child",
+    "FleetError",
+    "counters",
+    "hit_rate",
+    "listening_address",
+    "next_line",
+    "reset_caches",
+    "say",
+    "spawn",
+    "start_router",
+    "start_sims",
+    "stop_checked",
+]
+
 START_TIMEOUT_S = 20.0  # imports alone take seconds on a busy 2-core machine
-STOP_TIMEOUT_S = 5.0
 
+FleetError = ChildError  # one error for "a child failed", whoever started it
 
-class FleetError(Exception):
-    """A failure the user should read; the message says what and where."""
-
-
-def say(*parts: object) -> None:
-    print(*parts, flush=True)  # stdout is a pipe under make and in tests
-
-
-@dataclass
-class Child:
-    """A subprocess we started; its stderr is always drained (a full pipe would block it)."""
-
-    name: str
-    proc: asyncio.subprocess.Process
-    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=20))
-    lines: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)  # None: EOF
-    drain: asyncio.Task[None] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def explain(self) -> str:
-        code = self.proc.returncode
-        status = "running" if code is None else f"exit code {code}"
-        log = "".join(f"\n    {line}" for line in self.tail) or " (none)"
-        return f"{self.name} (pid {self.pid}, {status}); its last stderr lines:{log}"
-
-    async def stop(self) -> None:
-        """SIGTERM, SIGKILL after STOP_TIMEOUT_S; reaped. Idempotent."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await self.proc.wait()
-            except TimeoutError:
-                say(f"{self.name} (pid {self.pid}) ignored SIGTERM; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
-        if self.drain is not None:
-            await self.drain  # reaches EOF now that the process is gone
+# ``prefix-router serve`` as every load test starts it: this interpreter, this tree.
+SERVE = (sys.executable, "-m", "admin", "serve")
 
 
 async def spawn(children: list[Child], name: str, *argv: str, stdout: bool = False) -> Child:
     """``python -m argv`` in the repository root, registered in ``children`` at once."""
-    pipe, devnull = asyncio.subprocess.PIPE, asyncio.subprocess.DEVNULL
-    # process_group=0: a terminal's Ctrl-C reaches only us, and we stop each child
-    # with one SIGTERM. Had the child got the SIGINT too, our SIGTERM could land
-    # after its loop has removed its handlers and kill it mid-exit (seen: -15).
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", *argv, cwd=ROOT, stdin=devnull,
-        stdout=pipe if stdout else devnull, stderr=pipe, process_group=0,
-    )  # fmt: skip
-    child = Child(name, proc)
-    children.append(child)  # no await since the fork: an interrupt still finds it
-
-    async def drain() -> None:
-        assert proc.stderr is not None
-        async for raw in proc.stderr:
-            child.tail.append(raw.decode(errors="replace").rstrip())
-            child.lines.put_nowait(child.tail[-1])
-        child.lines.put_nowait(None)
-
-    child.drain = asyncio.create_task(drain())
-    return child
+    return await start(children, name, [sys.executable, "-m", *argv], stdout=stdout)
 
 
 async def next_line(child: Child, what: str, deadline: float, stdout: bool = False) -> str:
     """The child's next stdout (or stderr) line; FleetError if it exits or is too slow."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            if stdout:
-                assert child.proc.stdout is not None
-                line = (await child.proc.stdout.readline()).decode() or None
-            else:
-                line = await child.lines.get()
-    except TimeoutError:
-        await child.stop()
-        raise FleetError(f"no {what} within {START_TIMEOUT_S:.0f} s: {child.explain()}") from None
-    if line is None:
-        await child.stop()  # reaps it, and its stderr is complete
-        raise FleetError(f"{child.name} exited before {what}: {child.explain()}")
-    return line
+    return await child.line(what, deadline, stdout)
 
 
 async def start_sims(
@@ -163,9 +104,9 @@ async def start_router(
     """``prefix-router serve`` in front of ``sims``: (child, URL, admin URL)."""
     deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     backends = [arg for name, url in sims.items() for arg in ("--backend", f"{name}={url}")]
-    child = await spawn(
-        children, label, "admin", "serve", "--listen", "127.0.0.1:0",
-        "--admin-listen", "127.0.0.1:0", *flags, *backends,
+    child = await start(
+        children, label,
+        [*SERVE, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *flags, *backends],
     )  # fmt: skip
     address = admin = None
     while address is None or admin is None:

@@ -13,7 +13,8 @@ Contract
   once the peer's ``/readiness`` reports every worker registered and healthy. A peer that
   exits, or is not ready within ``startup_timeout``, is stopped and ``PeerError`` says why
   (exit status and the tail of its log).
-- ``RunningPeer.stop()`` signals that PID only: SIGTERM, then SIGKILL after a timeout.
+- ``RunningPeer.stop()`` signals that PID only: SIGTERM, then SIGKILL after a timeout
+  (a ``loadtests.supervisor`` child: its own process group, its log in a file).
   ``RunningPeer.stats()`` reads the peer's own Prometheus counters: requests it sent to
   each worker URL.
 
@@ -55,12 +56,9 @@ and by hand; sources cited where they explain it):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,10 +66,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from . import supervisor
 
 __all__ = [
     "PEERS",
@@ -244,12 +244,11 @@ class RunningPeer:
     worker_urls: tuple[str, ...]
     log_path: Path
     startup_s: float  # spawn to ready, every worker registered
-    _process: asyncio.subprocess.Process = field(repr=False)
-    _log: IO[bytes] = field(repr=False)
+    _child: supervisor.Child = field(repr=False)
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self._child.pid
 
     @property
     def name(self) -> str:
@@ -257,24 +256,11 @@ class RunningPeer:
 
     @property
     def returncode(self) -> int | None:
-        return self._process.returncode
+        return self._child.returncode
 
     async def stop(self, grace: float = 10.0) -> int | None:
         """SIGTERM this PID, SIGKILL it after ``grace`` seconds; idempotent. Its exit status."""
-        process = self._process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(grace):
-                    await process.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                async with asyncio.timeout(10):
-                    await process.wait()
-        self._log.close()
-        return process.returncode
+        return await self._child.stop(grace)
 
     async def metrics(self) -> str:
         """The peer's Prometheus exposition, as text."""
@@ -365,7 +351,7 @@ async def _launch(
     startup_timeout: float,
     extra_args: Sequence[str],
 ) -> RunningPeer:
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = supervisor.free_port(), supervisor.free_port()
     command = [
         str(python),
         "-m",
@@ -384,14 +370,11 @@ async def _launch(
         str(metrics_port),
         *extra_args,
     ]
-    log = log_path.open("wb")
     started = time.monotonic()
+    children: list[supervisor.Child] = []
     try:
-        process = await asyncio.create_subprocess_exec(
-            *command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=_env()
-        )
+        await supervisor.start(children, key, command, cwd=None, env=_env(), log=log_path)
     except OSError as exc:
-        log.close()
         raise PeerError(f"{spec.package}: cannot start {python}: {exc}") from None
     peer = RunningPeer(
         key=key,
@@ -401,8 +384,7 @@ async def _launch(
         worker_urls=worker_urls,
         log_path=log_path,
         startup_s=0.0,
-        _process=process,
-        _log=log,
+        _child=children[0],
     )
     try:
         await _wait_ready(peer, spec, startup_timeout)
@@ -424,13 +406,6 @@ def _env() -> dict[str, str]:
         NO_COLOR="1",
     )
     return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _wait_ready(peer: RunningPeer, spec: _Spec, within: float) -> None:

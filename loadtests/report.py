@@ -7,10 +7,11 @@ Contract
   build one ``Run`` per routing target out of ``Sample``s and hand them here.
   Nothing here measures anything or reads a clock.
 - ``summarize(run)`` is the one place numbers are derived, so the table, the
-  JSON and the plots always agree. Percentiles interpolate linearly between
-  order statistics (numpy's default), over the successful samples that have
-  the value. Shares are per instance, in ``run.instances`` order, over the
-  samples that reached an instance, so an idle instance shows 0 %.
+  JSON and the plots always agree. Percentiles are the project's one
+  definition, nearest rank (``router.metrics.percentile``: the ceil(q * n)-th
+  smallest), over the successful samples that have the value. Shares are per
+  instance, in ``run.instances`` order, over the samples that reached an
+  instance, so an idle instance shows 0 %.
 - ``markdown(runs)`` prints one table of every run, then the deltas against
   the baseline run in the form of AWS's comparison: P50/P90 TTFT change,
   cache hit rate "a → b", throughput change.
@@ -32,10 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from router.metrics import percentile
 
 __all__ = [
     "Run",
@@ -86,16 +89,6 @@ class Run:
 # ---------------------------------------------------------------- numbers
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) of sorted ``values``, linearly interpolated."""
-    if not values:
-        return None
-    rank = (len(values) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (rank - low)
-
-
 def hit_rate_series(samples: Iterable[Sample], window: float) -> list[tuple[float, float]]:
     """Token hit rate per ``window`` seconds of send time, from the samples' token counts.
 
@@ -137,12 +130,12 @@ def summarize(run: Run) -> dict[str, Any]:
         "requests": len(samples),
         "ok": len(ok),
         "success_rate": len(ok) / len(samples) if samples else None,
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p90": percentile(ttfts, 90),
-        "ttft_p99": percentile(ttfts, 99),
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p90": percentile(ttfts, 0.9),
+        "ttft_p99": percentile(ttfts, 0.99),
         "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else None,
-        "latency_p50": percentile(latencies, 50),
-        "latency_p90": percentile(latencies, 90),
+        "latency_p50": percentile(latencies, 0.5),
+        "latency_p90": percentile(latencies, 0.9),
         "requests_per_s": len(ok) / duration,
         "output_tokens_per_s": sum(s.output_tokens for s in ok) / duration,
         "hit_rate": run.hit_rate,
@@ -377,7 +370,9 @@ def plots(runs: list[Run], out_dir: Path, *, prefix: str = "") -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Re-print a saved run's tables.")
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.report", description="Re-print a saved run's tables."
+    )
     parser.add_argument("results", type=Path, help="a results.json of bench or offline")
     parser.add_argument("--since", type=float, default=0.0, help="from this second on")
     args = parser.parse_args(argv)

@@ -59,6 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from . import fleet
 from .faultproxy import FaultProxy, RandomFaults
 from .simserver.model import filler_pieces
+from .supervisor import say
 
 FD_SLACK = 16  # descriptors: pooled and client connections come and go with the load
 RSS_SLACK = 0.10  # relative growth allowed between the first and the last window
@@ -79,10 +80,6 @@ passive_failures = 3
 backoff_initial = 0.5
 backoff_max = 4.0
 """
-
-
-def say(*parts: object) -> None:
-    print(*parts, flush=True)
 
 
 # -- the load ---------------------------------------------------------------------------
@@ -544,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     say(summary(result))
     say(f"result: {out}")
     if result["violations"]:
-        say("violations:", *result["violations"], sep="\n  ")
+        say("violations:" + "".join(f"\n  {v}" for v in result["violations"]))
     return 0 if result["ok"] else 1
 
 

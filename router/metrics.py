@@ -13,9 +13,10 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -46,10 +47,13 @@ DURATION_BUCKETS = (
 
 
 class Histogram:
+    """Prometheus buckets ("le": a value on a bound counts in it), for the router and the
+    simulated engine alike (``loadtests/simserver``)."""
+
     __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self, bounds: tuple[float, ...]):
-        self.bounds = bounds
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.total = 0.0
 
@@ -65,13 +69,27 @@ class Histogram:
             out.append(("+Inf" if bound == float("inf") else repr(bound), running))
         return out
 
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of ``values`` (unsorted), or None when empty."""
-    if not values:
-        return None
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest rank: the ceil(q * n)-th smallest of ``values`` (any order), 0 <= q <= 1.
+
+    The project's one definition: /admin/stats and every table of loadtests/ use it.
+    Always a value that was observed (no interpolation between two latencies that
+    never happened): P99 is a latency that at least 99 % of the values do not
+    exceed, as latency tables mean it; P50 of an even count is the lower middle.
+    None when ``values`` is empty.
+    """
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], not {q!r}")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+    if not ordered:
+        return None
+    # round(): 0.7 * 10 is 7.000000000000001 in floating point, and the 7th is meant.
+    return ordered[max(0, math.ceil(round(q * len(ordered), 9)) - 1)]
 
 
 class Recorder:

@@ -199,14 +199,24 @@ def test_summary_arithmetic() -> None:
     assert s["ok"] == 3
     assert s["success_rate"] == 0.75
     assert s["ttft_p50"] == 2.0
-    assert s["ttft_p90"] == pytest.approx(2.8)
+    assert s["ttft_p90"] == 3.0  # nearest rank: the ceil(0.9 * 3) = 3rd smallest
     assert s["requests_per_s"] == 0.3
     assert s["output_tokens_per_s"] == 3.0
     assert s["shares"] == [2 / 3, 1 / 3, 0.0]
     assert s["min_share"] == 0.0
     assert s["overflow_rate"] == s["fallback_rate"] == pytest.approx(1 / 3)
-    assert report.percentile([], 50) is None
-    assert report.percentile([4.0], 99) == 4.0
+    assert report.percentile([], 0.5) is None
+    assert report.percentile([4.0], 0.99) == 4.0
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    """One definition for /admin/stats and every loadtests table: the ceil(q n)-th smallest."""
+    values = [float(v) for v in range(10, 0, -1)]  # 10 .. 1, any order
+    got = [report.percentile(values, q) for q in (0, 0.1, 0.5, 0.7, 0.9, 0.91, 1)]
+    assert got == [1.0, 1.0, 5.0, 7.0, 9.0, 10.0, 10.0]  # 0.7 * 10 is 7.000000000000001
+    assert report.percentile([1.0, 2.0], 0.5) == 1.0  # an observed value, never 1.5
+    with pytest.raises(ValueError, match="q must be in"):
+        report.percentile(values, 50)
 
 
 def test_hit_rate_series_windows_by_send_time() -> None:

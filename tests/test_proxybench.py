@@ -1,4 +1,4 @@
-"""The proxy ladder (loadtests/proxybench.py) and its fast backend, CI-sized.
+"""The proxy ladder (``python -m loadtests.proxybench``) and its fast backend, CI-sized.
 
 One smoke run of the real command with no apt package and no peer: the fast
 backends, direct, the aiohttp floor and prefix-router, workloads (a) and (b)
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import proxybench
+from loadtests.proxybench import measure, procfs, report, workloads, wrk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,14 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(60)
 def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
     command = [
-        sys.executable, str(ROOT / "loadtests" / "proxybench.py"),
+        sys.executable, "-m", "loadtests.proxybench",
         "--targets", "direct,aiohttp,prefix-router", "--workloads", "a,b",
         "--generator", "python", "--seconds", "1", "--warmup", "0",
         "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0",
         "--ttfb-connections", "1", "--connections", "8", "--keys", "4", "--rounds", "1",
         "--results", str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=50, check=False)
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=50, check=False
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = tmp_path.glob("proxybench-*.json")
     doc = json.loads(path.read_text())
@@ -67,24 +69,24 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
 
 
 def test_workload_bodies_have_the_issue_sizes() -> None:
-    chat = proxybench.build_requests("a", 3)
+    chat = workloads.build_requests("a", 3)
     assert len({body for _, body in chat}) == 3
     for _, body in chat:
         request = json.loads(body)
         assert request["stream"] is False
-        assert len(request["messages"][0]["content"]) == proxybench.PREFIX
-    streamed = json.loads(proxybench.build_requests("b", 1)[0][1])
+        assert len(request["messages"][0]["content"]) == workloads.PREFIX
+    streamed = json.loads(workloads.build_requests("b", 1)[0][1])
     assert streamed["stream"] is True
-    [(_, native)] = proxybench.build_requests("c", 1)
+    [(_, native)] = workloads.build_requests("c", 1)
     assert len(native) == 64 * 1024
     json.loads(native)
-    idle = proxybench.build_requests("d", 1, " [[sse:1000:5000]]")[0][1]
+    idle = workloads.build_requests("d", 1, " [[sse:1000:5000]]")[0][1]
     assert b"[[sse:1000:5000]]" in idle
 
 
 def test_wrk_script_cycles_every_body_with_its_session() -> None:
-    requests = proxybench.build_requests("a", 2)
-    script = proxybench.wrk_script("/v1/chat/completions", requests)
+    requests = workloads.build_requests("a", 2)
+    script = wrk.wrk_script("/v1/chat/completions", requests)
     for session, body in requests:
         assert body.decode() in script
         assert f'"{session}"' in script
@@ -94,9 +96,9 @@ def test_wrk_script_cycles_every_body_with_its_session() -> None:
 
 def test_process_tree_figures_of_this_process() -> None:
     me = os.getpid()
-    assert me in proxybench.process_tree(me)
-    assert proxybench.tree_cpu(me) > 0
-    assert proxybench.tree_rss(me) > 1 << 20
+    assert me in procfs.process_tree(me)
+    assert procfs.tree_cpu(me) > 0
+    assert procfs.tree_rss(me) > 1 << 20
 
 
 def test_report_ratios_and_checks_from_a_made_up_run() -> None:
@@ -118,17 +120,17 @@ def test_report_ratios_and_checks_from_a_made_up_run() -> None:
         "vllm-ch": entry("vllm-router consistent_hash", "Rust", 400, 100.0),
         "prefix-router": entry("prefix-router", "Python", 500, 50.0),
     }
-    lines = proxybench.ratio_lines(results, ["a"])
+    lines = report.ratio_lines(results, ["a"])
     assert lines == [
         "(a) prefix-router: 50 µs/req = 2.50x best C (HAProxy, 20 µs/req), "
         "0.50x best Rust (vllm-router consistent_hash, 100 µs/req); "
         "500 req/s = 0.62x best C (HAProxy, 800), 1.25x best Rust "
         "(vllm-router consistent_hash, 400)"
     ]
-    checks = proxybench.target_checks(results)
+    checks = report.target_checks(results)
     assert checks[0].startswith("- [x] (a) CPU/request 50 µs below the best Rust")
     assert checks[1].startswith("- [ ] (a) CPU/request 50 µs within 2x the best C")
-    table = proxybench.table("a", results)
+    table = report.table("a", results)
     assert "| prefix-router | 500 | 0.50 |" in table
 
 
@@ -139,7 +141,7 @@ def test_combine_takes_medians_sums_and_peaks_and_leaves_single_runs() -> None:
             "bad_status": 0, "split": [1, 2], "probes": [],
         }  # fmt: skip
 
-    row = proxybench.combine([run(100, 30, 5), run(300, 10, 7), run(200, 20, 6)])
+    row = measure.combine([run(100, 30, 5), run(300, 10, 7), run(200, 20, 6)])
     assert row["rps"] == 200
     assert row["cpu_us"] == 20
     assert row["cpu_us_range"] == [10, 30]
@@ -148,6 +150,6 @@ def test_combine_takes_medians_sums_and_peaks_and_leaves_single_runs() -> None:
     assert row["errors"] == 3
     assert row["split"] == [3, 6]
     streams = {"streams": 10, "established": 10, "kib_per_stream": 4.0}
-    assert proxybench.combine([streams]) == streams
+    assert measure.combine([streams]) == streams
     failed = {"error": "OSError: boom"}
-    assert proxybench.combine([failed, failed]) == failed
+    assert measure.combine([failed, failed]) == failed

@@ -286,5 +286,6 @@ def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
     histogram = Histogram([0.1, 1.0])
     for value in (0.05, 0.1, 0.5, 3.0):
         histogram.observe(value)
-    assert histogram.cumulative() == [(0.1, 2), (1.0, 3), (float("inf"), 4)]
-    assert histogram.sum == pytest.approx(3.65)
+    assert histogram.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert histogram.total == pytest.approx(3.65)
+    assert histogram.count == 4

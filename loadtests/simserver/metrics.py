@@ -105,11 +105,7 @@ class EngineCollector:
             "Histogram of time to first token in seconds.",
             labels=_LABELS,
         )
-        buckets = [
-            ("+Inf" if bound == float("inf") else repr(bound), count)
-            for bound, count in stats.ttft.cumulative()
-        ]
-        ttft.add_metric(labels, buckets, sum_value=stats.ttft.sum)
+        ttft.add_metric(labels, stats.ttft.cumulative(), sum_value=stats.ttft.total)
         yield ttft
 
         info = GaugeMetricFamily(

@@ -52,15 +52,18 @@ its prefill does not give its reserved prefill time back.
 
 from __future__ import annotations
 
-import bisect
 import math
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import mmh3
+
+# One histogram and one set of buckets (vLLM V1's for vllm:time_to_first_token_seconds)
+# for the router and the engine: their /metrics line up bucket for bucket.
+from router.metrics import TTFT_BUCKETS, Histogram
 
 __all__ = [
     "TTFT_BUCKETS",
@@ -366,38 +369,6 @@ class Ticket:
     state: str = "waiting"
     plan: Plan | None = None
     allocation: Allocation | None = None
-
-
-# vLLM V1's buckets for vllm:time_to_first_token_seconds.
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-
-
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus exposes one."""
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # last slot is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        # First bucket whose upper bound is >= value (Prometheus buckets are "le").
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """``(upper bound, count <= bound)`` pairs, ending with ``(inf, count)``."""
-        out: list[tuple[float, int]] = []
-        running = 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
-            running += count
-            out.append((bound, running))
-        return out
 
 
 @dataclass(slots=True)
