@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench-hashring bench-decision bench-proxy clean
+.PHONY: test lint typecheck pytest demo bench-hashring bench-decision bench-proxy figures clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ bench-decision: $(STAMP)
 # (their own venv) when missing; about 15 minutes.
 bench-proxy: $(STAMP)
 	$(BIN)/python -m loadtests.proxybench --install
+
+# The figures in README.md and loadtests/RESULTS.md (loadtests/figures/*.png):
+# deterministic offline runs and the saved proxy ladder; about 3 minutes.
+figures: $(STAMP)
+	$(BIN)/python -m loadtests.make_figures
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis results

@@ -301,71 +301,125 @@ def read_json(path: Path) -> tuple[list[Run], dict[str, Any]]:
 # ---------------------------------------------------------------- plots
 
 
-def plots(runs: list[Run], out_dir: Path, *, prefix: str = "") -> list[Path]:
-    """TTFT CDFs, per-instance shares and hit rate over time, one PNG each; their paths."""
-    # Figure + the Agg canvas directly: no pyplot, so no global state and no GUI backend.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+PLOT_KINDS = ("ttft_cdf", "shares", "hit_rate")
 
+
+def plots(
+    runs: list[Run],
+    out_dir: Path,
+    *,
+    prefix: str = "",
+    title: str = "",
+    kinds: Sequence[str] = PLOT_KINDS,
+    share_band: tuple[float, float] | None = None,
+) -> list[Path]:
+    """TTFT CDFs, per-instance shares and hit rate over time, one PNG each; their paths.
+
+    ``kinds`` picks among ``PLOT_KINDS``; ``title`` (the workload, the fleet)
+    follows each figure's own title; ``share_band`` shades a target range of
+    shares, in percent. Colours and the PNG writer are ``loadtests.figstyle``'s:
+    a target has one colour in every figure, and the same runs give the same
+    bytes.
+    """
+    # Figure directly, no pyplot: no global state and no GUI backend.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    from .figstyle import color, save
+
+    unknown = set(kinds) - set(PLOT_KINDS)
+    if unknown:
+        raise ValueError(f"unknown plot kinds {sorted(unknown)}; known: {PLOT_KINDS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
+    suffix = f"\n{title}" if title else ""
 
-    def save(fig: Figure, name: str) -> None:
-        FigureCanvasAgg(fig)
-        path = out_dir / f"{prefix}{name}.png"
-        fig.savefig(path, dpi=110)
-        written.append(path)
+    def finish(fig: Figure, name: str, title: str, xlabel: str, ylabel: str) -> None:
+        """Labels, percent ticks on y, the legend, and the PNG."""
+        ax = fig.axes[0]
+        ax.set_title(title + suffix)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.yaxis.set_major_formatter(FuncFormatter(percent))
+        ax.set_axisbelow(True)
+        # Below the axes, outside them: a legend never hides a curve. Two
+        # columns hold the longest labels ("LEAST_OUTSTANDING_REQUESTS") at 7 in.
+        entries = len(ax.get_legend_handles_labels()[1])
+        longest = max((len(run.target) for run in runs), default=0)
+        ncols = min(entries, 3 if longest <= 20 else 2) or 1
+        fig.legend(loc="outside lower center", ncols=ncols, frameon=False)
+        written.append(save(fig, out_dir / f"{prefix}{name}.png"))
 
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for run in runs:
-        ttfts = sorted(s.ttft for s in run.samples if s.ok and s.ttft is not None)
-        if ttfts:
-            n = len(ttfts)
-            ax.step(ttfts, [(i + 1) / n for i in range(n)], where="post", label=run.target)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT, cumulative")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    save(fig, "ttft_cdf")
+    def seconds(value: float, _pos: object = None) -> str:
+        return f"{value:g}"  # 0.03, 0.1, 1, 10 rather than 10^-1
 
-    wide = max(7.0, 0.5 * len(runs[0].instances)) if runs else 7.0
-    fig = Figure(figsize=(min(wide, 24.0), 5), layout="constrained")
-    ax = fig.add_subplot()
-    width = 0.8 / max(len(runs), 1)
-    for k, run in enumerate(runs):
-        shares = summarize(run)["shares"]
-        xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(shares))]
-        ax.bar(xs, [100 * s for s in shares], width=width, label=run.target)
-    if runs:
-        ideal = 100 / max(len(runs[0].instances), 1)
-        ax.axhline(ideal, color="grey", linestyle="--", linewidth=1, label="ideal")
-        if len(runs[0].instances) <= 16:
-            ax.set_xticks(range(len(runs[0].instances)), runs[0].instances, rotation=45)
-    ax.set_ylabel("share of requests (%)")
-    ax.set_title("Traffic per instance")
-    fig.legend(loc="outside lower center", ncols=min(len(runs) + 1, 4))
-    save(fig, "shares")
+    def percent(value: float, _pos: object = None) -> str:
+        return f"{value:.4g} %"  # as the tables print them: "14.3 %"
 
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for run in runs:
-        if run.hit_rate_series:
-            ax.plot(
-                [t for t, _ in run.hit_rate_series],
-                [100 * h for _, h in run.hit_rate_series],
-                label=run.target,
-            )
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("prefix-cache hit rate (%)")
-    ax.set_title("Hit rate over time")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    save(fig, "hit_rate")
+    if "ttft_cdf" in kinds:
+        fig = Figure(figsize=(7, 4.6), layout="constrained")
+        ax = fig.add_subplot()
+        for run in runs:
+            ttfts = sorted(s.ttft for s in run.samples if s.ok and s.ttft is not None)
+            if ttfts:
+                n = len(ttfts)
+                ys = [100 * (i + 1) / n for i in range(n)]
+                ax.step(ttfts, ys, where="post", label=run.target, color=color(run.target), lw=1.6)
+        for q in (50, 90):
+            ax.axhline(q, color="#bbbbbb", linewidth=0.8, linestyle=":", zorder=0)
+            ax.annotate(f"P{q}", (0, q), xycoords=("axes fraction", "data"), xytext=(3, 2),
+                        textcoords="offset points", fontsize=8, color="#777777")  # fmt: skip
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(seconds))
+        ax.set_ylim(0, 100.5)
+        ax.grid(True, which="major", alpha=0.3)
+        finish(fig, "ttft_cdf", "TTFT, cumulative: further left is faster",
+               "time to first token (s, log scale)", "requests with TTFT at most x")  # fmt: skip
+
+    if "shares" in kinds:
+        names = runs[0].instances if runs else []
+        fig = Figure(figsize=(min(max(7.0, 0.45 * len(names)), 24.0), 4.6), layout="constrained")
+        ax = fig.add_subplot()
+        width = 0.8 / max(len(runs), 1)
+        top = 0.0
+        for k, run in enumerate(runs):
+            shares = [100 * s for s in summarize(run)["shares"]]
+            top = max([top, *shares])
+            xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(shares))]
+            ax.bar(xs, shares, width=width, label=run.target, color=color(run.target))
+        if names:
+            fair = 100 / len(names)
+            ax.axhline(fair, color="black", linestyle="--", linewidth=1,
+                       label=f"fair share ({fair:.1f} %)")  # fmt: skip
+        if share_band is not None:
+            low, high = share_band
+            ax.axhspan(low, high, color="#2ca02c", alpha=0.15, linewidth=0, zorder=0,
+                       label=f"target range {low:g}{EN_DASH}{high:g} %")  # fmt: skip
+        if len(names) <= 16:
+            ax.set_xticks(range(len(names)), names)
+        ax.set_ylim(0, top * 1.08 or 1.0)
+        ax.yaxis.set_major_locator(MaxNLocator(steps=[1, 2, 2.5, 5, 10]))
+        ax.grid(True, axis="y", alpha=0.3)
+        finish(fig, "shares", "Requests per instance", "instance", "share of requests")
+
+    if "hit_rate" in kinds:
+        fig = Figure(figsize=(7, 4.6), layout="constrained")
+        ax = fig.add_subplot()
+        window = None
+        for run in runs:
+            points = run.hit_rate_series
+            if points:
+                if len(points) > 1:
+                    window = points[1][0] - points[0][0]
+                ax.plot([t for t, _ in points], [100 * h for _, h in points],
+                        label=run.target, color=color(run.target), lw=1.6)  # fmt: skip
+        ax.set_ylim(0, 100)
+        ax.set_xlim(left=0)
+        ax.grid(True, alpha=0.3)
+        per = f", per {window:.3g} s window" if window else ""
+        finish(fig, "hit_rate", f"Hit rate over time{per}", "time since the load began (s)",
+               "prefix-cache hits (share of prompt tokens)")  # fmt: skip
     return written
 
 
