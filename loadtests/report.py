@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -335,6 +335,12 @@ def plots(
     written: list[Path] = []
     suffix = f"\n{title}" if title else ""
 
+    def seconds(value: float, _pos: object = None) -> str:
+        return f"{value:g}"  # 0.03, 0.1, 1, 10 rather than 10^-1
+
+    def percent(value: float, _pos: object = None) -> str:
+        return f"{value:.4g} %"  # as the tables print them: "14.3 %"
+
     def finish(fig: Figure, name: str, title: str, xlabel: str, ylabel: str) -> None:
         """Labels, percent ticks on y, the legend, and the PNG."""
         ax = fig.axes[0]
@@ -350,12 +356,6 @@ def plots(
         ncols = min(entries, 3 if longest <= 20 else 2) or 1
         fig.legend(loc="outside lower center", ncols=ncols, frameon=False)
         written.append(save(fig, out_dir / f"{prefix}{name}.png"))
-
-    def seconds(value: float, _pos: object = None) -> str:
-        return f"{value:g}"  # 0.03, 0.1, 1, 10 rather than 10^-1
-
-    def percent(value: float, _pos: object = None) -> str:
-        return f"{value:.4g} %"  # as the tables print them: "14.3 %"
 
     if "ttft_cdf" in kinds:
         fig = Figure(figsize=(7, 4.6), layout="constrained")
