@@ -25,9 +25,9 @@ from admin import AdminServer
 from router.app import Router
 from router.control.live import RouterControl
 from router.selfaddr import Listener, own_listener
-from tests.conftest import StartRouter
-from tests.test_router_cli import ROOT, admin_call, spawn_router, stop
-from tests.test_router_http import Backend, Seen, echo
+from tests.harness.backends import Backend, Seen, echo
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.routers import StartRouter
 
 WAIT = 10.0
 

@@ -2,7 +2,7 @@
 
 Each test names the defect it pins (its number in RELIABILITY.md's "Hardening"
 table) and failed before its fix.  Clients are raw sockets, backends hand-written
-asyncio servers (``tests/test_router_http.py``'s harness): exact bytes both ways.
+asyncio servers (``tests/harness/``): exact bytes both ways.
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ import pytest
 from router.app import Router
 from router.client import WRITE_HIGH_WATER, ClientConnection
 from router.config import BackendSpec
-from tests.conftest import StartRouter
-from tests.test_router_http import (
+from tests.harness.backends import Backend, Seen, StartBackend, echo, reset
+from tests.harness.http import (
     WAIT,
-    Backend,
     Client,
-    Seen,
-    StartBackend,
     assert_error,
     chunked,
     connect,
-    echo,
     quiet,
     req,
-    reset,
     still_serves,
 )
+from tests.harness.routers import StartRouter
 
 # uvloop reads at most 256 KiB at a time: one backend read on top of the high-water mark.
 ONE_READ = 256 * 1024
