@@ -4,7 +4,8 @@
 raw socket (``Client``) that writes them and checks the exact framing it reads back
 (``Response``: status, headers, body, which framing, whether its end was seen).
 ``quiet``, ``assert_error`` and ``still_serves`` are the checks most tests end with.
-Every wait is bounded by ``WAIT``.
+Every wait is bounded by ``WAIT``; tests that use the harness wait on no sleep,
+except where one plays a slow peer on purpose and says so.
 """
 
 from __future__ import annotations
