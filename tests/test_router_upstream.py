@@ -1,7 +1,9 @@
 """Connections to backends (``router/upstream.py``): the keep-alive pool and the
 parsing of responses, over real loopback sockets.
 
-What its contract promises: one backend connection serves request after
+What its contract promises: a ``Pool`` hands out its most recent open idle
+connection, closes what is over ``max_idle`` or idle past ``keepalive`` (when met
+and when swept) and takes nothing back once closed; one backend connection serves request after
 request, from client after client; an idle connection the backend closed is
 replaced; trailers never leak into the next response on a pooled connection;
 a HEAD or 204 answer ends at its head, and the next pipelined request is
@@ -17,10 +19,12 @@ import asyncio
 
 import pytest
 
+from router.upstream import Pool, UpstreamConnection
 from tests.harness.backends import Backend, Seen, StartBackend, echo
 from tests.harness.http import (
     COMPLETION,
     NATIVE_BODY,
+    WAIT,
     assert_error,
     chunked,
     connect,
@@ -31,6 +35,73 @@ from tests.harness.http import (
 from tests.harness.routers import StartRouter
 
 # -- the pool -----------------------------------------------------------------------
+
+
+async def pool_to(backend: Backend, *, max_idle: int = 8, keepalive: float = 60) -> Pool:
+    loop = asyncio.get_running_loop()
+    return Pool(loop, "127.0.0.1", int(backend.url.rpartition(":")[2]), max_idle=max_idle,
+                keepalive=keepalive)  # fmt: skip
+
+
+async def open_connections(pool: Pool, count: int) -> list[UpstreamConnection]:
+    return [await pool.connect(WAIT) for _ in range(count)]
+
+
+async def test_a_pool_hands_out_its_most_recent_idle_connection_and_keeps_at_most_max_idle(
+    backends: StartBackend,
+) -> None:
+    backend = await backends()
+    pool = await pool_to(backend, max_idle=2)
+    first, second, third = await open_connections(pool, 3)
+    assert pool.take() is None  # nothing idle yet
+    assert not any(conn.reused for conn in (first, second, third))
+    for conn in (first, second, third):
+        pool.give_back(conn)
+    assert not third.open  # over max_idle: closed, not kept
+    await backend.wait_for(lambda: backend.closed == 1)
+    assert pool.take() is second  # most recently used first
+    assert second.reused  # a failure before any response byte may be the stale race
+    assert pool.take() is first
+    assert pool.take() is None
+    for conn in (first, second):
+        conn.close()
+    await backend.wait_for(lambda: backend.closed == 3)
+
+
+async def test_a_pool_closes_connections_idle_past_keepalive_when_met_and_when_swept(
+    backends: StartBackend,
+) -> None:
+    backend = await backends()
+    pool = await pool_to(backend, keepalive=0)  # every idle connection is too old at once
+    met, swept = await open_connections(pool, 2)
+    pool.give_back(met)
+    assert pool.take() is None  # met: closed instead of handed out
+    assert not met.open
+    pool.give_back(swept)
+    pool.sweep()
+    assert not swept.open
+    await backend.wait_for(lambda: backend.closed == 2)
+    fresh = await pool_to(backend, keepalive=60)
+    (kept,) = await open_connections(fresh, 1)
+    fresh.give_back(kept)
+    fresh.sweep()
+    assert fresh.take() is kept
+    kept.close()
+
+
+async def test_a_closed_pool_closes_its_idle_connections_and_takes_nothing_back(
+    backends: StartBackend,
+) -> None:
+    backend = await backends()
+    pool = await pool_to(backend)
+    idle, busy = await open_connections(pool, 2)
+    pool.give_back(idle)
+    pool.close()  # the backend was removed
+    assert not idle.open
+    pool.give_back(busy)  # its exchange ends after the removal: nothing comes back in
+    assert not busy.open
+    assert pool.take() is None
+    await backend.wait_for(lambda: backend.closed == 2)
 
 
 async def test_one_client_connection_serves_many_requests_over_one_backend_connection(

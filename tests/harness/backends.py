@@ -2,7 +2,8 @@
 request head and body they receive (``Seen``) and answer with exact bytes.
 
 A ``Handler`` writes the answer (or not) and says whether to keep the connection;
-``echo`` answers JSON naming the method, target and body length; ``reset`` ends a
+``echo`` answers JSON naming the method, target and body length, ``hold`` does so
+once the test sets ``backend.release``; ``reset`` ends a
 connection with a TCP RST.  The ``backends`` fixture (conftest) starts them.
 """
 
@@ -20,7 +21,7 @@ import httptools
 
 from tests.harness.http import WAIT, header_value, header_values, response
 
-__all__ = ["Backend", "Handler", "Seen", "StartBackend", "echo", "reset"]
+__all__ = ["Backend", "Handler", "Seen", "StartBackend", "echo", "hold", "reset"]
 
 
 @dataclass
@@ -54,6 +55,13 @@ async def echo(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bo
     ).encode()
     writer.write(response(200, body, [(b"Content-Type", b"application/json")]))
     return True
+
+
+async def hold(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+    """``echo``, once the test sets ``backend.release``: a request held in flight
+    (``backend.requests`` shows it arrived)."""
+    await backend.release.wait()
+    return await echo(backend, seen, writer)
 
 
 class _Parse:
