@@ -1,6 +1,6 @@
 """Shared fixtures: simulated fleets, hand-written backends, the real router.
 
-Helpers and types live in ``tests/harness/``; this file imports only from there.
+Helpers and types live in ``tests/harness/``: of the test suite, this file imports only those.
 """
 
 from __future__ import annotations
