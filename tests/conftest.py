@@ -1,17 +1,22 @@
-"""Shared fixtures."""
+"""Shared fixtures: simulated fleets, hand-written backends, the real router.
+
+Helpers and types live in ``tests/harness/``: of the test suite, this file imports only those.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import settings
 
-from loadtests.simserver import SimConfig, SimServer, Timing
+from loadtests.simserver import SimConfig, SimServer
+from tests.harness.backends import Backend, Handler, StartBackend, echo
+from tests.harness.routers import FAST, SimFleet, StartRouter, router_config
 
 # Property tests check what holds, not how fast: no per-example deadline, which a
 # pause on a loaded machine (GC, a descheduled thread) would turn into a failure.
@@ -20,12 +25,6 @@ settings.load_profile("suite")
 
 if TYPE_CHECKING:
     from router.app import Router
-
-# 1 model second = 1 real millisecond: simulated prefills and decodes cost almost no
-# wall-clock time, while the model's arithmetic (x-sim-ttft-ms, cached tokens) stays exact.
-FAST = Timing(time_scale=0.001)
-
-SimFleet = Callable[..., Awaitable[list[SimServer]]]
 
 
 @pytest.fixture
@@ -65,8 +64,6 @@ async def sim_fleet() -> AsyncIterator[SimFleet]:
 
 # -- the router ------------------------------------------------------------------
 
-StartRouter = Callable[..., Awaitable["Router"]]
-
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Router tests run on uvloop (production) and on the stdlib loop."""
@@ -77,31 +74,10 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     return {"asyncio": asyncio.new_event_loop}
 
 
-def router_config(backends: list[Any], **overrides: Any) -> dict[str, Any]:
-    """A config dict for ``build_config``: SimServers or (name, url) pairs as backends."""
-    specs = []
-    for backend in backends:
-        if isinstance(backend, SimServer):
-            specs.append({"name": backend.name, "url": backend.url})
-        elif isinstance(backend, dict):
-            specs.append(backend)
-        else:
-            name, url = backend
-            specs.append({"name": name, "url": url})
-    data: dict[str, Any] = {"listen": "127.0.0.1:0", "access_log": "off", "backends": specs}
-    routing = overrides.pop("routing", None)
-    if routing is not None:
-        data["RoutingConfig"] = routing
-    data.update(overrides)
-    return data
-
-
 @pytest.fixture
-async def backends() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
-    """``backend = await backends(handler)``: the hand-written recording backends of
-    ``tests/test_router_http.py``; request it before ``start_router``."""
-    from tests.test_router_http import Backend, Handler, echo  # it imports this module
-
+async def backends() -> AsyncIterator[StartBackend]:
+    """``backend = await backends(handler)``: hand-written recording backends
+    (``tests/harness/backends.py``); request it before ``start_router``."""
     started: list[Backend] = []
 
     async def start(handler: Handler = echo, name: str = "hand") -> Backend:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from admin import AdminServer
 from router.app import Router
 from router.control.live import RouterControl
-from tests.conftest import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

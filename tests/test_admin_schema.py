@@ -35,8 +35,8 @@ from router.app import Router
 from router.config import build_config
 from router.control.live import RouterControl
 from router.state import StateFile
-from tests.conftest import router_config
-from tests.test_admin_api import TOKEN, FakeControl
+from tests.harness.control import TOKEN, FakeControl
+from tests.harness.routers import router_config
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CHECKS = [

@@ -34,8 +34,9 @@ from loadtests.faultproxy import FaultProxy
 from loadtests.simserver.model import filler_pieces
 from router.app import Router
 from router.control.live import RouterControl
-from tests.conftest import FAST, SimFleet, StartRouter
-from tests.test_router_http import Backend, Seen, connect, echo, quiet, req
+from tests.harness.backends import Backend, Seen, echo
+from tests.harness.http import connect, quiet, req
+from tests.harness.routers import FAST, SimFleet, StartRouter
 
 CHURN_SECONDS = float(os.environ.get("CHURN_SECONDS", "30"))
 CHURN_RATE = int(os.environ.get("CHURN_RATE", "250"))

@@ -1,7 +1,7 @@
 """One client connection through the real router, against a reference model (issue 10).
 
 A hypothesis state machine drives a raw client socket into a real ``Router``
-(127.0.0.1, port 0) in front of two real backends (``tests.test_router_http.
+(127.0.0.1, port 0) in front of two real backends (``tests.harness.backends.
 Backend``, scripted per request).  Its steps:
 
 - ``add``: queue one more pipelined request of any kind (GET, HEAD, OpenAI,
@@ -62,7 +62,8 @@ from hypothesis.stateful import (
 from router.app import Router
 from router.client import WRITE_HIGH_WATER
 from router.config import build_config
-from tests.conftest import StartRouter, router_config
+from tests.harness.backends import Backend, Seen, StartBackend
+from tests.harness.http import connect, req, response
 from tests.harness.http_model import (
     FRAMINGS,
     KINDS,
@@ -74,7 +75,7 @@ from tests.harness.http_model import (
     parse_stream,
     pattern,
 )
-from tests.test_router_http import Backend, Seen, StartBackend, connect, req, response
+from tests.harness.routers import StartRouter, router_config
 
 MODEL_EXAMPLES = int(os.environ.get("MODEL_EXAMPLES", "0")) or None
 WAIT = 5.0  # seconds: the bound on the final read and on every wait

@@ -1,7 +1,8 @@
 """Reliability under faults: dying instances, broken links, hostile clients, secrets.
 
-What tests/test_router_http.py already shows (hangs before the first byte and
-between chunks, refused connections, resets, garbage, framing attacks, limits)
+What tests/test_router_client.py, test_router_exchange.py and test_router_upstream.py
+already show (hangs before the first byte and between chunks, refused connections,
+resets, garbage, framing attacks, limits)
 is not repeated here; RELIABILITY.md maps every fault to the test that shows it.
 
 - Backend faults: a real ``loadtests.simserver`` process SIGKILLed (or
@@ -36,16 +37,9 @@ from loadtests import fleet
 from loadtests.faultproxy import Fault, FaultProxy, RandomFaults
 from loadtests.simserver.model import filler_pieces
 from router.app import Router
-from tests.conftest import SimFleet, StartRouter
-from tests.test_router_health import FAST_HEALTH
-from tests.test_router_http import (
-    COMPLETION,
-    StartBackend,
-    assert_error,
-    connect,
-    quiet,
-    req,
-)
+from tests.harness.backends import StartBackend
+from tests.harness.http import COMPLETION, assert_error, connect, quiet, req
+from tests.harness.routers import FAST_HEALTH, SimFleet, StartRouter
 
 WAIT = 5.0  # seconds: the bound on every wait in this file
 TENANT_HEADER = b"X-Amzn-SageMaker-Prefix-Aware-Id"

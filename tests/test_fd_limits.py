@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 
 from router.admission import BUSY_MESSAGE, MAX_REFUSING, client_cap
-from tests.test_router_cli import ROOT
-from tests.test_router_http import Backend, Seen, echo
+from tests.harness.backends import Backend, Seen, echo
+from tests.harness.processes import ROOT
 
 WAIT = 10.0
 SOFT, HARD = 128, 256

@@ -48,8 +48,8 @@ from hashring import TenantKeyError, tenant_seed
 from router.app import Router
 from router.client import ClientConnection
 from router.extract import BadRequest, decode_openai, prompt_key, prompt_text
-from tests.conftest import StartRouter
-from tests.test_router_http import Backend, Seen, echo
+from tests.harness.backends import Backend, Seen, echo
+from tests.harness.routers import StartRouter
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0")) or None
 WAIT = 5.0

@@ -20,8 +20,9 @@ from router.config import BackendSpec
 from router.control import BackendPatch
 from router.control.live import RouterControl
 from router.fleet import Fleet
-from tests.conftest import StartRouter
-from tests.test_router_http import Backend, connect, echo, quiet, req
+from tests.harness.backends import Backend, echo
+from tests.harness.http import connect, quiet, req
+from tests.harness.routers import StartRouter
 
 # 300 members of weight 1 at the default vnodes: ~307,000 points, ~1,000 steps
 # to rebuild (a second or so of work), far more loop turns than a request takes.

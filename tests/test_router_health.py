@@ -11,17 +11,8 @@ from aiohttp import web
 
 from loadtests.simserver import SimServer
 from router.app import Router
-from tests.conftest import SimFleet, StartRouter
+from tests.harness.routers import FAST_HEALTH, SimFleet, StartRouter
 
-FAST_HEALTH = {
-    "interval": 0.05,
-    "timeout": 0.5,
-    "healthy_threshold": 2,
-    "unhealthy_threshold": 2,
-    "passive_failures": 3,
-    "backoff_initial": 0.05,
-    "backoff_max": 0.2,
-}
 # Detection must happen within the configured time: thresholds x interval plus
 # a probe timeout, with room for a loaded machine.  Failing this means broken.
 DETECTION_BOUND_S = 5.0

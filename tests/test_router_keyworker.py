@@ -17,17 +17,9 @@ import pytest
 
 from router.extract import BadRequest, decode_openai, prompt_key
 from router.keyworker import answer
-from tests.conftest import StartRouter
-from tests.test_router_http import (
-    WAIT,
-    Backend,
-    Handler,
-    Seen,
-    StartBackend,
-    assert_error,
-    connect,
-    req,
-)
+from tests.harness.backends import Backend, Handler, Seen, StartBackend
+from tests.harness.http import WAIT, assert_error, connect, req
+from tests.harness.routers import StartRouter
 
 MIB = 1024 * 1024
 

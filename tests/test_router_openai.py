@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter
 
 SYSTEM = "You are the support assistant of ACME Rockets. " * 120  # ~5.8 KB, shared
 

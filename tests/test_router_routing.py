@@ -14,7 +14,7 @@ from hashring import Placement, hash_key, tenant_seed
 from router.app import Router
 from router.balancer import Balancer
 from router.extract import decode_openai, prompt_key
-from tests.conftest import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter
 
 SYSTEM = "Warehouse robot safety manual, section 4: lifting limits. " * 100
 

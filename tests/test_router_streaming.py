@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from tests.conftest import StartRouter
+from tests.harness.routers import StartRouter
 
 EVENTS = 4
 GAP_S = 0.2  # the backend's decode time between two events

@@ -11,7 +11,7 @@ import pytest
 import trustme
 
 from admin.cli import main
-from tests.conftest import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter
 
 
 async def test_clients_speak_tls_to_the_router_and_backends_see_https(

@@ -1,1 +1,11 @@
-"""Helpers shared by model-based tests (pure code: no sockets, no fixtures)."""
+"""What test files share (no test file imports another; ``tests/test_suite_layout.py``).
+
+- ``http``: a raw HTTP/1.1 client (``connect``, ``req``, ``Response``) and the checks
+  most tests end with (``quiet``, ``assert_error``, ``still_serves``).
+- ``backends``: hand-written recording backends (``Backend``, ``Seen``, ``echo``).
+- ``routers``: the router's test config (``router_config``, ``FAST``, ``FAST_HEALTH``)
+  and the types of the conftest fixtures.
+- ``processes``: ``prefix-router serve`` as a real process.
+- ``control``: ``FakeControl``, an in-memory control interface for admin API tests.
+- ``http_model``: the reference model of one client connection (pure code).
+"""

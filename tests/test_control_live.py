@@ -1,9 +1,16 @@
-"""The control plane when its storage fails, and what it refuses to be told.
+"""``RouterControl`` (``router/control/live.py``): the admin interface over a live router.
 
-Each test runs ``prefix-router serve`` as a real process (``spawn_router``) and
-breaks its state file for real, in a way that stops root too (the tests run as
-root, where permissions stop nothing): the state file's directory is moved away
-and a regular file put in its place, so the next write fails with ENOTDIR.
+Its contract: a change is written to the state file before it is applied, so a
+failed write changes nothing (``NotSaved``); a drain waits for the backend's last
+request, then removes it; a backend at one of the router's own listeners is
+refused (by the admin API and at start-up).
+
+The first tests drive ``RouterControl`` in-process; the storage-failure tests
+run ``prefix-router serve`` as a real process (``spawn_router``) and break its
+state file for real, in a way that stops root too (the tests run as root, where
+permissions stop nothing): the state file's directory is moved away and a
+regular file put in its place, so the next write fails with ENOTDIR.  The admin
+REST API itself, over a fake control, is in ``tests/test_admin_api.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import pytest
 
 from admin import AdminServer
 from router.app import Router
+from router.config import BackendSpec
+from router.control import BackendPatch, NotSaved
 from router.control.live import RouterControl
-from router.selfaddr import Listener, own_listener
-from tests.conftest import StartRouter
-from tests.test_router_cli import ROOT, admin_call, spawn_router, stop
-from tests.test_router_http import Backend, Seen, echo
+from router.state import StateFile
+from tests.harness.backends import Backend, Seen, StartBackend, echo, hold
+from tests.harness.http import connect, req, still_serves
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.routers import StartRouter
 
 WAIT = 10.0
 
@@ -76,6 +86,79 @@ def broken(directory: Path) -> Iterator[None]:
     finally:
         directory.unlink()
         aside.rename(directory)
+
+
+# -- changes, in-process ---------------------------------------------------------------
+
+
+async def test_a_change_is_saved_before_it_is_applied_and_a_failed_save_changes_nothing(
+    backends: StartBackend, start_router: StartRouter, tmp_path: Path
+) -> None:
+    first, second = await backends(), await backends()
+    router = await start_router([first.spec], health={"active": False})
+    directory = tmp_path / "state"
+    directory.mkdir()
+    state = StateFile(directory / "state.json")
+    control = RouterControl(router, state)
+    try:
+        view = await control.add_backend(BackendSpec(second.name, second.url))
+        assert (view.name, view.state) == (second.name, "active")
+        saved = state.load()
+        assert saved is not None
+        assert [b.name for b in saved.backends] == [first.name, second.name]
+        with broken(directory):
+            with pytest.raises(NotSaved, match="state"):
+                await control.add_backend(BackendSpec("third", "http://127.0.0.1:9"))
+            with pytest.raises(NotSaved):
+                await control.update_backend(second.name, BackendPatch(weight=5))
+            with pytest.raises(NotSaved):
+                await control.remove_backend(second.name, timeout=WAIT, wait=True)
+        # Nothing of the three changes was made.
+        assert sorted(router.fleet.backends) == sorted([first.name, second.name])
+        assert router.fleet.backends[second.name].weight == 1
+        assert router.fleet.backends[second.name].available
+        saved = state.load()
+        assert saved is not None
+        assert [(b.name, b.weight, b.state) for b in saved.backends] == [
+            (first.name, 1, "active"),
+            (second.name, 1, "active"),
+        ]
+    finally:
+        await control.close()
+
+
+async def test_a_drain_waits_for_the_last_request_then_removes_the_backend(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend, other = await backends(hold), await backends()
+    router = await start_router([backend.spec], health={"active": False})
+    control = RouterControl(router)
+    try:
+        async with connect(router) as client:
+            await client.send(req(b"GET", b"/held"))
+            await backend.wait_for(lambda: len(backend.requests) == 1)
+            await control.add_backend(BackendSpec(other.name, other.url))
+            view = await control.remove_backend(backend.name, timeout=WAIT, wait=False)
+            assert (view.state, view.in_flight) == ("draining", 1)
+            removed = asyncio.create_task(
+                control.remove_backend(backend.name, timeout=WAIT, wait=True)
+            )
+            # A whole request through the router meanwhile (to the other backend:
+            # a draining one gets none) gives the drain every chance to end early.
+            await still_serves(router, other)
+            assert backend.name in router.fleet.backends  # the held request keeps it
+            assert not router.fleet.backends[backend.name].available
+            backend.release.set()
+            assert (await client.response()).status == 200
+            async with asyncio.timeout(WAIT):
+                done = await removed
+        assert (done.state, done.forced) == ("removed", False)
+        assert backend.name not in router.fleet.backends
+    finally:
+        await control.close()
+
+
+# -- when the state file cannot be written: a real process -----------------------------
 
 
 async def test_a_state_file_write_failing_as_a_drain_ends_is_reported_and_shutdown_is_clean(
@@ -259,38 +342,6 @@ async def test_other_ports_and_other_loopback_addresses_are_not_the_router(
             async with http.post(f"{base}/admin/backends", json=spec) as resp:
                 assert resp.status == 201, await resp.text()
     assert sorted(router.fleet.backends) == ["other-0", "other-1"]
-
-
-try:
-    with open("/proc/sys/net/ipv4/ip_nonlocal_bind") as file:
-        NONLOCAL_BIND = file.read().strip()  # "1": any address can be bound, ours or not
-except OSError:
-    NONLOCAL_BIND = "unknown"
-
-
-def own_address() -> str | None:
-    """This host's address on its default route (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route is looked up
-        except OSError:
-            return None
-        address = str(sock.getsockname()[0])
-    return None if address.startswith("127.") else address
-
-
-@pytest.mark.parametrize("bound", ["0.0.0.0", "::"])
-async def test_a_listener_on_every_address_is_reached_by_every_local_address(bound: str) -> None:
-    # own_listener on data alone: the tests listen on 127.0.0.1 only.
-    listeners = [Listener("client listener", bound, 8080)]
-    for host in ["127.0.0.1", "127.9.9.9", "localhost", "::1", "0.0.0.0", "::", own_address()]:
-        if host is not None:
-            assert await own_listener(host, 8080, listeners) == listeners[0], host
-    assert await own_listener("127.0.0.1", 8081, listeners) is None  # another port
-    assert await own_listener("no-such-host.invalid", 8080, listeners) is None  # unresolved
-    if NONLOCAL_BIND == "0":
-        # Not this host's: binding to it fails, so it is someone else.
-        assert await own_listener("198.51.100.7", 8080, listeners) is None
 
 
 def reserved_port() -> socket.socket:

@@ -1,0 +1,80 @@
+"""``prefix-router serve`` as a real process: start it, call its admin API, stop it.
+
+``spawn_router(*flags)`` runs ``python -m admin serve`` on ephemeral ports and returns
+once both the router and its admin API listen; ``admin_call`` calls that admin API;
+``stop`` sends SIGTERM and expects exit 0.  ``ROOT`` is the repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+__all__ = ["ROOT", "admin_call", "spawn_router", "stop"]
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
+
+
+async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
+    """Start ``python -m admin serve ARGS`` and return it with its port (the
+    admin API, on an ephemeral port, is up too once this returns)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "admin",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--access-log",
+        "off",
+        "--admin-listen",
+        "127.0.0.1:0",
+        *args,
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stderr is not None
+    port = None
+    async with asyncio.timeout(20):
+        while True:
+            line = await proc.stderr.readline()
+            assert line, "router exited before listening"
+            event = json.loads(line)
+            if event["event"] == "listening":
+                port = int(event["address"].rpartition(":")[2])
+            elif event["event"] == "admin listening":
+                assert port is not None
+                ADMIN_PORTS[proc.pid] = int(event["address"].rpartition(":")[2])
+                return proc, port
+
+
+async def admin_call(
+    http: aiohttp.ClientSession,
+    proc: asyncio.subprocess.Process,
+    method: str,
+    path: str,
+    body: object = None,
+    token: str | None = None,
+) -> tuple[int, dict[str, object]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}{path}"
+    async with http.request(method, url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def stop(proc: asyncio.subprocess.Process) -> bytes:
+    """SIGTERM, expect exit 0, return what it logged after start-up."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stderr is not None
+    async with asyncio.timeout(20):
+        rest = await proc.stderr.read()
+        assert await proc.wait() == 0
+    return rest

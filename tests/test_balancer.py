@@ -1,0 +1,134 @@
+"""The routing strategies (``router/balancer.py``) on a ``Fleet``, without a router.
+
+``Balancer.choose`` picks a backend and takes its lease in the same step, so the
+next choice already sees it; requests without a key go least-outstanding
+whatever the strategy; ``avoid`` and unavailable backends are skipped.  The same
+strategies through a running router, with real simulated instances, are in
+``tests/test_router_routing.py``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from hashring import hash_key
+from router.balancer import Balancer, Choice
+from router.config import BackendSpec, PrefixAwareRoutingConfig, RoutingConfig, Strategy
+from router.fleet import AdminState, Fleet
+
+KEY = hash_key(b"You are a helpful assistant. " * 20)
+
+
+def fleet(**weights: int) -> Fleet:
+    specs = [
+        BackendSpec(name, f"http://127.0.0.1:{9000 + i}", weight)
+        for i, (name, weight) in enumerate(weights.items())
+    ]
+    return Fleet(specs)  # no running loop: the ring is built before this returns
+
+
+def balancer(members: Fleet, strategy: Strategy = Strategy.PREFIX_AWARE, **prefix: Any) -> Balancer:
+    config = RoutingConfig(strategy, PrefixAwareRoutingConfig(**prefix))
+    return Balancer(members, config, seed=1)
+
+
+def take(chooser: Balancer, key: int | None, count: int) -> list[Choice]:
+    choices = [chooser.choose(key) for _ in range(count)]
+    assert None not in choices
+    return [c for c in choices if c is not None]
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_each_choice_takes_its_lease_so_the_next_one_sees_it(strategy: Strategy) -> None:
+    members = fleet(a=1, b=1, c=2)
+    chooser = balancer(members, strategy)
+    # Keyless: least outstanding per unit of weight, whatever the strategy.
+    choices = take(chooser, None, 8)
+    assert {c.decision for c in choices} == {"passthrough"}
+    assert dict(members.loads.counts) == {"a": 2, "b": 2, "c": 4}
+    assert [members.backends[n].requests for n in "abc"] == [2, 2, 4]
+    for choice in choices:
+        choice.release()
+    assert members.loads.total == 0
+
+
+def test_least_outstanding_fills_by_weight_with_keys_too() -> None:
+    members = fleet(a=1, b=3)
+    choices = take(balancer(members, Strategy.LEAST_OUTSTANDING_REQUESTS), KEY, 8)
+    assert {c.decision for c in choices} == {"least_outstanding"}
+    assert dict(members.loads.counts) == {"a": 2, "b": 6}
+
+
+def test_prefix_aware_walks_the_ring_past_the_threshold_then_falls_back() -> None:
+    members = fleet(a=1, b=1, c=1)
+    walk = list(members.ring.walk(KEY))
+    choices = take(balancer(members, concurrency_threshold=2), KEY, 7)
+    assert [(c.backend.name, c.decision, c.position) for c in choices[:6]] == [
+        (walk[0], "primary", 0),
+        (walk[0], "primary", 0),
+        (walk[1], "overflow", 1),
+        (walk[1], "overflow", 1),
+        (walk[2], "overflow", 2),
+        (walk[2], "overflow", 2),
+    ]
+    # Every member of the walk at its threshold: the least busy overall.
+    assert choices[6].decision == "fallback"
+    assert members.backends[walk[1]].overflow == 2
+    assert sum(b.fallback for b in members.backends.values()) == 1
+
+
+def test_avoided_and_unavailable_backends_are_never_chosen() -> None:
+    members = fleet(a=1, b=1, c=1)
+    primary = members.ring.primary(KEY)
+    assert primary is not None
+    for strategy in Strategy:
+        chooser = balancer(members, strategy)
+        for key in (KEY, None):
+            for _ in range(20):
+                choice = chooser.choose(key, avoid={primary})
+                assert choice is not None
+                assert choice.backend.name != primary
+                choice.release()
+            assert chooser.choose(key, avoid={"a", "b", "c"}) is None
+    members.set_state(primary, AdminState.DRAINING)
+    others = set("abc") - {primary}
+    for name in others:
+        members.set_healthy(name, False)
+    for strategy in Strategy:
+        assert balancer(members, strategy).choose(KEY) is None
+    members.set_healthy(others.pop(), True)
+    for strategy in Strategy:
+        choice = balancer(members, strategy).choose(KEY)
+        assert choice is not None
+        assert choice.backend.available
+        choice.release()
+    assert members.loads.total == 0
+
+
+def test_random_is_weighted_and_replayed_by_its_seed() -> None:
+    members = fleet(a=1, b=3)
+    picks = [c.backend.name for c in take(balancer(members, Strategy.RANDOM), KEY, 4000)]
+    again = [c.backend.name for c in take(balancer(members, Strategy.RANDOM), KEY, 4000)]
+    assert picks == again  # the same seed, the same picks
+    share = Counter(picks)["b"] / len(picks)
+    assert 0.70 < share < 0.80, share  # weight 3 of 4; seeded, so not by chance
+
+
+def test_prefill_scope_stops_counting_a_request_once_it_is_answered() -> None:
+    members = fleet(a=1, b=1)
+    chooser = balancer(members, concurrency_threshold=1, concurrency_scope="PREFILL")
+    first = chooser.choose(KEY)
+    assert first is not None
+    assert (members.waiting.total, members.loads.total) == (1, 1)
+    first.first_byte()  # the backend answered: its prefill is done
+    assert (members.waiting.total, members.loads.total) == (0, 1)
+    second = chooser.choose(KEY)
+    assert second is not None
+    assert second.backend is first.backend  # the threshold counts only the unanswered
+    assert second.decision == "primary"
+    first.release()
+    second.release()
+    assert (members.waiting.total, members.loads.total) == (0, 0)
