@@ -25,7 +25,8 @@ Contract:
   loop turn apart (no error: framing must survive fragmentation; the peer's
   kernel may still coalesce them).
 - Nothing is ever altered, only cut, held or split: the proxy injects
-  transport faults, not HTTP ones (tests/test_router_exchange.py and tests/test_router_upstream.py have those).
+  transport faults, not HTTP ones (tests/test_router_exchange.py and
+  tests/test_router_upstream.py have those).
 - ``stats`` counts connections per kind and how many faults ``fired`` (a
   fault whose offset lies past the end of its connection never acts).
 - Bounded: every task belongs to the proxy and ``close``/``kill`` cancel them.
