@@ -121,7 +121,10 @@ def replica_config(config: RoutingConfig, replicas: int, split_threshold: bool) 
     prefix = config.prefix_aware
     threshold = math.ceil(prefix.concurrency_threshold / replicas)
     return msgspec.structs.replace(
-        config, prefix_aware=msgspec.structs.replace(prefix, concurrency_threshold=threshold)
+        config,
+        prefix_aware_routing_config=msgspec.structs.replace(
+            prefix, concurrency_threshold=threshold
+        ),
     )
 
 
