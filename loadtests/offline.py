@@ -2,7 +2,8 @@
 
 ``python -m loadtests.offline --workload long --instances 7 --strategies random,least,prefix
 --duration 3600 [--seed S] [--rate R] [--prefix-length N --concurrency-threshold N
---balance-factor C] [--form openai|native] [--out DIR]``
+--balance-factor C] [--replicas R [--replica-threshold each|split]]
+[--form openai|native] [--out DIR]``
 
 Contract
 --------
@@ -28,8 +29,17 @@ Contract
   hits / queries, its hit-rate series is per minute of arrival time (or
   1/60 of the run when that is shorter), and its utilisation per instance is
   the share of the duration spent in prefill.
-- ``simulate`` returns the ``report.Run`` and the fleet and engines it used,
-  so tests can check that every lease and every pinned block was released.
+- ``replicas`` R > 1 puts R uncoordinated routers in front of the same
+  engines: each its own ``Fleet`` (same specs, so the same ring) with its own
+  in-flight counts, and its own ``Balancer`` (its own ``Placement`` in
+  TRAFFIC mode). Each request goes to a router drawn uniformly at random from
+  a stream of its own, seeded from ``seed``; its lease is taken and released
+  on that router. R = 1 draws nothing: the run is the single-router run to
+  the last digit. ``split_threshold`` gives each router ConcurrencyThreshold
+  ceil(T / R) instead of T.
+- ``simulate`` returns the ``report.Run`` and the fleets, balancers and
+  engines it used, so tests can check that every lease and every pinned
+  block was released.
 """
 
 from __future__ import annotations
@@ -37,11 +47,15 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import math
+import random
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import msgspec
 
 from admin.cli import prefix_aware_flags
 from hashring import hash_key, tenant_seed
@@ -92,10 +106,26 @@ def route_keys(requests: Sequence[Request], prefix_length: int, form: str = "ope
 @dataclass
 class Outcome:
     run: report.Run
-    fleet: Fleet
+    fleet: Fleet  # the first router's (the only one when replicas is 1)
     balancer: Balancer
     engines: dict[str, Engine]
     wall_s: float  # real seconds the simulation took
+    fleets: list[Fleet]  # one per router
+    balancers: list[Balancer]
+
+
+def replica_config(config: RoutingConfig, replicas: int, split_threshold: bool) -> RoutingConfig:
+    """Each router's config: ConcurrencyThreshold ceil(T / R) when split, else T."""
+    if not split_threshold or replicas == 1:
+        return config
+    prefix = config.prefix_aware
+    threshold = math.ceil(prefix.concurrency_threshold / replicas)
+    return msgspec.structs.replace(
+        config,
+        prefix_aware_routing_config=msgspec.structs.replace(
+            prefix, concurrency_threshold=threshold
+        ),
+    )
 
 
 # An event: (model time, tie-break serial, instance, ticket, request index, choice,
@@ -114,17 +144,27 @@ def simulate(
     form: str = "openai",
     hashes: Sequence[int] | None = None,
     target: str | None = None,
+    replicas: int = 1,
+    split_threshold: bool = False,
 ) -> Outcome:
     """Route and serve ``requests`` (sorted by arrival); see the module contract.
 
     ``hashes`` may carry ``route_keys(requests, PrefixLength, form)`` computed
     once for several runs.
     """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, not {replicas}")
     started = time.perf_counter()
     names = instance_names(instances) if isinstance(instances, int) else list(instances)
     specs = [BackendSpec(name, f"http://127.0.0.1:{10_000 + i}") for i, name in enumerate(names)]
-    fleet = Fleet(specs)
-    balancer = Balancer(fleet, config, seed=seed)
+    # Router 0 is the single router of replicas=1, seeded alike; the others and
+    # the draw of a router per request use streams of their own.
+    streams = random.Random(f"offline-replicas:{seed}")
+    seeds = [seed] + [streams.getrandbits(64) for _ in range(replicas - 1)]
+    draw = random.Random(streams.getrandbits(64))
+    per_router = replica_config(config, replicas, split_threshold)
+    fleets = [Fleet(specs) for _ in range(replicas)]
+    balancers = [Balancer(f, per_router, seed=s) for f, s in zip(fleets, seeds, strict=True)]
     timing = Timing(**params.timing_kwargs())
     engines = {n: Engine(timing, KVCache(params.block_size, params.capacity_blocks)) for n in names}
     if hashes is None:
@@ -176,7 +216,10 @@ def simulate(
         now = request.at
         while events and events[0][0] <= now:
             finish(heapq.heappop(events))
-        choice = balancer.choose(hashes[index])  # takes the lease, as the router does
+        # Takes the lease on the router the request went to, as the router does;
+        # Choice.release gives it back to that router's counts.
+        router = draw.randrange(replicas) if replicas > 1 else 0
+        choice = balancers[router].choose(hashes[index])
         assert choice is not None  # every backend is available
         name = choice.backend.name
         ticket = engines[name].submit(tokenize(request.prompt_text()), request.max_tokens, now)
@@ -193,7 +236,7 @@ def simulate(
     hits = sum(e.cache.hits for e in engines.values())
     span = requests[-1].at if requests else 0.0
     window = 60.0 if span >= 3600 else max(span / 60, 1e-9)
-    prefix = config.prefix_aware
+    prefix = per_router.prefix_aware
     notes = f"form {form}, PrefixLength {prefix.prefix_length}"
     if config.strategy.value == "PREFIX_AWARE":
         notes += f", ConcurrencyThreshold {prefix.concurrency_threshold}"
@@ -203,6 +246,11 @@ def simulate(
             notes += f", BalanceMode {prefix.balance_mode}"
         if prefix.concurrency_scope != "IN_FLIGHT":
             notes += f", ConcurrencyScope {prefix.concurrency_scope}"
+    if replicas > 1:
+        notes += f", {replicas} routers"
+        if split_threshold and config.strategy.value == "PREFIX_AWARE":
+            total = config.prefix_aware.concurrency_threshold
+            notes += f" (ConcurrencyThreshold {total} split: {prefix.concurrency_threshold} each)"
     run = report.Run(
         target=target or config.strategy.value,
         samples=done,
@@ -213,7 +261,8 @@ def simulate(
         notes=notes,
         utilisation=[busy[n] / end if end > 0 else 0.0 for n in names],
     )
-    return Outcome(run, fleet, balancer, engines, time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    return Outcome(run, fleets[0], balancers[0], engines, wall, fleets, balancers)
 
 
 # ---------------------------------------------------------------- CLI
@@ -245,6 +294,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--balance-factor", type=float, default=None, help="default off")
     p.add_argument("--balance-mode", choices=("IN_FLIGHT", "TRAFFIC"), default=None)
     p.add_argument("--concurrency-scope", choices=("IN_FLIGHT", "PREFILL"), default=None)
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="uncoordinated routers, each request sent to one at random",
+    )
+    p.add_argument(
+        "--replica-threshold",
+        choices=("each", "split"),
+        default="each",
+        help="each router gets ConcurrencyThreshold T (each) or ceil(T / replicas) (split)",
+    )
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -268,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.instances < 1 or args.duration <= 0:
-        print("error: --instances must be >= 1 and --duration > 0", file=sys.stderr)
+    if args.instances < 1 or args.duration <= 0 or args.replicas < 1:
+        print("error: --instances and --replicas must be >= 1 and --duration > 0", file=sys.stderr)
         return 2
     params = FLEET[args.workload]
     if args.capacity_blocks is not None:
@@ -280,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - clock
     print(
         f"{args.workload}: {len(requests)} requests over {args.duration:g} s "
-        f"({rate:g}/s) on {args.instances} instances, seed {args.seed}, "
+        f"({rate:g}/s) on {args.instances} instances, {args.replicas} router(s), seed {args.seed}, "
         f"built in {build_s:.1f} s",
         file=sys.stderr,
         flush=True,
@@ -301,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             form=args.form,
             hashes=hashes[length],
+            replicas=args.replicas,
+            split_threshold=args.replica_threshold == "split",
         )
         wall = time.perf_counter() - clock
         walls[outcome.run.target] = wall
@@ -315,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration": args.duration,
             "rate": rate,
             "seed": args.seed,
+            "replicas": args.replicas,
+            "replica_threshold": args.replica_threshold,
             "form": args.form,
             "fleet": vars(params),
             "routing": [c.document() for c in configs],
