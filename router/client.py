@@ -153,7 +153,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._head_fed = 0  # bytes of the current head received so far
         self._body_in_read = 0  # body bytes of the current request in the read being fed
         self._framing_fed = 0  # bytes after the head that carried no body byte
-        LazyDeadline.__init__(self)  # the connection's deadlines: see _deadline
+        LazyDeadline.__init__(self, router.loop)  # the connection's deadlines: see _deadline
         self._watch = IDLE
         self._watch_since = 0.0
         self._watch_timeout = 0.0
@@ -449,9 +449,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._watch_since = now
         self._watch_timeout = timeout
         self._arm(now + timeout)
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        return self.router.loop
 
     def _deadline(self) -> None:
         loop = self.router.loop

@@ -8,7 +8,9 @@ Contract:
   timer operation at all: only the check when the timer fires.
 - When it fires, ``_timer`` is None again and ``_deadline()`` runs; it
   decides what is due (and acts, or re-arms).  ``_disarm()`` cancels it.
-- The loop is whatever ``_loop()`` returns (the router's, set at start-up).
+- The loop is given once, at construction (the router's, set at start-up):
+  ``_arm`` runs several times per request, so it reads an attribute, not a
+  method.
 """
 
 from __future__ import annotations
@@ -19,13 +21,11 @@ __all__ = ["LazyDeadline"]
 
 
 class LazyDeadline:
-    __slots__ = ("_timer",)
+    __slots__ = ("_clock", "_timer")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._clock = loop
         self._timer: asyncio.TimerHandle | None = None
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        raise NotImplementedError
 
     def _deadline(self) -> None:
         raise NotImplementedError
@@ -35,7 +35,7 @@ class LazyDeadline:
         if timer is None or timer.when() > due:
             if timer is not None:
                 timer.cancel()
-            self._timer = self._loop().call_at(due, self._fire)
+            self._timer = self._clock.call_at(due, self._fire)
 
     def _disarm(self) -> None:
         if self._timer is not None:

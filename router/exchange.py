@@ -155,7 +155,7 @@ class Exchange(LazyDeadline):
         self._framing = NO_BODY
         self._tried: set[str] = set()  # backends that could not be reached
         self._attempts = 0
-        LazyDeadline.__init__(self)  # the read deadline: first_byte, then idle
+        LazyDeadline.__init__(self, conn.router.loop)  # the read deadline: first_byte, then idle
         self._last_read = 0.0
         self._read_timeout = 0.0
         self._upstream_bytes = False
@@ -494,9 +494,6 @@ class Exchange(LazyDeadline):
         """Switch the read deadline; move the timer only if it must fire earlier."""
         self._read_timeout = timeout
         self._arm(self._last_read + (timeout if wake is None else wake))
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        return self._router.loop
 
     def _deadline(self) -> None:
         if self.done:
