@@ -18,6 +18,7 @@ __all__ = [
     "HOP_BY_HOP",
     "DateHeader",
     "error_response",
+    "normalised_path",
     "request_path",
     "status_line",
 ]
@@ -53,7 +54,21 @@ _ABSOLUTE_FORM = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
 _PERCENT = re.compile(rb"%([0-9A-Fa-f]{2})")
 
 
+_PATH_CACHE: dict[bytes, bytes | None] = {}  # clients send a few targets over and over
+_PATH_CACHE_SIZE = 1024
+
+
 def request_path(target: bytes) -> bytes | None:
+    """``normalised_path(target)``, remembered for the last targets seen (bounded)."""
+    path = _PATH_CACHE.get(target, b"")
+    if path == b"":  # not cached (no path normalises to b"")
+        if len(_PATH_CACHE) >= _PATH_CACHE_SIZE:
+            _PATH_CACHE.clear()
+        path = _PATH_CACHE[target] = normalised_path(target)
+    return path
+
+
+def normalised_path(target: bytes) -> bytes | None:
     """The path a backend's framework routes on, or None for a target no server should take.
 
     Backends (aiohttp, uvicorn) accept the absolute form, drop the query,
