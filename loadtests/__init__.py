@@ -10,6 +10,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   demo              RANDOM vs PREFIX_AWARE on a small simulated fleet (``make demo``)
   proxybench        the proxy ladder: router vs HAProxy, nginx, Rust peers (``make bench-proxy``)
   bench_decision    ns per routing decision: extract, hash, pick (``make bench-decision``)
+  bench_cpu         router CPU per request on the ladder's (a), one tree or another (``--tree``)
   bench_hashring    ns per key and keys moved on growth (``make bench-hashring``)
   bench_stall       longest event-loop stall under pathological bodies and admin calls
   bench_membership  start-up cost and loop stall of membership changes

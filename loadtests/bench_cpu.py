@@ -1,0 +1,111 @@
+"""CPU per request of the router on workload (a), for comparing two trees quickly.
+
+    python -m loadtests.bench_cpu [--tree PATH] [--seconds 8] [--profile OUT]
+
+Runs a ``Router`` from ``--tree`` (a checkout; default this one) in this
+process on uvloop, in front of ``loadtests.fastbackend`` (2 instances, another
+process), and drives it with wrk (1 thread, 16 keep-alive connections, the
+proxy ladder's (a) body: OpenAI chat, 4 KiB prompt).  The router saturates its
+core, so its CPU time over the run divided by the requests served is its cost
+per request.  Alternate two trees several times and compare medians: one run
+moves by ±10 % on a shared machine.  ``--profile OUT`` writes a cProfile dump
+(the profiler roughly doubles the figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _use_tree(tree: Path) -> None:
+    """Import ``router`` from ``tree``, not from the editable install."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in type(f).__module__]
+    sys.path.insert(0, str(tree))
+
+
+async def run(seconds: float, profile: Path | None, body: bytes) -> str:
+    from router.app import Router
+    from router.config import build_config
+
+    from . import supervisor
+
+    children: list[supervisor.Child] = []
+    try:
+        backend = await supervisor.start(
+            children,
+            "fastbackend",
+            [sys.executable, "-m", "loadtests.fastbackend"],
+            cwd=ROOT,
+            stdout=True,
+        )
+        deadline = asyncio.get_running_loop().time() + 20.0
+        urls = [
+            json.loads(await backend.line("a backend address", deadline, stdout=True))["url"]
+            for _ in range(2)
+        ]
+        config = {
+            "listen": "127.0.0.1:0",
+            "access_log": "off",
+            "backends": [{"name": f"fb-{i}", "url": url} for i, url in enumerate(urls)],
+            "health": {"active": False},
+        }
+        router = Router(build_config(config))
+        await router.start()
+        with tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / "body.json").write_bytes(body)
+            script = Path(scratch) / "post.lua"
+            script.write_text(
+                'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                f'local f = io.open("{scratch}/body.json", "rb"); wrk.body = f:read("*a"); '
+                "f:close()\n"
+            )
+            profiler = cProfile.Profile() if profile else None
+            started = time.process_time()
+            if profiler:
+                profiler.enable()
+            wrk = await asyncio.create_subprocess_exec(
+                "wrk", "-t1", "-c16", f"-d{seconds:g}s", "-s", str(script),
+                f"http://127.0.0.1:{router.port}/v1/chat/completions",
+                stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, _ = await wrk.communicate()
+            if profiler:
+                profiler.disable()
+                profiler.dump_stats(str(profile))
+            cpu = time.process_time() - started
+        await router.shutdown(grace=1)
+        served = next(line for line in out.decode().splitlines() if "requests in" in line)
+        requests = int(served.split()[0])
+        return f"{requests:,} requests, router CPU {cpu:.2f} s: {cpu / requests * 1e6:.1f} us/req"
+    finally:
+        for child in children:
+            await child.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_cpu", description=__doc__)
+    parser.add_argument("--tree", type=Path, default=ROOT, help="checkout to import router from")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--profile", type=Path, default=None, help="write a cProfile dump here")
+    args = parser.parse_args(argv)
+    _use_tree(args.tree.resolve())
+    from .proxybench.workloads import build_requests
+
+    _, body = build_requests("a", 1)[0]
+    import uvloop
+
+    print(uvloop.run(run(args.seconds, args.profile, body)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
