@@ -20,8 +20,8 @@ Contract:
   membership in steps of bounded work (a generator whose return value is the
   ring; ~1 ms per step), reusing the point hashes of this ring, so that a
   caller on an event loop can interleave it with other work and publish the
-  result by reference.  ``with_member``, ``without_member``, ``with_weight``
-  and the constructor run those steps at once.
+  result by reference.  ``with_weights``, ``with_member``, ``without_member``,
+  ``with_weight`` and the constructor run those steps at once.
 - ``walk(h)`` is the preference list of a key hash: the distinct members met
   clockwise from the first point at or after ``h`` (wrapping), each once.
   ``primary(h)`` is its first element, without building the walk.
@@ -235,28 +235,29 @@ class Ring:
         """The ring for membership ``weights``, built in steps (see the contract)."""
         return self._blank()._fill(dict(weights), self._hashes_of)
 
-    def _derive(self, weights: dict[str, int]) -> Ring:
+    def with_weights(self, weights: Mapping[str, int]) -> Ring:
+        """The ring for membership ``weights``, built at once (``steps_to`` run to the end)."""
         ring = self._blank()
-        for _ in ring._fill(weights, self._hashes_of):
+        for _ in ring._fill(dict(weights), self._hashes_of):
             pass
         return ring
 
     def with_member(self, name: str, weight: int = 1) -> Ring:
         if name in self._weights:
             raise KeyError(f"member {name!r} is already on the ring")
-        return self._derive({**self._weights, name: check_weight(name, weight)})
+        return self.with_weights({**self._weights, name: check_weight(name, weight)})
 
     def without_member(self, name: str) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
-        return self._derive({n: w for n, w in self._weights.items() if n != name})
+        return self.with_weights({n: w for n, w in self._weights.items() if n != name})
 
     def with_weight(self, name: str, weight: int) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
         # Point idx of a member does not depend on its weight, so a reweight
         # keeps the points it had and only adds or drops the tail.
-        return self._derive({**self._weights, name: check_weight(name, weight)})
+        return self.with_weights({**self._weights, name: check_weight(name, weight)})
 
     # -- reading ------------------------------------------------------------
 

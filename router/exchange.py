@@ -105,7 +105,6 @@ class Exchange(LazyDeadline):
         "reset_client",
         "started",
         "status",
-        "target",
         "tenant",
         "ttft",
         "upstream",
@@ -123,7 +122,6 @@ class Exchange(LazyDeadline):
         self._conn = conn
         self._router = conn.router
         self.method = method
-        self.target = target
         # The head's meaning, decided now (pure); acted on when the exchange starts.
         self._request = read_request(
             method, target, headers, http10=http10, via_name=conn.router.via_name
@@ -182,10 +180,8 @@ class Exchange(LazyDeadline):
                 self._fail(413, f"request body is larger than {limit} bytes")
                 return
         elif self.kind is Kind.NATIVE:
-            try:
-                seed = tenant_seed(request.tenant)
-            except TenantKeyError as exc:
-                self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
+            seed = self._seed(request.tenant)
+            if seed is None:
                 return
             self.tenant = request.tenant is not None and seed != 0
             self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
@@ -266,21 +262,31 @@ class Exchange(LazyDeadline):
 
     def _route_key(self, key: bytes, prompt_cache_key: str | None) -> None:
         """Salt an OpenAI request's key with its tenant and route it."""
-        try:
-            seed = tenant_seed(
-                prompt_cache_key if prompt_cache_key is not None else self._request.tenant
-            )
-        except TenantKeyError as exc:
-            if prompt_cache_key is None:  # the header was the tenant key
-                self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
-            else:
-                self._fail(400, f"invalid prompt_cache_key: {exc}", param="prompt_cache_key")
+        if prompt_cache_key is not None:
+            seed = self._seed(prompt_cache_key, "prompt_cache_key")
+        else:
+            seed = self._seed(self._request.tenant)  # the header, when the body has none
+        if seed is None:
             return
         self.tenant = seed != 0
         self.key_hash = hash_key(key, seed)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
         self._route()
+
+    def _seed(self, tenant_key: str | bytes | None, field: str | None = None) -> int | None:
+        """The murmur seed of a tenant key; None, answered 400, for an invalid key.
+
+        ``field`` names the body field the key came from; None: the header.
+        """
+        try:
+            return tenant_seed(tenant_key)
+        except TenantKeyError as exc:
+            if field is None:
+                self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
+            else:
+                self._fail(400, f"invalid {field}: {exc}", param=field)
+            return None
 
     # -- routing and connecting ------------------------------------------------
 
@@ -349,11 +355,10 @@ class Exchange(LazyDeadline):
         if self._client_paused:
             upstream.transport.pause_reading()
         self._upstream_bytes = False
-        backend = upstream.pool
         pieces = [
             upstream_head(
                 self._request,
-                host=backend.authority,
+                host=upstream.pool.authority,
                 client_ip=self._conn.peer_ip,
                 tail=self._router.head_tail,
                 request_id=self.request_id,

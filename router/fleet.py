@@ -193,14 +193,14 @@ class Fleet:
 
     def _rebuild(self) -> None:
         goal = self._changes
-        steps = self.ring.steps_to({name: b.weight for name, b in self.backends.items()})
+        weights = {name: b.weight for name, b in self.backends.items()}
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (start-up, tools): build it now
-            self._publish(_finish(steps), goal)
+            self._publish(self.ring.with_weights(weights), goal)
             return
         self._building = True
-        loop.call_soon(self._slice, loop, steps, goal)
+        loop.call_soon(self._slice, loop, self.ring.steps_to(weights), goal)
 
     def _slice(
         self, loop: asyncio.AbstractEventLoop, steps: Generator[None, None, Ring], goal: int
@@ -243,13 +243,3 @@ class Fleet:
     @property
     def available(self) -> tuple[Backend, ...]:
         return self._available
-
-
-def _finish(steps: Generator[None, None, Ring]) -> Ring:
-    """Run a ring build's steps to the end and return the ring."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            ring: Ring = done.value
-            return ring
