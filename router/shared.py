@@ -1,0 +1,428 @@
+"""Fleet-wide in-flight counts on one host: a shared-memory table, one row per worker.
+
+Contract:
+- ``SharedTable`` is ONE anonymous ``os.memfd_create`` segment, mapped
+  ``MAP_SHARED`` and read through ``memoryview.cast("q")``: signed 64-bit
+  cells, native byte order.  The supervisor ``create``\\ s it and hands ``fd``
+  to each worker (``subprocess``'s ``pass_fds``), which ``attach``\\ es.  The
+  segment has no name: nothing can unlink it, it lives as long as one process
+  holds the fd or a mapping (``multiprocessing.shared_memory`` is not used:
+  before Python 3.13 its resource tracker can unlink the segment when any
+  process exits).  Its size is sealed (``F_SEAL_SHRINK | F_SEAL_GROW``): no
+  process can truncate it under the others' mappings (that would be SIGBUS).
+- Layout, in cells of 8 bytes::
+
+      [0, 8)   header: MAGIC, VERSION, rows, slots, planes, stride, 0, 0
+      then rows x planes blocks of ``stride`` cells, row-major:
+      cell(row, plane, slot) = 8 + (row * planes + plane) * stride + slot
+
+  ``stride`` is ``slots`` rounded up to 8 cells (64 bytes), so two workers'
+  blocks never share a cache line.  A row is a worker; a plane is one tracker
+  (plane 0 ``Fleet.loads``, plane 1 ``Fleet.waiting``); a slot is a backend,
+  numbered by the supervisor (``SharedLoadTracker.assign``).  A cell holds one
+  worker's in-flight count for one backend: never negative.
+- One writer per cell: a worker writes only its own row (pure Python has no
+  atomic read-modify-write; cells written by several processes lose updates),
+  and writes a count it keeps in its own dict, so a cell is only ever stored,
+  never incremented in place.  The supervisor writes a row only through
+  ``zero_row``, once that row's worker is dead (reaped) and before its
+  replacement starts.  Aligned 8-byte stores and loads are single
+  instructions on x86-64 and aarch64: a reader sees the old or the new count.
+- ``SharedLoadTracker`` is a ``LoadTracker`` (the balancer does not change):
+  ``acquire``/``Lease.release`` change the worker's own count and store it in
+  its own cell; ``counts``/``total``/``get`` are fleet-wide: own count plus the
+  other rows as of the last ``fold()``.  ``fold`` runs on a timer
+  (``start(loop, period)``, default ``DEFAULT_PERIOD``, 10 ms): a worker does
+  not see the others' decisions of the last period, and nothing else.  ``on_idle`` fires
+  when the worker's OWN count for a backend falls to zero.  ``row=None`` is
+  the supervisor's read-only tracker: counts are the sum of all rows after
+  ``fold``, and ``on_idle`` fires from ``fold`` when a backend's fleet-wide
+  count falls to zero (a drain across workers waits on it);
+  ``in_flight(name)`` sums the column right now, without a fold.
+- Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
+  tracker of every worker, in the order the supervisor sent it.  ``forget``
+  zeroes the worker's own cell and unbinds the name; a lease on it released
+  later counts down the worker's own dict only and writes nowhere (it cannot
+  touch a slot another backend gets later).  If the name is assigned again
+  while such leases are held, they count under its new slot, as they should.
+  The supervisor gives a freed slot to another backend only after every live
+  worker has applied the ``forget`` (its control channel acknowledged it):
+  until then a lagging worker may still write the old backend's count there.
+- A dead worker's row: the supervisor zeroes it (``zero_row``).  A worker
+  folding while the row is being zeroed may read part old counts, part zeros:
+  for one period it counts a few of the dead worker's requests (which the
+  backends are in fact still serving until they notice the reset), never a
+  negative count; the next fold sees the row's bytes differ from what it
+  read and reads it again.  The same holds for any torn read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import mmap
+import os
+import sys
+from itertools import compress
+
+from hashring import Lease, LoadTracker
+
+__all__ = ["DEFAULT_PERIOD", "SharedLoadTracker", "SharedTable"]
+
+MAGIC = 0x50_52_4C_4F_41_44_53_31  # "PRLOADS1"
+VERSION = 1
+HEADER = 8  # cells
+LINE = 8  # cells per 64-byte cache line
+CELL = 8  # bytes
+
+# How often a worker folds the other rows in.  A fold at 1,000 backends x 8
+# workers costs ~3 us when no other row changed and ~70-120 us when they did
+# (python -m loadtests.bench_shared), so 10 ms is at most ~1 % of a core.  What
+# a worker misses is the others' decisions of the last 10 ms, against leases
+# that last a whole stream (seconds): the threshold can overshoot by the host's
+# request rate x 10 ms at most, e.g. 5 requests at 500 requests/s.
+DEFAULT_PERIOD = 0.01
+
+
+def _stride(slots: int) -> int:
+    return -(-slots // LINE) * LINE
+
+
+def _size(rows: int, slots: int, planes: int) -> int:
+    return (HEADER + rows * planes * _stride(slots)) * CELL
+
+
+def _check_shape(rows: int, slots: int, planes: int) -> None:
+    for what, value in (("rows", rows), ("slots", slots), ("planes", planes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+
+
+class SharedTable:
+    """rows x slots x planes in-flight cells in one memfd segment (see the module's contract)."""
+
+    __slots__ = ("_mm", "cells", "fd", "planes", "rows", "slots", "stride")
+
+    def __init__(self, fd: int, rows: int, slots: int, planes: int, *, fresh: bool):
+        _check_shape(rows, slots, planes)
+        size = _size(rows, slots, planes)
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ValueError(
+                f"shared table fd {fd} is {actual} bytes; {rows} rows x {slots} slots x "
+                f"{planes} planes need {size}"
+            )
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.cells = memoryview(self._mm).cast("q")
+        self.fd, self.rows, self.slots, self.planes = fd, rows, slots, planes
+        self.stride = _stride(slots)
+        header = (MAGIC, VERSION, rows, slots, planes, self.stride, 0, 0)
+        if fresh:  # a new memfd reads as zeros
+            for i, value in enumerate(header):
+                self.cells[i] = value
+        elif tuple(self.cells[:HEADER]) != header:
+            found = tuple(self.cells[:HEADER])
+            self.cells.release()
+            self._mm.close()  # the fd stays the caller's: attach failed
+            raise ValueError(f"shared table fd {fd}: header {found}, expected {header}")
+
+    @classmethod
+    def create(cls, rows: int, slots: int, planes: int = 2) -> SharedTable:
+        """A new zeroed table (the supervisor).  The fd is close-on-exec: pass it
+        to each worker with ``pass_fds``."""
+        _check_shape(rows, slots, planes)
+        if not hasattr(os, "memfd_create"):
+            raise RuntimeError("SharedTable needs os.memfd_create (Linux)")
+        fd = os.memfd_create("prefix-router-loads", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, _size(rows, slots, planes))
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            )
+            return cls(fd, rows, slots, planes, fresh=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int, rows: int, slots: int, planes: int = 2) -> SharedTable:
+        """Map a table created elsewhere (a worker, given ``fd``); the shape must match.
+        The table owns ``fd`` from now on (``close`` closes it)."""
+        return cls(fd, rows, slots, planes, fresh=False)
+
+    def index(self, row: int, plane: int, slot: int = 0) -> int:
+        """The cell of (row, plane, slot) in ``cells``."""
+        if not 0 <= row < self.rows:
+            raise IndexError(f"row {row} out of range(0, {self.rows})")
+        if not 0 <= plane < self.planes:
+            raise IndexError(f"plane {plane} out of range(0, {self.planes})")
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range(0, {self.slots})")
+        return HEADER + (row * self.planes + plane) * self.stride + slot
+
+    def column_total(self, plane: int, slot: int) -> int:
+        """In flight for ``slot`` on ``plane``, all rows summed, read now."""
+        first = self.index(0, plane, slot)
+        step = self.planes * self.stride
+        return sum(self.cells[first : first + self.rows * step : step])
+
+    def zero_row(self, row: int) -> None:
+        """Zero every plane of ``row`` (the supervisor, once its worker is dead)."""
+        start = self.index(row, 0) * CELL
+        length = self.planes * self.stride * CELL
+        self._mm[start : start + length] = bytes(length)
+
+    def close(self) -> None:
+        """Unmap and close the fd (trackers on the table must be closed first)."""
+        self.cells.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            raise BufferError("close the SharedLoadTrackers on this table first") from None
+        os.close(self.fd)
+
+
+class SharedLoadTracker(LoadTracker):
+    """A ``LoadTracker`` whose counts are fleet-wide on the host (see the module's contract).
+
+    ``row`` is the worker's own row; ``row=None`` makes a read-only tracker
+    (the supervisor) that owns no row and cannot ``acquire``.  The worker's
+    own count for an assigned backend lives in its cell (the only copy); for
+    a backend without a slot, in a dict.
+    """
+
+    __slots__ = (
+        "_folded",
+        "_handle",
+        "_ints",
+        "_mine",
+        "_names",
+        "_others",
+        "_own",
+        "_seen",
+        "_slot",
+        "_span",
+        "_starts",
+        "_writes",
+        "plane",
+        "row",
+        "table",
+    )
+
+    def __init__(self, table: SharedTable, plane: int = 0, row: int | None = None):
+        super().__init__()  # _counts (fleet-wide), counts, total, on_idle
+        table.index(0 if row is None else row, plane)  # range checks
+        self.table, self.plane, self.row = table, plane, row
+        self._own: dict[str, int] = {}  # own leases on backends without a slot
+        self._slot: dict[str, int] = {}  # name -> slot, as assigned
+        # What acquire and release write through: the same dict for a worker, an
+        # empty one for the read-only tracker (whose acquire then refuses).
+        self._writes: dict[str, int] = self._slot if row is not None else {}
+        self._names: list[str | None] = [None] * table.slots  # slot -> name
+        if row is None:
+            self._mine = _zeros(table.slots)  # owns no row: its own counts are zero
+        else:
+            start = table.index(row, plane)
+            table._mm[start * CELL : (start + table.stride) * CELL] = bytes(table.stride * CELL)
+            self._mine = table.cells[start : start + table.slots]
+        # The other rows' blocks of this plane, as byte offsets, and what fold read there.
+        self._starts = [table.index(r, plane) * CELL for r in range(table.rows) if r != row]
+        self._span = 0  # slots folded: up to the highest assigned
+        self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
+        self._ints = [0] * len(self._starts)  # the same, each as one integer
+        self._folded = 0  # their sum: one 64-bit lane per slot
+        self._others: list[int] = []  # the same, per slot
+        self._handle: asyncio.TimerHandle | None = None
+
+    # -- the request path (LoadTracker's interface) ------------------------------
+
+    def acquire(self, member: str) -> Lease:
+        slot = self._writes.get(member)
+        if slot is not None:
+            self._mine[slot] += 1
+        elif self.row is None:
+            raise TypeError("a read-only SharedLoadTracker (row=None) cannot acquire")
+        else:
+            own = self._own
+            own[member] = own.get(member, 0) + 1
+        counts = self._counts
+        counts[member] = counts.get(member, 0) + 1
+        self.total += 1
+        return Lease(self, member)
+
+    def _release(self, member: str) -> None:
+        # LoadTracker._release's first lines, inlined (a call fewer per request);
+        # on_idle here follows the own count, not the fleet-wide one.
+        counts = self._counts
+        left = counts[member] - 1
+        if left:
+            counts[member] = left
+        else:
+            del counts[member]
+        self.total -= 1
+        slot = self._writes.get(member)
+        if slot is not None:
+            mine = self._mine
+            n = mine[slot] - 1
+            mine[slot] = n
+        else:
+            own = self._own
+            n = own[member] - 1
+            if n:
+                own[member] = n
+            else:
+                del own[member]
+        if not n and self.on_idle is not None:
+            self.on_idle(member)
+
+    def own(self, name: str) -> int:
+        """This worker's own count for ``name``."""
+        slot = self._writes.get(name)
+        return self._own.get(name, 0) if slot is None else self._mine[slot]
+
+    def own_counts(self) -> dict[str, int]:
+        """This worker's own counts, a snapshot (for per-worker stats)."""
+        counts = dict(self._own)
+        mine = self._mine
+        for name, slot in self._writes.items():
+            if mine[slot]:
+                counts[name] = mine[slot]
+        return counts
+
+    # -- slots -----------------------------------------------------------------
+
+    def assign(self, name: str, slot: int) -> None:
+        """Bind ``name`` to ``slot``: its own count is written there, the others' read there."""
+        if not isinstance(slot, int) or not 0 <= slot < self.table.slots:
+            raise ValueError(f"slot {slot!r} out of range(0, {self.table.slots})")
+        current = self._slot.get(name)
+        if current == slot:
+            return
+        if current is not None:
+            raise ValueError(f"{name!r} already has slot {current}; forget it first")
+        held = self._names[slot]
+        if held is not None:
+            raise ValueError(f"slot {slot} is {held!r}'s")
+        if slot >= self._span:
+            self._others.extend([0] * (slot + 1 - self._span))
+            self._span = slot + 1
+            self._seen = [b""] * len(self._starts)  # re-read every row over the new span
+        self._mine[slot] = self._own.pop(name, 0)
+        self._slot[name] = slot
+        self._names[slot] = name
+        others = self._others[slot]
+        self.total += others
+        self._set(name, self._mine[slot] + others)
+
+    def forget(self, name: str) -> None:
+        """Unbind ``name``: zero this worker's cell; its leases count on here, writing nowhere."""
+        if name not in self._slot:
+            raise KeyError(f"{name!r} has no slot")
+        slot = self._slot.pop(name)
+        self._names[slot] = None
+        own = self._mine[slot]
+        self._mine[slot] = 0
+        if own:
+            self._own[name] = own
+        self.total -= self._others[slot]
+        self._set(name, own)
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slot.get(name)
+
+    def _set(self, name: str, count: int) -> None:
+        if count:
+            self._counts[name] = count
+        else:
+            self._counts.pop(name, None)
+
+    # -- reading the other rows ------------------------------------------------
+
+    def fold(self) -> bool:
+        """Fold the other rows in; True if any count changed.
+
+        A row whose bytes are those of the last fold is skipped (one memcmp).
+        The rows are summed as big integers, one 64-bit lane per slot (cells
+        are never negative and far below 2**63, so no carry crosses a lane);
+        only the lanes whose sum changed are visited in Python.
+        """
+        span_bytes = self._span * CELL
+        mm = self.table._mm
+        seen, ints = self._seen, self._ints
+        changed = False
+        for i, start in enumerate(self._starts):
+            raw = mm[start : start + span_bytes]
+            if raw != seen[i]:
+                seen[i] = raw
+                ints[i] = int.from_bytes(raw, sys.byteorder)
+                changed = True
+        if not changed:
+            return False
+        summed = sum(ints)
+        lanes = summed ^ self._folded
+        if not lanes:
+            return False
+        self._folded = summed
+        new = memoryview(summed.to_bytes(span_bytes, sys.byteorder)).cast("q")
+        diff = memoryview(lanes.to_bytes(span_bytes, sys.byteorder)).cast("q")
+        others, names, mine, counts = self._others, self._names, self._mine, self._counts
+        idle = []
+        delta = 0
+        for slot in compress(range(self._span), diff):
+            value = new[slot]
+            old = others[slot]
+            others[slot] = value
+            name = names[slot]
+            if name is None:
+                continue
+            delta += value - old
+            count = mine[slot] + value
+            if count:
+                counts[name] = count
+            elif counts.pop(name, 0):
+                idle.append(name)
+        self.total += delta
+        if idle and self.row is None and self.on_idle is not None:
+            for name in idle:
+                self.on_idle(name)
+        return True
+
+    def in_flight(self, name: str) -> int:
+        """``name``'s count over all rows, read now (no fold); the own count if it has no slot."""
+        slot = self._slot.get(name)
+        if slot is None:
+            return self._own.get(name, 0)
+        return self.table.column_total(self.plane, slot)
+
+    # -- the timer -------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop, period: float = DEFAULT_PERIOD) -> None:
+        """Fold every ``period`` seconds on ``loop`` until ``stop``."""
+        if not period > 0:
+            raise ValueError(f"period must be positive, got {period!r}")
+        self.stop()
+        self._handle = loop.call_later(period, self._tick, loop, period)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
+        self._handle = loop.call_later(period, self._tick, loop, period)
+        self.fold()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def close(self) -> None:
+        """Stop folding and let go of the table (before ``SharedTable.close``).  Leases
+        still held count down in this tracker only."""
+        self.stop()
+        for name in list(self._slot):
+            self.forget(name)
+        self._starts, self._seen, self._ints, self._span = [], [], [], 0
+        if self.row is not None:
+            self._mine.release()
+            self._mine = _zeros(self.table.slots)
+
+
+def _zeros(slots: int) -> memoryview:
+    return memoryview(bytearray(slots * CELL)).cast("q")

@@ -1,0 +1,405 @@
+"""``router.shared``: fleet-wide in-flight counts in a memfd table, with real worker processes.
+
+The workers are real Python processes given the table's fd with ``pass_fds``;
+they start together on a "go" line, and the tests wait for them with
+``wait()``.  Every fold the tests depend on is called explicitly: nothing here
+depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from hashring import Lease
+from router.balancer import Balancer
+from router.config import BackendSpec, parse_routing
+from router.fleet import Fleet
+from router.shared import SharedLoadTracker, SharedTable
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOTS = 6
+NAMES = [f"b{slot}" for slot in range(SLOTS)]
+
+# A worker: attaches, binds b0..b5 to slots 0..5 on both planes, says "ready".
+#   cycles N SEED  waits for "go", then N random acquire/release steps on plane 0
+#                  (folding every 100), releases every lease on odd slots, keeps
+#                  the rest, prints its own counts and exits holding them (a cell
+#                  outlives its writer: nobody zeroes it)
+#   hold           holds row+1 leases on each backend on plane 0 and one on b0 on
+#                  plane 1, prints its own counts, then blocks until killed
+#   read           (read-only) prints the folded counts of plane 0 and exits
+WORKER = """
+import json, random, sys
+from router.shared import SharedLoadTracker, SharedTable
+fd, rows, slots, row = map(int, sys.argv[1:5])
+mode = sys.argv[5]
+table = SharedTable.attach(fd, rows, slots, 2)
+names = [f"b{slot}" for slot in range(slots)]
+if mode == "read":
+    reader = SharedLoadTracker(table, 0, None)
+    for slot, name in enumerate(names):
+        reader.assign(name, slot)
+    reader.fold()
+    print(json.dumps({"counts": dict(reader.counts), "total": reader.total}))
+    sys.exit(0)
+loads, waiting = SharedLoadTracker(table, 0, row), SharedLoadTracker(table, 1, row)
+for tracker in (loads, waiting):
+    for slot, name in enumerate(names):
+        tracker.assign(name, slot)
+print("ready", flush=True)
+if mode == "cycles":
+    cycles, seed = int(sys.argv[6]), int(sys.argv[7])
+    sys.stdin.readline()
+    rng = random.Random(seed)
+    held = []
+    for i in range(cycles):
+        if held and rng.random() < 0.5:
+            held.pop(rng.randrange(len(held))).release()
+        else:
+            held.append(loads.acquire(rng.choice(names)))
+        if i % 100 == 0:
+            loads.fold()
+            assert loads.total == sum(loads.counts.values()) >= len(held)
+    for lease in held:
+        if int(lease.member[1:]) % 2:
+            lease.release()
+    print(json.dumps(loads.own_counts()), flush=True)
+elif mode == "hold":
+    held = [loads.acquire(name) for name in names for _ in range(row + 1)]
+    held.append(waiting.acquire("b0"))
+    print(json.dumps(loads.own_counts()), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@contextmanager
+def worker_processes(table: SharedTable) -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes started into the list; any still running at the end are killed and reaped."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+
+
+def spawn(table: SharedTable, row: int, mode: str, *args: object) -> subprocess.Popen[str]:
+    command = [str(table.fd), str(table.rows), str(table.slots), str(row), mode]
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, *command, *map(str, args)],
+        cwd=ROOT, pass_fds=(table.fd,), text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    text = proc.stdout.readline()
+    assert text, f"worker exited early with {proc.wait()}"
+    return text.strip()
+
+
+def reader(table: SharedTable, plane: int = 0) -> SharedLoadTracker:
+    tracker = SharedLoadTracker(table, plane, None)
+    for slot, name in enumerate(NAMES):
+        tracker.assign(name, slot)
+    return tracker
+
+
+def worker(table: SharedTable, row: int, plane: int = 0) -> SharedLoadTracker:
+    tracker = SharedLoadTracker(table, plane, row)
+    for slot, name in enumerate(NAMES):
+        tracker.assign(name, slot)
+    return tracker
+
+
+@pytest.fixture
+def table() -> Iterator[SharedTable]:
+    table = SharedTable.create(rows=5, slots=SLOTS)
+    yield table
+    os.close(table.fd)  # trackers may still view the mapping; the fd is what matters here
+
+
+def column(table: SharedTable, plane: int = 0) -> dict[str, int]:
+    return {name: table.column_total(plane, slot) for slot, name in enumerate(NAMES)}
+
+
+def test_four_processes_writing_the_same_slots_lose_no_update(table: SharedTable) -> None:
+    with worker_processes(table) as procs:
+        for row in range(4):
+            procs.append(spawn(table, row, "cycles", 20_000, row))
+        assert [line(proc) for proc in procs] == ["ready"] * 4
+        for proc in procs:  # all attached: start them together
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        held: Counter[str] = Counter()
+        for proc in procs:
+            held.update(json.loads(line(proc)))
+            assert proc.wait(timeout=60) == 0
+    assert held, "the workers were to keep the leases on even slots"
+    expected = {name: held[name] for name in NAMES}
+    assert column(table) == expected  # every column sums to what is still held
+    assert all(expected[name] == 0 for name in NAMES[1::2])  # released: back to 0
+    assert column(table, plane=1) == dict.fromkeys(NAMES, 0)
+
+    supervisor = reader(table)
+    assert dict(supervisor.counts) == {}
+    assert supervisor.total == 0
+    assert supervisor.fold()
+    assert dict(supervisor.counts) == {name: n for name, n in expected.items() if n}
+    assert supervisor.total == sum(expected.values())
+    assert not supervisor.fold()  # nothing changed since
+
+
+def test_the_supervisor_sees_the_sum_after_fold_and_hears_when_a_backend_is_idle(
+    table: SharedTable,
+) -> None:
+    workers = [worker(table, row) for row in range(3)]
+    supervisor = reader(table)
+    idle: list[str] = []
+    supervisor.on_idle = idle.append
+    leases = [workers[row].acquire("b1") for row in range(3)] + [workers[2].acquire("b4")]
+    assert dict(supervisor.counts) == {}
+    supervisor.fold()
+    assert dict(supervisor.counts) == {"b1": 3, "b4": 1}
+    assert supervisor.total == 4
+    assert supervisor.get("b1") == 3
+    assert supervisor.in_flight("b1") == 3
+    with pytest.raises(TypeError, match="read-only"):
+        supervisor.acquire("b1")
+
+    leases[0].release()
+    assert supervisor.in_flight("b1") == 2  # read now
+    assert supervisor.get("b1") == 3  # folded: as of the last fold
+    leases[1].release()
+    leases[2].release()
+    supervisor.fold()
+    assert dict(supervisor.counts) == {"b4": 1}
+    assert supervisor.total == 1
+    assert idle == ["b1"]  # fleet-wide count fell to zero: a drain across workers may end
+
+
+def test_a_worker_counts_its_own_leases_at_once_and_the_others_after_fold(
+    table: SharedTable,
+) -> None:
+    me, other = worker(table, 0), worker(table, 1)
+    idle: list[str] = []
+    me.on_idle = idle.append
+    mine = [me.acquire("b0"), me.acquire("b0")]
+    theirs = [other.acquire("b0"), other.acquire("b3")]
+    assert me.get("b0") == 2
+    assert me.total == 2
+    me.fold()
+    assert dict(me.counts) == {"b0": 3, "b3": 1}
+    assert me.total == 4
+    assert me.own("b0") == 2
+    assert me.own_counts() == {"b0": 2}
+    for lease in mine:
+        assert lease.release()
+        assert not lease.release()  # exactly once
+    assert idle == ["b0"]  # own count at zero, though another worker still has one
+    assert dict(me.counts) == {"b0": 1, "b3": 1}
+    assert me.total == 2
+    for lease in theirs:
+        lease.release()
+    me.fold()
+    assert dict(me.counts) == {}
+    assert me.total == 0
+    assert column(table) == dict.fromkeys(NAMES, 0)
+
+
+def test_zero_row_of_a_killed_worker_restores_the_totals(table: SharedTable) -> None:
+    me = worker(table, 0)
+    supervisor, waiting = reader(table), reader(table, plane=1)
+    kept = [me.acquire("b2")]
+    with worker_processes(table) as procs:
+        procs += [spawn(table, 1, "hold"), spawn(table, 3, "hold")]
+        assert [line(proc) for proc in procs] == ["ready"] * 2
+        held = [json.loads(line(proc)) for proc in procs]
+        assert held == [dict.fromkeys(NAMES, 2), dict.fromkeys(NAMES, 4)]
+        procs[1].send_signal(signal.SIGKILL)
+        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        # Dead, but its row still counts until the supervisor zeroes it.
+        for tracker in (me, supervisor, waiting):
+            tracker.fold()
+        assert me.get("b2") == 7
+        assert me.get("b0") == 6
+        assert me.total == 6 * SLOTS + 1
+        assert supervisor.total == 6 * SLOTS + 1
+        assert waiting.get("b0") == 2
+
+        table.zero_row(3)  # every plane of row 3
+        for tracker in (me, supervisor, waiting):
+            tracker.fold()
+        assert dict(me.counts) == {**dict.fromkeys(NAMES, 2), "b2": 3}
+        assert me.total == 2 * SLOTS + 1 == supervisor.total
+        assert dict(waiting.counts) == {"b0": 1}
+        assert column(table) == {**dict.fromkeys(NAMES, 2), "b2": 3}
+    kept[0].release()
+
+
+def test_forget_unbinds_and_late_releases_write_nowhere(table: SharedTable) -> None:
+    me, other = worker(table, 0), worker(table, 1)
+    old = [me.acquire("b0"), me.acquire("b0")]
+    theirs = other.acquire("b0")
+    me.fold()
+    assert me.get("b0") == 3
+
+    me.forget("b0")  # the backend is removed: my cell is zeroed at once
+    assert table.column_total(0, 0) == 1  # the other worker's, until it forgets too
+    assert me.get("b0") == 2
+    assert me.total == 2
+    assert me.slot_of("b0") is None
+    assert me.in_flight("b0") == 2
+    other.forget("b0")
+    theirs.release()
+    assert table.column_total(0, 0) == 0
+
+    # Every worker forgot b0: the supervisor may give slot 0 to another backend.
+    for tracker in (me, other):
+        tracker.assign("new", 0)
+    fresh = other.acquire("new")
+    old[0].release()  # a lease of the forgotten b0: must not touch slot 0
+    assert table.column_total(0, 0) == 1
+    me.fold()
+    assert me.get("new") == 1
+    assert me.get("b0") == 1
+    assert me.total == 2
+
+    # b0 comes back on another slot while a lease of its old life is held: it counts there.
+    me.forget("b5")
+    me.assign("b0", 5)
+    assert table.column_total(0, 5) == 1
+    assert me.get("b0") == 1
+    old[1].release()
+    assert table.column_total(0, 5) == 0
+    assert "b0" not in me.counts
+    fresh.release()
+
+
+def test_assign_and_forget_refuse_what_would_mix_two_backends(table: SharedTable) -> None:
+    me = worker(table, 0)
+    with pytest.raises(ValueError, match="slot 1 is 'b1'"):
+        me.assign("other", 1)
+    with pytest.raises(ValueError, match="already has slot 1"):
+        me.assign("b1", 2)
+    me.assign("b1", 1)  # the same binding again: nothing to do
+    for slot in (-1, SLOTS):
+        with pytest.raises(ValueError, match="out of range"):
+            me.assign("other", slot)
+    with pytest.raises(KeyError, match="no slot"):
+        me.forget("other")
+    # A backend without a slot (not assigned yet) is counted here, written nowhere.
+    lease = me.acquire("unassigned")
+    assert me.get("unassigned") == 1
+    assert me.total == 1
+    assert column(table) == dict.fromkeys(NAMES, 0)
+    lease.release()
+    assert me.total == 0
+
+
+def test_the_segment_outlives_the_processes_that_attached_it(table: SharedTable) -> None:
+    assert os.readlink(f"/proc/self/fd/{table.fd}").startswith("/memfd:")  # no name to unlink
+    with worker_processes(table) as procs:
+        procs += [spawn(table, row, "hold") for row in (1, 2)]
+        assert [line(proc) for proc in procs] == ["ready"] * 2
+        held = [json.loads(line(proc)) for proc in procs]
+        assert held == [dict.fromkeys(NAMES, row + 1) for row in (1, 2)]
+        for proc in procs:  # end them the ordinary way: stdin closed, exit 0
+            assert proc.stdin is not None
+            proc.stdin.close()
+            assert proc.wait(timeout=30) == 0
+        expected = dict.fromkeys(NAMES, 5)
+        assert column(table) == expected  # still mapped here, and still what they wrote
+        # A process started after they all exited attaches the same segment by its fd.
+        late = spawn(table, 0, "read")
+        procs.append(late)
+        assert json.loads(line(late)) == {"counts": expected, "total": 5 * SLOTS}
+        assert late.wait(timeout=30) == 0
+    with pytest.raises(PermissionError):  # sealed: nobody can shrink it under the others
+        os.ftruncate(table.fd, 0)
+
+
+def test_attach_checks_the_shape_and_leaves_the_fd_open(table: SharedTable) -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        SharedTable.attach(table.fd, 4, SLOTS, 2)
+    with pytest.raises(ValueError, match="header"):  # same size, another shape
+        SharedTable.attach(table.fd, 5, SLOTS + 1, 2)
+    os.fstat(table.fd)  # still open
+    again = SharedTable.attach(os.dup(table.fd), 5, SLOTS, 2)
+    me = worker(table, 0)
+    lease = me.acquire("b3")
+    assert again.column_total(0, 3) == 1  # one segment, two mappings
+    lease.release()
+    me.close()
+    again.close()
+    for rows, slots, planes in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError, match="positive"):
+            SharedTable.create(rows, slots, planes)
+
+
+def test_the_balancer_sees_the_other_workers_load_after_fold(table: SharedTable) -> None:
+    """Two workers' balancers on one table: the threshold becomes fleet-wide."""
+    routing = parse_routing(
+        {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2},
+        }
+    )
+    specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]
+    balancers = []
+    for row in range(2):
+        fleet = Fleet(specs)
+        fleet.loads, fleet.waiting = worker(table, row, 0), worker(table, row, 1)
+        balancers.append(Balancer(fleet, routing, seed=row))
+    first, second = balancers
+    key = 12345
+    held = [choice for choice in (first.choose(key), first.choose(key)) if choice is not None]
+    assert [choice.decision for choice in held] == ["primary", "primary"]
+    home = held[0].backend.name
+    before = second.choose(key)  # not folded yet: the home looks idle to the second worker
+    assert before is not None
+    assert before.backend.name == home
+    before.release()
+    loads = second.fleet.loads
+    assert isinstance(loads, SharedLoadTracker)
+    loads.fold()
+    after = second.choose(key)
+    assert after is not None
+    assert after.decision == "overflow"
+    assert after.backend.name != home
+    after.release()
+    for choice in held:
+        choice.release()
+
+
+async def test_start_folds_on_the_loop_until_stop(table: SharedTable) -> None:
+    me = worker(table, 0)
+    supervisor = reader(table)
+    lease: Lease = me.acquire("b2")
+    supervisor.fold()
+    idle: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    supervisor.on_idle = idle.set_result
+    supervisor.start(asyncio.get_running_loop(), period=0.001)
+    lease.release()
+    assert await idle == "b2"  # the timer's fold saw the column fall to zero
+    supervisor.stop()
+    with pytest.raises(ValueError, match="positive"):
+        supervisor.start(asyncio.get_running_loop(), period=0)
