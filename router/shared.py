@@ -21,24 +21,28 @@ Contract:
   (plane 0 ``Fleet.loads``, plane 1 ``Fleet.waiting``); a slot is a backend,
   numbered by the supervisor (``SharedLoadTracker.assign``).  A cell holds one
   worker's in-flight count for one backend: never negative.
-- One writer per cell: a worker writes only its own row (pure Python has no
-  atomic read-modify-write; cells written by several processes lose updates),
-  and writes a count it keeps in its own dict, so a cell is only ever stored,
-  never incremented in place.  The supervisor writes a row only through
-  ``zero_row``, once that row's worker is dead (reaped) and before its
-  replacement starts.  Aligned 8-byte stores and loads are single
-  instructions on x86-64 and aarch64: a reader sees the old or the new count.
+- One writer per cell: a worker writes only its own row, through one
+  tracker per (row, plane) (pure Python has no atomic read-modify-write: a
+  cell two processes increment loses updates).  A worker's cell is its own
+  count for that backend, the only copy, read and written by it alone.  The
+  supervisor writes a row only through ``zero_row``, once that row's worker
+  is dead (reaped) and before its replacement starts; a new tracker also
+  zeroes its own (row, plane) block.  Aligned 8-byte stores and loads are
+  single instructions on x86-64 and aarch64: a reader sees the old count or
+  the new one.
 - ``SharedLoadTracker`` is a ``LoadTracker`` (the balancer does not change):
-  ``acquire``/``Lease.release`` change the worker's own count and store it in
-  its own cell; ``counts``/``total``/``get`` are fleet-wide: own count plus the
-  other rows as of the last ``fold()``.  ``fold`` runs on a timer
+  ``acquire``/``Lease.release`` change the worker's own count in its own
+  cell; ``counts``/``total``/``get`` are fleet-wide: own count (at once) plus
+  the other rows as of the last ``fold()``.  ``fold`` runs on a timer
   (``start(loop, period)``, default ``DEFAULT_PERIOD``, 10 ms): a worker does
-  not see the others' decisions of the last period, and nothing else.  ``on_idle`` fires
-  when the worker's OWN count for a backend falls to zero.  ``row=None`` is
-  the supervisor's read-only tracker: counts are the sum of all rows after
-  ``fold``, and ``on_idle`` fires from ``fold`` when a backend's fleet-wide
-  count falls to zero (a drain across workers waits on it);
-  ``in_flight(name)`` sums the column right now, without a fold.
+  not see the others' decisions of the last period, and nothing else.  A fold
+  skips the rows whose bytes are those it read last time (a copy and a
+  memcmp: no change counter to write on the request path).  ``on_idle``
+  fires when the worker's OWN count for a backend falls to zero.
+  ``row=None`` is the supervisor's read-only tracker: counts are the sum of
+  all rows after ``fold``, and ``on_idle`` fires from ``fold`` when a
+  backend's fleet-wide count falls to zero (a drain across workers waits on
+  it); ``in_flight(name)`` sums the column right now, without a fold.
 - Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
   tracker of every worker, in the order the supervisor sent it.  ``forget``
   zeroes the worker's own cell and unbinds the name; a lease on it released

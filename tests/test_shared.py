@@ -403,3 +403,15 @@ async def test_start_folds_on_the_loop_until_stop(table: SharedTable) -> None:
     supervisor.stop()
     with pytest.raises(ValueError, match="positive"):
         supervisor.start(asyncio.get_running_loop(), period=0)
+
+
+def test_the_benchmark_runs_and_prints_its_tables() -> None:
+    """``python -m loadtests.bench_shared``, tiny: it runs and prints both tables (no timing)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench_shared", "--pairs", "2", "--requests", "50",
+         "--folds", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 1,000 | 8 |" in done.stdout
+    assert "| 1,000 | 8 | 7 x 1,000 |" in done.stdout
