@@ -317,10 +317,8 @@ class EtcdStore:
         kind, name = self._classify(event.key)
         kv = KeyValue(key=event.key, value=event.value, mod_revision=event.mod_revision)
         if kind == "routing":
-            routing = self.default_routing
-            if event.type == "PUT":
-                routing = self._routing_value(kv) or self.routing
-            if routing != self.routing or event.type == "PUT":
+            routing = self._routing_value(kv) if event.type == "PUT" else self.default_routing
+            if routing is not None:
                 self.routing = routing
                 await self._call(self.listener.on_routing(routing), "on_routing")
         elif kind == "backend":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-__all__ = ["EtcdServer", "etcd_binary"]
+__all__ = ["EtcdServer", "Gate", "etcd_binary"]
 
 
 def etcd_binary() -> str | None:
@@ -113,3 +113,65 @@ class EtcdServer:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+class Gate:
+    """A TCP relay to etcd that a test can cut: ``block()`` resets every relayed
+    connection and refuses new ones (a partition, with etcd still up and
+    writable directly); ``unblock()`` lets connections through again."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.blocked = False
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.block()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def block(self) -> None:
+        self.blocked = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    def unblock(self) -> None:
+        self.blocked = False
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.blocked:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        pair = {writer, up_writer}
+        self._writers |= pair
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            self._writers -= pair
+            for each in pair:
+                each.transport.abort()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := await reader.read(65536):
+            writer.write(chunk)
+            await writer.drain()
+    writer.transport.abort()
