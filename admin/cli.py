@@ -114,6 +114,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--scrape-metrics", action="store_true", help="read backends' vLLM metrics for stats"
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="data-plane processes on the one port (1: a single process does all)",
+    )
 
 
 # Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
@@ -145,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["access_log"] = args.access_log
     if args.seed is not None:
         data["seed"] = args.seed
+    if args.workers is not None:
+        data["workers"] = args.workers
     if args.admin_listen is not None:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:
@@ -215,10 +223,28 @@ async def _serve(
     saved_backends = state.backends if state else []
     draining = [saved.name for saved in saved_backends if saved.state == "draining"]
     router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
-    control = RouterControl(router, state_file)
+    workers = None
+    if config.workers > 1:
+        from router.supervisor import Workers, reserve
+
+        host, port = config.listen_address
+        held = reserve(host, port)
+        workers = Workers(router, config.workers, held)
+        await router.start_control(held)
+    control = RouterControl(router, state_file, workers=workers)
     admin = None
     try:
-        await router.start()
+        if workers is None:
+            await router.start()
+        else:
+            _warn_if_per_process(config)
+            await workers.start()
+            get_logger("router").info(
+                "workers listening",
+                address=f"{router.listeners[0].host}:{router.port}",
+                workers=config.workers,
+                pids=workers.pids,
+            )
         if config.admin_listen != "off":
             admin = AdminServer(control, token=token)
             host, port = parse_address(config.admin_listen, "admin_listen")
@@ -236,10 +262,25 @@ async def _serve(
         # loop is gone and its handlers with it): from here on, signals are ignored.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+        if workers is not None:
+            await workers.stop()
         await router.shutdown()
         if admin is not None:
             await admin.close()
         await control.close()
+
+
+def _warn_if_per_process(config: Config) -> None:
+    """Say so when the routing config keeps state each worker keeps on its own."""
+    from router.log import get_logger
+
+    prefix = config.routing.prefix_aware
+    if config.routing.strategy.value == "PREFIX_AWARE" and prefix.balance_mode == "TRAFFIC":
+        get_logger("router").warning(
+            "BalanceMode TRAFFIC places keys per worker: workers may give one key"
+            " different homes (in-flight counts are shared; placements are not yet)",
+            workers=config.workers,
+        )
 
 
 async def _refuse_own_addresses(

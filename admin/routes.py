@@ -62,7 +62,7 @@ def json_response(
 
 
 async def list_backends(request: web.Request) -> web.Response:
-    return json_response(request.app[CONTROL].backends())
+    return json_response(await request.app[CONTROL].backends())
 
 
 async def add_backend(request: web.Request) -> web.Response:
@@ -74,7 +74,7 @@ async def add_backend(request: web.Request) -> web.Response:
 
 
 async def get_backend(request: web.Request) -> web.Response:
-    return json_response(request.app[CONTROL].backend(request.match_info["name"]))
+    return json_response(await request.app[CONTROL].backend(request.match_info["name"]))
 
 
 async def patch_backend(request: web.Request) -> web.Response:
@@ -115,7 +115,7 @@ async def put_routing(request: web.Request) -> web.Response:
 
 
 async def get_stats(request: web.Request) -> web.Response:
-    return json_response(request.app[CONTROL].stats())
+    return json_response(await request.app[CONTROL].stats())
 
 
 # -- probes, metrics, the document ------------------------------------------------------
@@ -133,7 +133,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[CONTROL].metrics()
+    body = await request.app[CONTROL].metrics()
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

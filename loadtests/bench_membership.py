@@ -132,7 +132,7 @@ async def _child(kind: str, count: int) -> dict[str, float]:
         elif kind == "weight":
             await control.update_backend("backend-7", BackendPatch(weight=100))
         elif kind == "stats":
-            control.stats()
+            await control.stats()
         await _settled(router)
         result["change_s"] = time.perf_counter() - start
         await asyncio.sleep(0.003)  # let the probe see the last slice

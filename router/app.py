@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,10 @@ class Router:
         self.head_tail = self.forwarded_proto + self.via  # constant lines of every upstream head
         self._request_seq = 0
         self._server: asyncio.Server | None = None
+        self._held: list[socket.socket] = []
+        self.reported_idle: dict[str, int] | None = (
+            None  # set by a supervisor's merge  # start_control: the addresses the workers serve
+        )
         self.admission: Admission = None  # type: ignore[assignment]  # set by start
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
@@ -83,19 +88,22 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, port: int | None = None, reuse_port: bool = False) -> None:
+        """Listen on ``listen`` (or its host and ``port``; ``reuse_port``: SO_REUSEPORT,
+        one of several worker processes on one port)."""
         self.loop = asyncio.get_running_loop()
         self.keyworker = KeyWorker(self.loop)  # its process starts with the first large body
         for backend in self.fleet.backends.values():
             self._open_pool(backend)
-        host, port = self.config.listen_address
+        host, configured_port = self.config.listen_address
         self.admission = Admission(self, nofile_limit())
         self._server = await self.loop.create_server(
             self.admission,
             host,
-            port,
+            configured_port if port is None else port,
             backlog=1024,
             reuse_address=True,
+            reuse_port=reuse_port or None,
             ssl=self.tls,
         )
         self.access.start(self.loop)
@@ -110,17 +118,25 @@ class Router:
             max_clients=self.admission.cap if self.admission.nofile is not None else None,
         )
 
+    async def start_control(self, sockets: list[socket.socket]) -> None:
+        """Run the control side only (a supervisor of worker processes): health
+        checks, no listener and no pools; ``sockets`` are the client listener's
+        addresses, held by the supervisor and served by the workers."""
+        self.loop = asyncio.get_running_loop()
+        self._held = sockets
+        for backend in self.fleet.backends.values():
+            self._open_pool(backend)  # never used: kept so membership changes stay one path
+        self.health.start()
+
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return int(self._server.sockets[0].getsockname()[1])
+        return self.listeners[0].port
 
     @property
     def listeners(self) -> list[Listener]:
         """The client listener's bound sockets (a host name can bind several)."""
-        if self._server is None:
-            return []
-        names = (sock.getsockname() for sock in self._server.sockets)
+        sockets = self._server.sockets if self._server is not None else self._held
+        names = (sock.getsockname() for sock in sockets)
         return [Listener("client listener", str(name[0]), int(name[1])) for name in names]
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -143,15 +159,24 @@ class Router:
         for conn in list(self.connections):
             conn.transport.abort()
         await self.health.close()
-        await self.keyworker.close()
+        if self.keyworker is not None:
+            await self.keyworker.close()
         for pool in self.pools.values():
             pool.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
             await self._server.wait_closed()
+        for sock in self._held:
+            sock.close()
         self.access.close()
         log.info("stopped")
+
+    def idle_connections(self) -> dict[str, int]:
+        """Keep-alive connections waiting per backend (the workers' sum in a supervisor)."""
+        if self.reported_idle is not None:
+            return self.reported_idle
+        return {name: pool.idle for name, pool in self.pools.items()}
 
     def _sweep(self) -> None:
         for pool in self.pools.values():

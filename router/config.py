@@ -231,6 +231,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Seeds the RANDOM strategy's draws (and least-outstanding tie breaks), so a
     # benchmark can replay the same picks; unset: seeded from the OS.
     seed: int | None = None
+    # Data-plane processes on one port (SO_REUSEPORT) under a supervisor that owns
+    # the admin API, health checks and the state file; 1: one process does all.
+    workers: Annotated[int, Meta(ge=1, le=64)] = 1
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

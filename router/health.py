@@ -95,6 +95,9 @@ class HealthMonitor:
         self._watches: dict[str, _Watch] = {}
         self._session: aiohttp.ClientSession | None = None
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        # Told of every transition after the fleet has it (a supervisor passes them on
+        # to its workers).
+        self.on_transition: Callable[[str, bool], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -229,6 +232,8 @@ class HealthMonitor:
         direction = "up" if healthy else "down"
         self.transitions[backend.name, direction] += 1
         log.warning("backend " + direction, backend=backend.name, reason=reason)
+        if self.on_transition is not None:
+            self.on_transition(backend.name, healthy)
         self._changed()
 
     # -- scraping ---------------------------------------------------------------------

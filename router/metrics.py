@@ -194,8 +194,8 @@ class RouterCollector:
             "Keep-alive connections to the backend waiting in the pool.",
             labels=["backend"],
         )
-        for name, pool in sorted(router.pools.items()):
-            idle.add_metric([name], pool.idle)
+        for name, count in sorted(router.idle_connections().items()):
+            idle.add_metric([name], count)
         for name, backend in sorted(fleet.backends.items()):
             in_flight.add_metric([name], fleet.loads.get(name))
             healthy.add_metric([name], 1 if backend.healthy else 0)

@@ -71,13 +71,14 @@ from itertools import compress
 
 from hashring import Lease, LoadTracker
 
-__all__ = ["DEFAULT_PERIOD", "SharedLoadTracker", "SharedTable"]
+__all__ = ["DEFAULT_PERIOD", "PLANES", "SharedLoadTracker", "SharedTable"]
 
 MAGIC = 0x50_52_4C_4F_41_44_53_31  # "PRLOADS1"
 VERSION = 1
 HEADER = 8  # cells
 LINE = 8  # cells per 64-byte cache line
 CELL = 8  # bytes
+PLANES = 2  # what a router shares: plane 0 Fleet.loads, plane 1 Fleet.waiting
 
 # How often a worker folds the other rows in.  A fold at 1,000 backends x 8
 # workers costs ~3 us when no other row changed and ~70-120 us when they did

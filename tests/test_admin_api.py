@@ -203,7 +203,7 @@ async def test_add_backend_bad_values_are_422_with_the_field(
     assert words in detail["fields"][0]["message"]
     assert detail["message"] == detail["fields"][0]["message"]
     assert "pw" not in detail["message"]  # credentials are never quoted back
-    assert len(api.control.backends()) == 2  # nothing was added
+    assert len(api.control.views()) == 2  # nothing was added
 
 
 async def test_unknown_backend_is_404(api: Api) -> None:
@@ -240,7 +240,7 @@ async def test_patch_bad_values_are_422(api: Api, body: Any, path: str) -> None:
         422, "validation_error"
     )
     assert detail["fields"][0]["path"] == path
-    assert api.control.backend("a").weight == 1
+    assert api.control.view("a").weight == 1
 
 
 # -- drain and remove ---------------------------------------------------------------------
@@ -323,7 +323,7 @@ async def test_cancelled_drain_answers_409_to_the_waiting_delete(api: Api) -> No
 async def test_delete_bad_query_is_422(api: Api, query: str, path: str) -> None:
     detail = (await api.call("DELETE", f"/admin/backends/a?{query}")).error(422, "validation_error")
     assert detail["fields"][0]["path"] == path
-    assert api.control.backend("a").state == "active"  # nothing started
+    assert api.control.view("a").state == "active"  # nothing started
 
 
 async def test_delete_timeout_bounds_are_inclusive(api: Api) -> None:
@@ -571,7 +571,7 @@ async def test_token_is_required_everywhere_but_the_probes(serve: Serve) -> None
         reply = await api.call(method, path, json={}, authorized=False)
         assert "missing" in reply.error(401, "unauthorized")["message"]
         assert reply.headers["WWW-Authenticate"] == 'Bearer realm="prefix-router"'
-    assert api.control.backend("a").state == "active"  # the DELETE did nothing
+    assert api.control.view("a").state == "active"  # the DELETE did nothing
 
 
 @pytest.mark.parametrize(

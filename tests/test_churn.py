@@ -231,13 +231,16 @@ async def test_membership_churn_under_load_fails_only_requests_on_killed_instanc
                 spares.discard(name)
                 members.add(name)
                 operations["add"] += 1
-            if len(active) > 2:
+            kill_due = second % 5 == 0
+            # A drain's length depends on the machine's speed: on a kill's second none
+            # starts, so that the kill does not depend on how many drains have ended.
+            if len(active) > 2 and not kill_due:
                 name = rng.choice(active)
                 draining[name] = second
                 drains.append(asyncio.create_task(drain(name)))
                 operations["drain and remove"] += 1
                 active.remove(name)
-            if second % 5 == 0 and len(active) > 2:
+            if kill_due and len(active) >= 2:
                 name = rng.choice(active)
                 allowed[name] += router.fleet.loads.get(name)
                 proxies[name].kill()  # no drain: its requests in flight fail

@@ -36,6 +36,7 @@ __all__ = [
     "NotSaved",
     "Stats",
     "Totals",
+    "WorkerView",
 ]
 
 State = Literal["active", "draining"]
@@ -114,11 +115,21 @@ class Totals(msgspec.Struct, frozen=True):
     no_backend: int  # answered 502/503 because no backend could take them
 
 
+class WorkerView(msgspec.Struct, frozen=True):
+    """One data-plane process under ``--workers N``."""
+
+    index: int
+    pid: int | None
+    up: bool  # listening now
+    restarts: int  # started again after exiting on its own
+
+
 class Stats(msgspec.Struct, frozen=True):
     strategy: Literal["RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"]
     backends: list[BackendView]
     totals: Totals
     decisions: Decisions
+    workers: list[WorkerView] = msgspec.field(default_factory=list)  # empty: one process
 
 
 class Control(Protocol):
@@ -127,11 +138,13 @@ class Control(Protocol):
     one, and ``remove_backend(wait=True)`` when the drain is cancelled (the
     backend was set active again); any change may raise Invalid, and NotSaved
     when there is a state file and it cannot be written.
-    ``metrics`` returns Prometheus text exposition format 0.0.4."""
+    ``metrics`` returns Prometheus text exposition format 0.0.4.  Reads that
+    carry traffic figures are coroutines: with worker processes they are
+    gathered from every worker first."""
 
-    def backends(self) -> list[BackendView]: ...
+    async def backends(self) -> list[BackendView]: ...
 
-    def backend(self, name: str) -> BackendView: ...
+    async def backend(self, name: str) -> BackendView: ...
 
     async def add_backend(self, spec: BackendSpec) -> BackendView: ...
 
@@ -143,8 +156,8 @@ class Control(Protocol):
 
     async def set_routing(self, routing: RoutingConfig) -> RoutingConfig: ...
 
-    def stats(self) -> Stats: ...
+    async def stats(self) -> Stats: ...
 
     def ready(self) -> bool: ...
 
-    def metrics(self) -> bytes: ...
+    async def metrics(self) -> bytes: ...

@@ -45,9 +45,11 @@ from . import (
     Stats,
     Totals,
 )
+from .ops import AddBackend, Op, RemoveBackend, SetRouting, SetState, SetWeight, apply
 
 if TYPE_CHECKING:
     from ..app import Router
+    from ..supervisor import Workers
 
 __all__ = ["RouterControl", "snapshot"]
 
@@ -79,33 +81,66 @@ class _Drain:
 
 
 class RouterControl:
-    def __init__(self, router: Router, state_file: StateFile | None = None):
+    def __init__(
+        self,
+        router: Router,
+        state_file: StateFile | None = None,
+        *,
+        workers: Workers | None = None,
+    ):
         self._router = router
         self._state_file = state_file
+        self._workers = workers
         self._lock = asyncio.Lock()
         self._drains: dict[str, _Drain] = {}
         self.admin_listeners: list[Listener] = []
-        router.fleet.loads.on_idle = self._backend_idle
+        if workers is None:
+            router.fleet.loads.on_idle = self._backend_idle
+        else:
+            workers.on_idle = self._backend_idle
 
     # -- reads ---------------------------------------------------------------------
 
-    def backends(self) -> list[BackendView]:
+    async def _refresh(self) -> None:
+        """With workers: add up their accounting first (one router's view)."""
+        if self._workers is not None:
+            await self._workers.refresh()
+
+    def _in_flight(self, name: str) -> int:
+        if self._workers is not None:
+            return self._workers.in_flight(name)
+        return self._router.fleet.loads.get(name)
+
+    async def backends(self) -> list[BackendView]:
+        await self._refresh()
+        return self._views()
+
+    def _views(self) -> list[BackendView]:
         total = self._total_requests()  # once, not per backend
         return [self._view(b, total) for _, b in sorted(self._router.fleet.backends.items())]
 
-    def backend(self, name: str) -> BackendView:
+    async def backend(self, name: str) -> BackendView:
+        await self._refresh()
         return self._view(self._get(name), self._total_requests())
 
     def routing(self) -> RoutingConfig:
         return self._router.balancer.config
 
     def ready(self) -> bool:
-        return bool(self._router.fleet.available) and not self._router.stopping
+        router = self._router
+        workers = self._workers
+        return (
+            bool(router.fleet.available)
+            and not router.stopping
+            and (workers is None or workers.ready)
+        )
 
-    def metrics(self) -> bytes:
+    async def metrics(self) -> bytes:
+        await self._refresh()
         return self._router.collector.render()
 
-    def stats(self) -> Stats:
+    async def stats(self) -> Stats:
+        await self._refresh()
         router = self._router
         recorder = router.recorder
         decisions = recorder.decisions
@@ -116,7 +151,7 @@ class RouterControl:
         )
         return Stats(
             strategy=router.balancer.config.strategy.value,
-            backends=self.backends(),
+            backends=self._views(),
             totals=Totals(
                 requests=sum(recorder.requests.values()),
                 in_flight=router.fleet.loads.total,
@@ -129,6 +164,7 @@ class RouterControl:
                 fallback=fallback,
                 other=sum(decisions.values()) - primary - overflow - fallback,
             ),
+            workers=self._workers.views() if self._workers is not None else [],
         )
 
     def _get(self, name: str) -> Backend:
@@ -166,6 +202,19 @@ class RouterControl:
         )
 
     # -- changes -------------------------------------------------------------------
+
+    async def _apply(self, op: Op) -> None:
+        """Make a change here and, with workers, in every worker (the one apply path)."""
+        workers = self._workers
+        if workers is not None:
+            op = workers.prepare(op)
+        apply(self._router, op)
+        if isinstance(op, (AddBackend, SetWeight)):
+            # The ring is rebuilt in slices: answer once the newcomer gets keys.  A
+            # removed backend is skipped at once and leaves the ring in the background.
+            await self._router.fleet.settled()
+        if workers is not None:
+            await workers.apply(op)
 
     async def refuse_own_address(self, spec: BackendSpec) -> None:
         """Raise Invalid if ``spec``'s url reaches one of this router's listeners."""
@@ -208,8 +257,8 @@ class RouterControl:
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
-            backend = self._router.add_backend(spec)
-            await self._router.fleet.settled()  # the ring is rebuilt in slices
+            await self._apply(AddBackend(spec))
+            backend = self._router.fleet.backends[spec.name]
             log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
             return self._view(backend, self._total_requests())
 
@@ -223,12 +272,10 @@ class RouterControl:
                 for s in snapshot(self._router).backends
             ]
             await self._persist(self._state_with(backends=backends))
-            fleet = self._router.fleet
             if weight != backend.weight:
-                fleet.set_weight(name, weight)
-                await fleet.settled()  # the ring is rebuilt in slices
+                await self._apply(SetWeight(name, weight))
             if state != backend.state.value:
-                fleet.set_state(name, AdminState(state))
+                await self._apply(SetState(name, state))
                 if state == "active":
                     self._cancel_drain(name)
             log.info("backend changed", backend=name, weight=weight, state=state)
@@ -237,7 +284,7 @@ class RouterControl:
     async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
         async with self._lock:
             await self._persist(self._state_with(routing=routing))
-            self._router.configure_routing(routing)
+            await self._apply(SetRouting(routing))
             log.info("routing changed", routing=routing.document())
             return routing
 
@@ -253,9 +300,9 @@ class RouterControl:
                     for s in snapshot(self._router).backends
                 ]
                 await self._persist(self._state_with(backends=backends))
-                self._router.fleet.set_state(name, AdminState.DRAINING)
+                await self._apply(SetState(name, AdminState.DRAINING.value))
                 drain = self._drains[name] = _Drain(timeout)
-                if not self._router.fleet.loads.get(name):
+                if not self._in_flight(name):
                     drain.idle.set()
                 drain.task = asyncio.create_task(self._drain(backend, drain))
                 log.info("backend draining", backend=name, timeout_s=timeout)
@@ -266,7 +313,7 @@ class RouterControl:
             if name in self._router.fleet.backends:
                 raise Conflict(f"the drain of {name!r} was cancelled: it is active again")
             return DrainView(name, "removed", 0, drain.timeout, drain.forced)
-        return DrainView(name, "draining", self._router.fleet.loads.get(name), drain.timeout)
+        return DrainView(name, "draining", self._in_flight(name), drain.timeout)
 
     async def _drain(self, backend: Backend, drain: _Drain) -> None:
         name = backend.name
@@ -291,7 +338,7 @@ class RouterControl:
                     )
                     log.error("backend not removed", backend=name, error=str(exc))
                     return
-                self._router.remove_backend(name)
+                await self._apply(RemoveBackend(name))
                 log.info("backend removed", backend=name, forced=drain.forced)
         except Exception:
             # A bug, not an outcome: logged here, since nothing awaits this task

@@ -113,23 +113,29 @@ class FakeControl:
             prefix_cache_hit_rate=None,
         )
 
-    def backends(self) -> list[BackendView]:
+    async def backends(self) -> list[BackendView]:
+        return self.views()
+
+    def views(self) -> list[BackendView]:
         return [self._view(b) for _, b in sorted(self._backends.items())]
 
-    def backend(self, name: str) -> BackendView:
+    async def backend(self, name: str) -> BackendView:
+        return self.view(name)
+
+    def view(self, name: str) -> BackendView:
         return self._view(self._get(name))
 
     def routing(self) -> RoutingConfig:
         return self._routing
 
-    def stats(self) -> Stats:
+    async def stats(self) -> Stats:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
         in_flight = sum(b.in_flight for b in self._backends.values())
         return Stats(
             strategy=self._routing.strategy.value,
-            backends=self.backends(),
+            backends=self.views(),
             totals=Totals(requests=0, in_flight=in_flight, errors=0, no_backend=0),
             decisions=Decisions(primary=0, overflow=0, fallback=0, other=0),
         )
@@ -137,7 +143,7 @@ class FakeControl:
     def ready(self) -> bool:
         return self.is_ready
 
-    def metrics(self) -> bytes:
+    async def metrics(self) -> bytes:
         return METRICS
 
     # -- Control: changes ------------------------------------------------------------

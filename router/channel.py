@@ -1,0 +1,155 @@
+"""The supervisor <-> worker channel: length-prefixed msgpack messages on a socketpair.
+
+Contract:
+- One ``Channel`` per worker, over one end of a ``socket.socketpair`` (the
+  worker's end is passed to it as an inherited file descriptor).  A frame
+  is a 4-byte big-endian length and a msgpack-encoded ``Message``; frames
+  larger than ``MAX_FRAME`` are a protocol error (the peer is closed).
+- Supervisor to worker: ``Init`` once (the fleet as it is now, the config,
+  the worker's row), then ``Apply`` (an op, acknowledged by ``Applied`` once
+  the worker's ring has it) and ``Query`` (answered by ``Report``, the
+  worker's traffic accounting since it started).
+- Worker to supervisor: ``Ready`` once it listens; ``Failed``/``Recovered``
+  (passive health: the supervisor owns health and decides); ``Idle`` when
+  its own count for a draining backend reaches zero.
+- Messages are answered in order, so a sequence number is enough to pair
+  them.  ``send`` never awaits: the socket buffers, and the supervisor
+  never sends more than the ops an operator makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import msgspec
+
+from .config import Config
+from .control.ops import Op
+
+__all__ = [
+    "Applied",
+    "BackendCounts",
+    "Channel",
+    "ChannelClosed",
+    "Failed",
+    "HistogramData",
+    "Idle",
+    "Init",
+    "Message",
+    "Query",
+    "Ready",
+    "Recovered",
+    "Report",
+]
+
+MAX_FRAME = 64 << 20  # a Report of a very large fleet stays far below
+
+
+class Init(msgspec.Struct, tag=True, frozen=True):
+    index: int  # the worker's slot: its row in the shared table, its seed offset
+    config: Config  # backends as they are now (weights included), routing as it is now
+    draining: list[str]
+    unhealthy: list[str]
+    slots: dict[str, int]  # backend -> column of the shared in-flight table
+    port: int  # the client port every worker binds with SO_REUSEPORT
+    table_rows: int
+    table_slots: int
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    pid: int
+
+
+class Apply(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    op: Op
+
+
+class Applied(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+
+
+class Query(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+
+
+class BackendCounts(msgspec.Struct, array_like=True, frozen=True):
+    requests: int
+    overflow: int
+    fallback: int
+    errors: int
+    idle_connections: int
+
+
+class HistogramData(msgspec.Struct, array_like=True, frozen=True):
+    counts: list[int]
+    total: float
+
+
+class Report(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    backends: dict[str, BackendCounts]
+    requests: list[tuple[str, str, str, int, int]]  # backend, kind, decision, status, count
+    decisions: dict[str, int]
+    ttft: dict[str, HistogramData]
+    duration: dict[str, HistogramData]
+    windows: dict[str, list[float]]  # the last TTFTs per backend, ms
+    no_backend: int
+    refused: dict[int, int]
+
+
+class Failed(msgspec.Struct, tag=True, frozen=True):
+    name: str
+    reason: str
+
+
+class Recovered(msgspec.Struct, tag=True, frozen=True):
+    name: str
+
+
+class Idle(msgspec.Struct, tag=True, frozen=True):
+    name: str
+
+
+Message = Init | Ready | Apply | Applied | Query | Report | Failed | Recovered | Idle
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ChannelClosed(Exception):
+    """The other end is gone (it exited, or sent something that is not a frame)."""
+
+
+class Channel:
+    __slots__ = ("_reader", "_writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> Channel:
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME)
+        return cls(reader, writer)
+
+    def send(self, message: Message) -> None:
+        if self._writer.is_closing():
+            raise ChannelClosed("the channel is closed")
+        body = _encoder.encode(message)
+        self._writer.write(len(body).to_bytes(4, "big") + body)
+
+    async def receive(self) -> Message:
+        try:
+            size = int.from_bytes(await self._reader.readexactly(4), "big")
+            if size > MAX_FRAME:
+                raise ChannelClosed(f"a frame of {size} bytes (at most {MAX_FRAME})")
+            return _decoder.decode(await self._reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise ChannelClosed("the other end closed the channel") from exc
+        except msgspec.DecodeError as exc:
+            raise ChannelClosed(f"not a message: {exc}") from exc
+
+    def close(self) -> None:
+        self._writer.close()

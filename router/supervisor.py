@@ -1,0 +1,429 @@
+"""``prefix-router serve --workers N``: the supervisor of N data-plane processes.
+
+Contract:
+- ``Workers`` runs beside a ``Router`` started with ``start_control`` (the
+  supervisor's: health checks, membership, config; no listener).  It holds
+  the client address with a bound, non-listening SO_REUSEPORT socket (so
+  port 0 resolves once and the port stays ours while workers come and go),
+  creates the shared in-flight table (``router.shared``: one row per worker,
+  one column per backend) and starts N ``python -m router.worker``
+  processes, each with its channel (``router.channel``) and the table.
+- Changes: ``apply(op)`` is called after the supervisor's own router has
+  the op (``router.control.ops.apply``, the same function every worker runs);
+  it sends the op to every worker and returns once each has it in its ring,
+  so a 2xx from the admin API means every worker routes by it.  A worker
+  that dies meanwhile does not hold the change up: it restarts from the
+  fleet as it is by then.  Health transitions decided here go to the
+  workers the same way, without waiting.
+- Reads: ``refresh()`` asks every worker for its accounting and adds it up
+  into the supervisor's router (backend counters, the recorder, idle
+  connections), whose views and metrics then read as one router's would.
+  In-flight counts are read from the table (all rows, folded on read).
+- A worker that exits unexpectedly: its row is zeroed (its requests are
+  gone with it: their clients saw the connection reset), it is started
+  again in its slot after a backoff that doubles while it keeps failing
+  (``RESTART_INITIAL`` to ``RESTART_MAX``, reset after ``STABLE_SECONDS``
+  up), and nothing else is disturbed.  Its counters start again from zero,
+  as a restarted process's do.
+- ``stop()`` sends SIGTERM to every worker (each drains, as a single router
+  does, for up to ``shutdown_grace``), waits for them, and kills one that is
+  still there a grace period later.
+- Slots: a backend gets the lowest free column when it is added and keeps
+  it until it is removed; the column is free again once every worker has
+  acknowledged the removal (and so forgotten it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .channel import (
+    Applied,
+    Apply,
+    Channel,
+    ChannelClosed,
+    Failed,
+    HistogramData,
+    Idle,
+    Init,
+    Query,
+    Ready,
+    Recovered,
+    Report,
+)
+from .control import WorkerView
+from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
+from .fleet import AdminState
+from .log import get_logger
+from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
+from .shared import PLANES, SharedLoadTracker, SharedTable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .app import Router
+
+__all__ = ["Workers", "reserve"]
+
+log = get_logger("supervisor")
+
+SLOTS = 8192  # backends a fleet may have at once under --workers
+RESTART_INITIAL = 0.1
+RESTART_MAX = 5.0
+STABLE_SECONDS = 10.0
+
+
+def reserve(host: str, port: int) -> list[socket.socket]:
+    """Bind (without listening) every address of ``host:port`` with SO_REUSEPORT."""
+    held: list[socket.socket] = []
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            if port == 0:  # every address on the one port the first one got
+                port = sock.getsockname()[1]
+                infos = socket.getaddrinfo(
+                    host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return held
+
+
+class _Worker:
+    __slots__ = (
+        "channel",
+        "index",
+        "pending",
+        "process",
+        "ready",
+        "restarts",
+        "started",
+        "task",
+    )
+
+    def __init__(self, index: int):
+        self.index = index
+        self.process: asyncio.subprocess.Process | None = None
+        self.channel: Channel | None = None
+        self.ready: asyncio.Future[bool] | None = None  # True once listening, False: exited
+        self.pending: dict[int, asyncio.Future[Report | None]] = {}
+        self.task: asyncio.Task[None] | None = None
+        self.started = 0.0
+        self.restarts = 0
+
+
+class Workers:
+    def __init__(self, router: Router, count: int, sockets: list[socket.socket]):
+        self.router = router
+        self.count = count
+        self.port = int(sockets[0].getsockname()[1])
+        self.table = SharedTable.create(count, SLOTS, PLANES)
+        self.slots: dict[str, int] = {}
+        for name in router.fleet.backends:
+            self._take_slot(name)
+        # The supervisor owns no row: its trackers read every row, folded on read.
+        self._trackers = [SharedLoadTracker(self.table, plane, None) for plane in range(PLANES)]
+        router.fleet.loads, router.fleet.waiting = self._trackers
+        for name, slot in self.slots.items():
+            for tracker in self._trackers:
+                tracker.assign(name, slot)
+        self._workers = [_Worker(i) for i in range(count)]
+        self._seq = 0
+        self._stopping = False
+        self.on_idle: Callable[[str], None] | None = None  # a draining backend's count hit zero
+        router.health.on_transition = self._health_changed
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every worker; return once all listen (raise if one cannot start)."""
+        for worker in self._workers:
+            await self._spawn(worker)
+        for worker in self._workers:
+            assert worker.ready is not None
+            if not await worker.ready:
+                raise RuntimeError(f"worker {worker.index} exited before it listened")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for worker in self._workers:
+            if worker.process is not None and worker.process.returncode is None:
+                worker.process.send_signal(signal.SIGTERM)
+        grace = self.router.config.timeouts.shutdown_grace + 5.0
+        for worker in self._workers:
+            process = worker.process
+            if process is None:
+                continue
+            try:
+                async with asyncio.timeout(grace):
+                    await process.wait()
+            except TimeoutError:
+                log.error("worker did not stop: killed", worker=worker.index, pid=process.pid)
+                process.kill()
+                await process.wait()
+        for worker in self._workers:
+            if worker.task is not None:
+                worker.task.cancel()
+            if worker.channel is not None:
+                worker.channel.close()
+        self.table.close()
+
+    @property
+    def ready(self) -> bool:
+        """At least one worker is listening."""
+        return any(
+            w.ready is not None and w.ready.done() and w.ready.result() for w in self._workers
+        )
+
+    def views(self) -> list[WorkerView]:
+        return [
+            WorkerView(
+                index=w.index,
+                pid=w.process.pid if w.process is not None else None,
+                up=w.ready is not None and w.ready.done() and w.ready.result(),
+                restarts=w.restarts,
+            )
+            for w in self._workers
+        ]
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [w.process.pid if w.process else None for w in self._workers]
+
+    def _init(self, index: int) -> Init:
+        """The fleet as it is now, for a worker that starts now."""
+        router = self.router
+        fleet = router.fleet
+        backends = [
+            msgspec.structs.replace(b.spec, weight=b.weight) for b in fleet.backends.values()
+        ]
+        config = msgspec.structs.replace(
+            router.config, backends=backends, routing=router.balancer.config
+        )
+        return Init(
+            index=index,
+            config=config,
+            draining=[n for n, b in fleet.backends.items() if b.state is AdminState.DRAINING],
+            unhealthy=[n for n, b in fleet.backends.items() if not b.healthy],
+            slots=dict(self.slots),
+            port=self.port,
+            table_rows=self.count,
+            table_slots=SLOTS,
+        )
+
+    async def _spawn(self, worker: _Worker) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            worker.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "router.worker",
+                "--channel-fd",
+                str(theirs.fileno()),
+                "--table-fd",
+                str(self.table.fd),
+                pass_fds=(theirs.fileno(), self.table.fd),
+            )
+        finally:
+            theirs.close()
+        worker.started = time.monotonic()
+        worker.channel = await Channel.open(ours)
+        worker.ready = asyncio.get_running_loop().create_future()
+        # The snapshot and the worker's place in the broadcast are taken in one
+        # step: every op from here on reaches it, every op before is in the snapshot.
+        worker.channel.send(self._init(worker.index))
+        worker.task = asyncio.create_task(self._run(worker))
+        log.info("worker started", worker=worker.index, pid=worker.process.pid)
+
+    async def _run(self, worker: _Worker) -> None:
+        """Read the worker's messages until it exits, then restart it."""
+        assert worker.channel is not None
+        assert worker.process is not None
+        try:
+            while True:
+                self._handle(worker, await worker.channel.receive())
+        except ChannelClosed:
+            pass
+        code = await worker.process.wait()
+        worker.channel.close()
+        worker.channel = None
+        for future in worker.pending.values():
+            if not future.done():
+                future.set_result(None)  # it restarts from the fleet as it is by then
+        worker.pending.clear()
+        if worker.ready is not None and not worker.ready.done():
+            worker.ready.set_result(False)
+        worker.ready = None
+        self.table.zero_row(worker.index)
+        if self._stopping:
+            return
+        worker.restarts += 1
+        up = time.monotonic() - worker.started
+        failing = 0 if up > STABLE_SECONDS else worker.restarts
+        delay = min(RESTART_MAX, RESTART_INITIAL * 2 ** min(8, failing)) if failing else 0.0
+        log.error("worker exited: restarting", worker=worker.index, code=code, delay_s=delay)
+        await asyncio.sleep(delay)  # crash-loop backoff, not synchronisation
+        if not self._stopping:
+            await self._spawn(worker)
+
+    def _handle(self, worker: _Worker, message: object) -> None:
+        router = self.router
+        if isinstance(message, Ready):
+            if worker.ready is not None and not worker.ready.done():
+                worker.ready.set_result(True)
+        elif isinstance(message, (Applied, Report)):
+            future = worker.pending.pop(message.seq, None)
+            if future is not None and not future.done():
+                future.set_result(message if isinstance(message, Report) else None)
+        elif isinstance(message, Failed):
+            backend = router.fleet.backends.get(message.name)
+            if backend is not None:  # the worker counted the error: only health here
+                router.health.failed(backend, message.reason)
+        elif isinstance(message, Recovered):
+            backend = router.fleet.backends.get(message.name)
+            if backend is not None:
+                router.health.answered(backend)
+        elif (
+            isinstance(message, Idle)
+            and self.on_idle is not None
+            and not self.in_flight(message.name)
+        ):
+            self.on_idle(message.name)
+
+    # -- changes --------------------------------------------------------------------
+
+    def _take_slot(self, name: str) -> int:
+        # The lowest free column: a fold reads up to the highest one in use.  A freed
+        # column is free only once every worker acknowledged the removal (``apply``).
+        used = set(self.slots.values())
+        slot = next((i for i in range(SLOTS) if i not in used), None)
+        if slot is None:
+            raise ValueError(f"at most {SLOTS} backends with --workers")
+        self.slots[name] = slot
+        return slot
+
+    def prepare(self, op: Op) -> Op:
+        """The op as the workers get it: an added backend with its column."""
+        if isinstance(op, AddBackend):
+            slot = self._take_slot(op.spec.name)
+            for tracker in self._trackers:
+                tracker.assign(op.spec.name, slot)
+            return AddBackend(op.spec, slot)
+        if isinstance(op, RemoveBackend):
+            self.slots.pop(op.name, None)
+            for tracker in self._trackers:
+                tracker.forget(op.name)
+        return op
+
+    def _broadcast(self, op: Op) -> list[asyncio.Future[Report | None]]:
+        self._seq += 1
+        futures = []
+        loop = asyncio.get_running_loop()
+        for worker in self._workers:
+            if worker.channel is None:
+                continue  # restarting: its Init will have the change
+            future: asyncio.Future[Report | None] = loop.create_future()
+            worker.pending[self._seq] = future
+            try:
+                worker.channel.send(Apply(self._seq, op))
+            except ChannelClosed:
+                worker.pending.pop(self._seq)
+                continue
+            futures.append(future)
+        return futures
+
+    async def apply(self, op: Op) -> None:
+        """Send ``op`` (already ``prepare``d and applied here) to every worker; wait for all."""
+        futures = self._broadcast(op)
+        if futures:
+            await asyncio.gather(*futures)
+
+    def _health_changed(self, name: str, healthy: bool) -> None:
+        self._broadcast(SetHealthy(name, healthy))  # nobody waits: futures resolve on ack
+
+    # -- reads ----------------------------------------------------------------------
+
+    def in_flight(self, name: str) -> int:
+        """Requests in flight to ``name`` in every worker, read now."""
+        return self._trackers[0].in_flight(name)
+
+    async def refresh(self) -> None:
+        """Add up every worker's accounting into the supervisor's router."""
+        self._seq += 1
+        seq = self._seq
+        loop = asyncio.get_running_loop()
+        futures = []
+        for worker in self._workers:
+            if worker.channel is None:
+                continue
+            future: asyncio.Future[Report | None] = loop.create_future()
+            worker.pending[seq] = future
+            try:
+                worker.channel.send(Query(seq))
+            except ChannelClosed:
+                worker.pending.pop(seq)
+                continue
+            futures.append(future)
+        reports = [r for r in await asyncio.gather(*futures) if r is not None]
+        self._merge(reports)
+        for tracker in self._trackers:
+            tracker.fold()
+
+    def _merge(self, reports: list[Report]) -> None:
+        router = self.router
+        recorder = Recorder()
+        idle: Counter[str] = Counter()
+        totals: dict[str, list[int]] = {}
+        for report in reports:
+            for name, counts in report.backends.items():
+                row = totals.setdefault(name, [0, 0, 0, 0])
+                row[0] += counts.requests
+                row[1] += counts.overflow
+                row[2] += counts.fallback
+                row[3] += counts.errors
+                idle[name] += counts.idle_connections
+            for name, kind, decision, status, count in report.requests:
+                recorder.requests[name, kind, decision, status] += count
+            recorder.decisions.update(report.decisions)
+            _add_histograms(recorder.ttft, report.ttft, TTFT_BUCKETS)
+            _add_histograms(recorder.duration, report.duration, DURATION_BUCKETS)
+            for name, window in report.windows.items():
+                merged = recorder.windows.setdefault(name, deque(maxlen=WINDOW * self.count))
+                merged.extend(window)
+            recorder.no_backend += report.no_backend
+            recorder.refused.update(report.refused)
+        for backend in router.fleet.backends.values():
+            requests, overflow, fallback, errors = totals.get(backend.name, (0, 0, 0, 0))
+            backend.requests, backend.overflow = requests, overflow
+            backend.fallback, backend.errors = fallback, errors
+        router.recorder = recorder
+        router.reported_idle = dict(idle)
+
+
+def _add_histograms(
+    into: dict[str, Histogram], source: dict[str, HistogramData], bounds: tuple[float, ...]
+) -> None:
+    for name, data in source.items():
+        histogram = into.get(name)
+        if histogram is None:
+            histogram = into[name] = Histogram(bounds)
+        for i, count in enumerate(data.counts):
+            histogram.counts[i] += count
+        histogram.total += data.total

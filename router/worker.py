@@ -1,0 +1,232 @@
+"""One worker process of ``prefix-router serve --workers N``: the data plane alone.
+
+    python -m router.worker --channel-fd FD --table-fd FD   (started by the supervisor)
+
+Contract:
+- The supervisor (``router.supervisor``) starts the worker with two
+  inherited descriptors: its end of the channel (``router.channel``) and the
+  shared in-flight table (``router.shared``).  The first message is
+  ``Init``: the fleet and config as they are now.  The worker builds a
+  ``Router`` from it, counts in flight in its own row of the table (the
+  balancer reads fleet-wide counts: its own plus the other workers', folded
+  every ``FOLD_SECONDS``), listens on the shared port with SO_REUSEPORT and
+  answers ``Ready``.
+- Every ``Apply`` goes through ``router.control.ops.apply``, the one apply
+  path, and is acknowledged once the worker's ring has it.  ``Query`` is
+  answered with the worker's traffic accounting (``Report``).
+- Health belongs to the supervisor: this process runs no checks, it reports
+  passive failures (and the first good answer after one) and applies the
+  supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
+  count for a draining backend reaches zero (``Idle``).
+- SIGTERM or SIGINT drain and exit 0, as a single router does; so does the
+  channel closing (the supervisor is gone: nobody would restart or stop us).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterable
+
+import msgspec
+
+from .app import Router
+from .channel import (
+    Applied,
+    Apply,
+    BackendCounts,
+    Channel,
+    ChannelClosed,
+    Failed,
+    HistogramData,
+    Idle,
+    Init,
+    Query,
+    Ready,
+    Recovered,
+    Report,
+)
+from .config import tls_context
+from .control.ops import AddBackend, RemoveBackend, apply
+from .fleet import AdminState, Backend, Fleet
+from .health import HealthMonitor
+from .log import configure, get_logger
+from .metrics import Histogram
+from .shared import DEFAULT_PERIOD, PLANES, SharedLoadTracker, SharedTable
+
+__all__ = ["main", "report"]
+
+# How stale the other workers' in-flight counts may be (router.shared says what
+# a fold costs and what a worker misses meanwhile).
+FOLD_SECONDS = DEFAULT_PERIOD
+
+log = get_logger("worker")
+
+
+class ReportedHealth(HealthMonitor):
+    """Passive health handed to the supervisor, which decides for every worker."""
+
+    def __init__(self, fleet: Fleet, router: Router, channel: Channel):
+        super().__init__(fleet, router.config.health)
+        self._channel = channel
+        self._reported: set[str] = set()  # failures reported and not yet followed by a success
+
+    def start(self) -> None:
+        pass  # no checks here
+
+    def watch(self, backend: Backend) -> None:
+        pass
+
+    def unwatch(self, name: str) -> None:
+        self._reported.discard(name)
+
+    def failed(self, backend: Backend, reason: str) -> None:
+        self._reported.add(backend.name)
+        self._channel.send(Failed(backend.name, reason))
+
+    def answered(self, backend: Backend) -> None:
+        if self._reported and backend.name in self._reported:
+            self._reported.discard(backend.name)
+            self._channel.send(Recovered(backend.name))
+
+
+def _histograms(source: dict[str, Histogram]) -> dict[str, HistogramData]:
+    return {name: HistogramData(h.counts, h.total) for name, h in source.items()}
+
+
+def report(router: Router, seq: int) -> Report:
+    """This process's traffic accounting, for the supervisor to add up."""
+    recorder = router.recorder
+    idle = router.idle_connections()
+    return Report(
+        seq=seq,
+        backends={
+            name: BackendCounts(b.requests, b.overflow, b.fallback, b.errors, idle.get(name, 0))
+            for name, b in router.fleet.backends.items()
+        },
+        requests=[(*key, count) for key, count in recorder.requests.items()],
+        decisions=dict(recorder.decisions),
+        ttft=_histograms(recorder.ttft),
+        duration=_histograms(recorder.duration),
+        windows={name: list(window) for name, window in recorder.windows.items()},
+        no_backend=recorder.no_backend,
+        refused=dict(recorder.refused),
+    )
+
+
+class _Worker:
+    def __init__(self, init: Init, channel: Channel, table: SharedTable):
+        self.channel = channel
+        config = init.config
+        if config.seed is not None:  # each worker its own RANDOM draws
+            config = msgspec.structs.replace(config, seed=config.seed + init.index)
+        router = self.router = Router(config, tls=tls_context(config))
+        fleet = router.fleet
+        self.trackers = [SharedLoadTracker(table, plane, init.index) for plane in range(PLANES)]
+        fleet.loads, fleet.waiting = self.trackers
+        for name, slot in init.slots.items():
+            self._assign(name, slot)
+        fleet.set_states(init.draining, AdminState.DRAINING)
+        for name in init.unhealthy:
+            fleet.set_healthy(name, False)
+        router.health = ReportedHealth(fleet, router, channel)
+        fleet.loads.on_idle = self._idle
+        self.port = init.port
+
+    def _assign(self, name: str, slot: int) -> None:
+        for tracker in self.trackers:
+            tracker.assign(name, slot)
+
+    def _forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            for tracker in self.trackers:
+                tracker.forget(name)
+
+    def _idle(self, name: str) -> None:
+        backend = self.router.fleet.backends.get(name)
+        if backend is not None and backend.state is AdminState.DRAINING:
+            self.channel.send(Idle(name))
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Answer the supervisor until the channel closes or ``stop`` is set."""
+        router = self.router
+        loop = asyncio.get_running_loop()
+        for tracker in self.trackers:
+            tracker.start(loop, FOLD_SECONDS)
+        await router.start(port=self.port, reuse_port=True)
+        self.channel.send(Ready(os.getpid()))
+        receiving = asyncio.create_task(self._receive())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait((receiving, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            receiving.cancel()
+            stopping.cancel()
+            await router.shutdown()
+            for tracker in self.trackers:
+                tracker.stop()
+
+    async def _receive(self) -> None:
+        channel, router = self.channel, self.router
+        try:
+            while True:
+                message = await channel.receive()
+                if isinstance(message, Apply):
+                    op = message.op
+                    if isinstance(op, AddBackend) and op.slot >= 0:
+                        self._assign(op.spec.name, op.slot)
+                    apply(router, op)
+                    if isinstance(op, RemoveBackend):
+                        self._forget((op.name,))
+                    await router.fleet.settled()
+                    channel.send(Applied(message.seq))
+                elif isinstance(message, Query):
+                    # Fold now: whoever reads the answer has every worker's counts
+                    # as of this moment (a test can rely on it; the timer bounds the rest).
+                    for tracker in self.trackers:
+                        tracker.fold()
+                    channel.send(report(router, message.seq))
+                else:
+                    log.error("unexpected message", message=type(message).__name__)
+        except ChannelClosed as exc:
+            if not router.stopping:
+                log.warning("supervisor gone: stopping", reason=str(exc))
+
+
+async def _run(channel_fd: int, table_fd: int) -> None:
+    channel = await Channel.open(socket.socket(fileno=channel_fd))
+    init = await channel.receive()
+    if not isinstance(init, Init):
+        raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
+    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, PLANES)
+    worker = _Worker(init, channel, table)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.serve(stop)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the drain
+        channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router.worker")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--table-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    configure()
+    import uvloop
+
+    uvloop.run(_run(args.channel_fd, args.table_fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""``prefix-router serve --workers N``: one port, N processes, one router's behaviour.
+
+Each test runs the real daemon (a supervisor and its worker processes) in front of
+hand-written backends, and talks to it over real sockets as clients and operators
+do.  Each client request uses a connection of its own, so that SO_REUSEPORT spreads
+them over the workers; which worker took a request is read from the ``Via`` name it
+put on the forwarded request (every process has its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from tests.harness.backends import Backend, StartBackend, echo, hold
+from tests.harness.http import WAIT
+from tests.harness.processes import admin_call, spawn_router, stop
+
+pytestmark = pytest.mark.timeout(120)
+
+# 2^-39 is the chance that 40 connections all hash to one of two workers' sockets.
+CONNECTIONS = 40
+
+
+def via(backend: Backend) -> Counter[bytes]:
+    """How many requests each router process forwarded to ``backend``."""
+    return Counter(seen.value("via") or b"" for seen in backend.requests)
+
+
+async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
+    """A native request keyed by its body, on a connection of its own."""
+    async with http.post(
+        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def stats(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> dict:
+    status, body = await admin_call(http, proc, "GET", "/admin/stats")
+    assert status == 200, body
+    return body
+
+
+async def wait_stats(http, proc, predicate) -> dict:  # type: ignore[no-untyped-def]
+    """Poll /admin/stats until ``predicate`` holds (a worker restart has no event to
+    await from outside the daemon; every poll is a real read, bounded by WAIT)."""
+    async with asyncio.timeout(WAIT):
+        while True:
+            body = await stats(http, proc)
+            if predicate(body):
+                return body
+            await asyncio.sleep(0.05)
+
+
+def prefix(*backends: Backend, threshold: int = 10) -> list[str]:
+    flags = ["--workers", "2", "--strategy", "prefix", "--concurrency-threshold", str(threshold)]
+    flags += ["--no-health-checks"]
+    for backend in backends:
+        flags += ["--backend", "{}={}".format(*backend.spec)]
+    return flags
+
+
+async def test_workers_share_the_port_agree_on_keys_and_add_up_their_stats(
+    backends: StartBackend,
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    proc, port = await spawn_router(*prefix(a, b))
+    try:
+        async with aiohttp.ClientSession() as http:
+            keys = [f"prompt {i}" for i in range(8)]
+            for _ in range(CONNECTIONS // len(keys)):
+                for key in keys:
+                    assert await post(http, port, key) == 200
+            body = await stats(http, proc)
+        homes: dict[bytes, set[str]] = {}
+        for backend in (a, b):
+            for seen in backend.requests:
+                homes.setdefault(seen.body, set()).add(backend.name)
+        assert all(len(names) == 1 for names in homes.values()), homes  # one home per key
+        assert len(via(a) + via(b)) == 2  # both workers served
+        assert body["totals"]["requests"] == CONNECTIONS
+        assert sum(view["requests"] for view in body["backends"]) == CONNECTIONS
+        assert [w["up"] for w in body["workers"]] == [True, True]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{_admin(proc)}/metrics") as resp,
+        ):
+            text = await resp.text()
+        served = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("prefix_router_requests_total{")
+        )
+        assert served == CONNECTIONS
+    finally:
+        await stop(proc)
+
+
+def _admin(proc: asyncio.subprocess.Process) -> int:
+    from tests.harness.processes import ADMIN_PORTS
+
+    return ADMIN_PORTS[proc.pid]
+
+
+async def test_an_admin_change_is_live_in_every_worker_when_it_is_answered(
+    backends: StartBackend,
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    proc, port = await spawn_router(*prefix(a))
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": b.name, "url": b.url}
+            )
+            assert status == 201, body
+            status, body = await admin_call(
+                http, proc, "PATCH", f"/admin/backends/{a.name}", {"state": "draining"}
+            )
+            assert status == 200, body
+            for i in range(CONNECTIONS):
+                assert await post(http, port, f"prompt {i}") == 200
+        assert not a.requests  # draining in every worker from the first request on
+        assert len(via(b)) == 2  # and both workers route to the newcomer
+    finally:
+        await stop(proc)
+
+
+async def test_in_flight_counts_are_fleet_wide_across_workers(backends: StartBackend) -> None:
+    # Threshold 1: a key's second request overflows when its home is busy, whichever
+    # worker routes it, because every worker counts every worker's requests.
+    a, b = await backends(hold), await backends(hold)
+    proc, port = await spawn_router(*prefix(a, b, threshold=1))
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(post(http, port, "one prompt"))
+            await wait_stats(http, proc, lambda s: s["totals"]["in_flight"] == 1)
+            # Answering /admin/stats made every worker fold the table: all see it now.
+            second = asyncio.create_task(post(http, port, "one prompt"))
+            await wait_stats(http, proc, lambda s: s["totals"]["in_flight"] == 2)
+            body = await stats(http, proc)
+            assert sorted(v["in_flight"] for v in body["backends"]) == [1, 1]
+            assert body["decisions"]["overflow"] == 0  # counted when they finish
+            a.release.set()
+            b.release.set()
+            assert await first == await second == 200
+            body = await stats(http, proc)
+            assert body["decisions"] == {"primary": 1, "overflow": 1, "fallback": 0, "other": 0}
+            assert body["totals"]["in_flight"] == 0
+    finally:
+        await stop(proc)
+
+
+async def test_a_killed_worker_is_restarted_and_its_in_flight_rows_are_cleared(
+    backends: StartBackend,
+) -> None:
+    held, spare = await backends(hold), await backends(echo)
+    proc, port = await spawn_router(*prefix(held))
+    try:
+        async with aiohttp.ClientSession() as http:
+            stuck = [asyncio.create_task(post(http, port, f"stuck {i}")) for i in range(6)]
+            body = await wait_stats(http, proc, lambda s: s["totals"]["in_flight"] == 6)
+            pids = [w["pid"] for w in body["workers"]]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            for task in stuck:  # their clients see the connection go
+                with pytest.raises(aiohttp.ClientError):
+                    await task
+            body = await wait_stats(
+                http,
+                proc,
+                lambda s: all(w["up"] and w["pid"] not in pids for w in s["workers"]),
+            )
+            assert [w["restarts"] for w in body["workers"]] == [1, 1]
+            assert body["totals"]["in_flight"] == 0  # the dead rows were zeroed
+            status, _ = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": spare.name, "url": spare.url}
+            )
+            assert status == 201  # membership still changes, in the new workers too
+            status, _ = await admin_call(
+                http, proc, "PATCH", f"/admin/backends/{held.name}", {"state": "draining"}
+            )
+            assert status == 200
+            for i in range(CONNECTIONS):
+                assert await post(http, port, f"after {i}") == 200
+            assert len(via(spare)) == 2
+    finally:
+        await stop(proc)
+
+
+async def test_sigterm_drains_every_worker_and_exits_zero(backends: StartBackend) -> None:
+    slow = await backends(hold)
+    proc, port = await spawn_router(*prefix(slow))
+    async with aiohttp.ClientSession() as http:
+        pending = [asyncio.create_task(post(http, port, f"slow {i}")) for i in range(6)]
+        await wait_stats(http, proc, lambda s: s["totals"]["in_flight"] == 6)
+        proc.send_signal(signal.SIGTERM)
+        await slow.wait_for(lambda: len(slow.requests) == 6)
+        slow.release.set()  # answered after the signal: every request completes
+        assert [await task for task in pending] == [200] * 6
+    assert proc.stderr is not None
+    async with asyncio.timeout(WAIT):
+        await proc.stderr.read()
+        assert await proc.wait() == 0
