@@ -35,7 +35,15 @@ from aiohttp.web_response import StreamResponse
 from aiohttp.web_server import Server
 
 from router.config import ConfigError
-from router.control import Conflict, Control, ControlError, Invalid, NotFound, NotSaved
+from router.control import (
+    Conflict,
+    Control,
+    ControlError,
+    Invalid,
+    NotFound,
+    NotSaved,
+    Unavailable,
+)
 from router.selfaddr import Listener
 
 from . import auth, openapi
@@ -70,6 +78,8 @@ def _from_control(exc: ControlError) -> web.Response:
     if isinstance(exc, NotSaved):
         # The router's own storage failed (it logged that): a 500 that says what to fix.
         return _error(500, message)
+    if isinstance(exc, Unavailable):
+        return _error(503, message, {"Retry-After": "1"})
     raise exc  # a ControlError outside the tree is a bug: the 500 path logs it
 
 

@@ -44,7 +44,11 @@ from router.state import State, StateError, StateFile
 
 if TYPE_CHECKING:
     from router.app import Router
+    from router.control.etcd import EtcdStore
     from router.control.live import RouterControl
+    from router.control.replicated import ReplicatedControl
+    from router.replicas import Replicas
+    from router.supervisor import Workers
 
 __all__ = ["main"]
 
@@ -115,6 +119,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--scrape-metrics", action="store_true", help="read backends' vLLM metrics for stats"
     )
     serve.add_argument(
+        "--etcd",
+        metavar="URL[,URL]",
+        help="share membership, routing config and in-flight counts with other replicas"
+        " through etcd",
+    )
+    serve.add_argument("--etcd-prefix", metavar="P", help="the keys under P (/prefix-router/)")
+    serve.add_argument("--replica-id", metavar="ID", help="this replica's key (random)")
+    serve.add_argument(
         "--workers",
         type=int,
         metavar="N",
@@ -153,6 +165,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["seed"] = args.seed
     if args.workers is not None:
         data["workers"] = args.workers
+    if args.etcd is not None:
+        data["etcd"] = [url.strip() for url in args.etcd.split(",") if url.strip()]
+    if args.etcd_prefix is not None:
+        data["etcd_prefix"] = args.etcd_prefix
+    if args.replica_id is not None:
+        data["replica_id"] = args.replica_id
     if args.admin_listen is not None:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:
@@ -216,34 +234,49 @@ async def _serve(
     from admin import AdminServer
     from router.app import Router
     from router.control.live import RouterControl
+    from router.control.replicated import ReplicatedControl
     from router.fleet import AdminState
     from router.log import get_logger
 
-    router = Router(with_state(config, state), tls=tls)
-    saved_backends = state.backends if state else []
+    replicated = bool(config.etcd)
+    # With etcd, the state file is the store's copy of etcd's state: etcd wins.
+    router = Router(config if replicated else with_state(config, state), tls=tls)
+    saved_backends = state.backends if state and not replicated else []
     draining = [saved.name for saved in saved_backends if saved.state == "draining"]
     router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
     workers = None
-    if config.workers > 1:
+    store = replicas = None
+    if config.workers > 1 or replicated:
         from router.supervisor import Workers, reserve
 
         host, port = config.listen_address
         held = reserve(host, port)
-        workers = Workers(router, config.workers, held)
+        workers = Workers(router, config.workers, held, remote=replicated)
         await router.start_control(held)
-    control = RouterControl(router, state_file, workers=workers)
+    control: RouterControl
+    if replicated:
+        assert workers is not None
+        control = ReplicatedControl(router, workers)
+    else:
+        control = RouterControl(router, state_file, workers=workers)
     admin = None
     try:
+        if isinstance(control, ReplicatedControl):
+            assert workers is not None
+            store, replicas = await _open_etcd(config, router, workers, control, state_file)
         if workers is None:
             await router.start()
         else:
             _warn_if_per_process(config)
             await workers.start()
+            if replicas is not None:
+                replicas.start()
             get_logger("router").info(
                 "workers listening",
                 address=f"{router.listeners[0].host}:{router.port}",
                 workers=config.workers,
                 pids=workers.pids,
+                replica=replicas.id if replicas is not None else None,
             )
         if config.admin_listen != "off":
             admin = AdminServer(control, token=token)
@@ -251,7 +284,8 @@ async def _serve(
             await admin.start(host, port)
             control.admin_listeners = admin.listeners
             get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
-        await _refuse_own_addresses(control, router, state_file if state else None)
+        if not replicated:
+            await _refuse_own_addresses(control, router, state_file if state else None)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -262,12 +296,69 @@ async def _serve(
         # loop is gone and its handlers with it): from here on, signals are ignored.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+        if replicas is not None:
+            await replicas.close()  # our key goes: the others stop counting us
         if workers is not None:
             await workers.stop()
         await router.shutdown()
         if admin is not None:
             await admin.close()
         await control.close()
+        if store is not None:
+            await store.close()
+            await store.client.close()
+
+
+async def _open_etcd(
+    config: Config,
+    router: Router,
+    workers: Workers,
+    control: ReplicatedControl,
+    state_file: StateFile | None,
+) -> tuple[EtcdStore, Replicas]:
+    """Join the replicas: load (or seed) the fleet from etcd, before any worker starts."""
+    from router.control.etcd import EtcdStore
+    from router.etcd import EtcdClient, Unavailable
+    from router.log import get_logger
+    from router.replicas import Replicas
+    from router.state import VERSION, SavedBackend
+
+    client = EtcdClient(config.etcd)
+    store = EtcdStore(
+        client,
+        config.etcd_prefix,
+        control,
+        default_routing=config.routing,
+        cache=state_file,
+    )
+    control.store = store
+    try:
+        await store.open(wait=10.0)
+    except Unavailable as exc:
+        await client.close()
+        raise ConfigError(f"etcd {','.join(config.etcd)}: {exc}") from None
+    if not store.from_cache:
+        # An empty prefix is a new fleet: this replica's configuration seeds it.
+        seed = State(
+            version=VERSION,
+            backends=[
+                SavedBackend(b.name, b.url, b.weight, "active", b.health) for b in config.backends
+            ],
+            routing=config.routing,
+        )
+        if await store.initialize(seed):
+            get_logger("etcd").info("seeded a new fleet in etcd", prefix=config.etcd_prefix)
+    await control.on_resync(store.state())
+    replicas = Replicas(
+        client,
+        store.prefix,
+        workers.table,
+        lambda: workers.slots,
+        lambda: store.revision,
+        replica_id=config.replica_id,
+    )
+    control.replicas = replicas
+    return store, replicas
 
 
 def _warn_if_per_process(config: Config) -> None:

@@ -234,6 +234,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Data-plane processes on one port (SO_REUSEPORT) under a supervisor that owns
     # the admin API, health checks and the state file; 1: one process does all.
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
+    # Several replicas: membership and the routing config in etcd under this
+    # prefix, in-flight counts shared through it (router.replicas).
+    etcd: list[str] = msgspec.field(default_factory=list)  # client URLs
+    etcd_prefix: str = "/prefix-router/"
+    replica_id: str | None = None  # this replica's name in etcd; random when unset
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

@@ -20,7 +20,11 @@ class _Stderr:
     """
 
     def msg(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        # One write per line: several processes (a supervisor and its workers)
+        # share this stderr, and print() writes the newline separately.
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
 
     debug = info = warning = error = critical = exception = msg
 

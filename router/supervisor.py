@@ -130,11 +130,15 @@ class _Worker:
 
 
 class Workers:
-    def __init__(self, router: Router, count: int, sockets: list[socket.socket]):
+    def __init__(
+        self, router: Router, count: int, sockets: list[socket.socket], *, remote: bool = False
+    ):
+        """``remote``: one more row in the table, the other replicas' counts
+        (written by ``router.replicas``)."""
         self.router = router
         self.count = count
         self.port = int(sockets[0].getsockname()[1])
-        self.table = SharedTable.create(count, SLOTS, PLANES)
+        self.table = SharedTable.create(count + remote, SLOTS, PLANES)
         self.slots: dict[str, int] = {}
         for name in router.fleet.backends:
             self._take_slot(name)
@@ -224,7 +228,7 @@ class Workers:
             unhealthy=[n for n, b in fleet.backends.items() if not b.healthy],
             slots=dict(self.slots),
             port=self.port,
-            table_rows=self.count,
+            table_rows=self.table.rows,
             table_slots=SLOTS,
         )
 
@@ -327,9 +331,12 @@ class Workers:
                 tracker.assign(op.spec.name, slot)
             return AddBackend(op.spec, slot)
         if isinstance(op, RemoveBackend):
-            self.slots.pop(op.name, None)
+            slot = self.slots.pop(op.name)
             for tracker in self._trackers:
                 tracker.forget(op.name)
+            if self.table.rows > self.count:  # the remote row's cells
+                for plane in range(PLANES):
+                    self.table.cells[self.table.index(self.count, plane, slot)] = 0
         return op
 
     def _broadcast(self, op: Op) -> list[asyncio.Future[Report | None]]:
@@ -361,8 +368,12 @@ class Workers:
     # -- reads ----------------------------------------------------------------------
 
     def in_flight(self, name: str) -> int:
-        """Requests in flight to ``name`` in every worker, read now."""
-        return self._trackers[0].in_flight(name)
+        """Requests in flight to ``name`` in this host's workers, read now."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return 0
+        table = self.table
+        return sum(table.cells[table.index(row, 0, slot)] for row in range(self.count))
 
     async def refresh(self) -> None:
         """Add up every worker's accounting into the supervisor's router."""

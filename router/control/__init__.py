@@ -9,7 +9,8 @@ Contract:
 - Errors form a small tree translated to HTTP by the admin app:
   ``NotFound`` -> 404, ``Conflict`` -> 409, ``Invalid`` -> 422, ``NotSaved``
   -> 500 (the state file could not be written, so the change was not made;
-  the message names the file and the reason).
+  the message names the file and the reason), ``Unavailable`` -> 503 (the
+  shared store of several replicas is unreachable; retry later).
 - Views are msgspec Structs: they encode straight to the JSON the admin API
   returns, and their JSON Schemas go into its OpenAPI document.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "NotSaved",
     "Stats",
     "Totals",
+    "Unavailable",
     "WorkerView",
 ]
 
@@ -64,6 +66,10 @@ class Invalid(ControlError):
 
 class NotSaved(ControlError):
     """The state file could not be written: the change was not made."""
+
+
+class Unavailable(ControlError):
+    """The shared store (etcd) cannot take the change now: nothing was changed."""
 
 
 class BackendPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -1,0 +1,205 @@
+"""Router replicas on several hosts: each publishes its in-flight counts, all fold them in.
+
+Contract:
+- Each replica (one ``serve --etcd`` supervisor and its workers) holds one key,
+  ``P replicas/<id>``, attached to a lease of ``TTL`` seconds that it keeps
+  alive: a replica that dies or loses etcd vanishes from the others' view
+  within the TTL.  Its value (JSON, ``Row``) is what the replica has in flight
+  per backend (every worker's own counts, never what it folded in from other
+  replicas), and the etcd revision it has applied.  It is written every
+  ``PERIOD`` seconds when it changed, and at least every ``TTL / 3`` to keep
+  the lease (a keep-alive costs a request, a put the same).
+- Every replica watches ``P replicas/`` and writes the sum of the *other*
+  replicas' counts into the last row of its shared in-flight table (the
+  "remote" row, ``router.shared``): its workers fold that row in as they do
+  each other's, so the ConcurrencyThreshold and BalanceFactor bound the fleet,
+  not one replica (SageMaker's semantics).  The remote row is written by this
+  process alone, so it needs no atomics.  Counts are stale by up to
+  ``PERIOD`` + the watch's delay + one fold: the bound can be overshot by the
+  fleet's request rate times that.
+- Drains across replicas (``drained``): a backend set draining leaves when
+  every live replica has applied the revision that set it draining and
+  reports nothing in flight to it, and this replica has nothing either.
+- Cost: each replica writes at most 1/``PERIOD`` times a second (10/s) and
+  receives every other replica's writes: R replicas make 10 R writes/s and
+  10 R (R - 1) watch events/s on etcd, fine for the R = 2-10 a fleet runs.
+- etcd lost: publishing and the watch retry with backoff; the remote row keeps
+  the last counts until a replica's lease expires (its key is deleted, its
+  counts leave the sum).  Nothing here blocks a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+
+from .etcd import EtcdClient, EtcdError, LeaseNotFound
+from .log import get_logger
+from .shared import PLANES, SharedTable
+
+__all__ = ["PERIOD", "Replicas", "Row"]
+
+log = get_logger("replicas")
+
+PERIOD = 0.1
+TTL = 3
+
+
+class Row(msgspec.Struct, frozen=True, omit_defaults=True):
+    applied: int  # the last etcd revision this replica applied
+    loads: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Row)
+
+
+class Replicas:
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: bytes,
+        table: SharedTable,
+        slots: Callable[[], dict[str, int]],
+        applied: Callable[[], int],
+        *,
+        replica_id: str | None = None,
+    ):
+        """``table``: the host's in-flight table, its last row the remote one;
+        ``slots()``: backend -> column now; ``applied()``: the store's revision."""
+        self.client = client
+        self.key_prefix = prefix + b"replicas/"
+        self.id = replica_id or os.urandom(6).hex()
+        self.table = table
+        self.remote = table.rows - 1  # the last row: the other replicas' sum
+        self.slots = slots
+        self.applied = applied
+        self.others: dict[str, Row] = {}
+        self._lease = 0
+        self._published: Row | None = None
+        self._changed = asyncio.Event()  # any other replica's row changed or left
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def key(self) -> bytes:
+        return self.key_prefix + self.id.encode()
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._publish_loop(), name="replica publish"),
+            asyncio.create_task(self._watch_loop(), name="replica watch"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._lease:
+            with contextlib.suppress(EtcdError):
+                await self.client.lease_revoke(self._lease)  # our key goes at once
+
+    # -- what we publish ---------------------------------------------------------
+
+    def local_row(self) -> Row:
+        """This replica's own counts: every worker row, not the remote one."""
+        planes = []
+        table = self.table
+        for plane in range(PLANES):
+            counts = {}
+            for name, slot in self.slots().items():
+                total = sum(
+                    table.cells[table.index(row, plane, slot)] for row in range(self.remote)
+                )
+                if total:
+                    counts[name] = total
+            planes.append(counts)
+        return Row(self.applied(), *planes)
+
+    async def _publish_loop(self) -> None:
+        attempt = 0
+        quiet = 0
+        while True:
+            try:
+                if not self._lease:
+                    self._lease = await self.client.lease_grant(TTL)
+                    self._published = None
+                row = self.local_row()
+                quiet += 1
+                if row != self._published or quiet * PERIOD >= TTL / 3:
+                    await self.client.put(self.key, _encoder.encode(row), lease=self._lease)
+                    self._published = row
+                    quiet = 0
+                attempt = 0
+            except LeaseNotFound:
+                self._lease = 0  # expired while etcd was away: a new one, our key again
+                continue
+            except EtcdError as exc:
+                log.warning("cannot publish this replica's row", reason=str(exc))
+                attempt += 1
+                await asyncio.sleep(min(2.0, PERIOD * 2**attempt) * random.uniform(0.5, 1))
+                continue
+            await asyncio.sleep(PERIOD)  # the publication period itself
+
+    # -- what the others publish ---------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                items, revision = await self.client.range(self.key_prefix)
+                self.others = {}
+                for kv in items:
+                    self._take(kv.key, kv.value)
+                self._write_remote()
+                async with self.client.watch(self.key_prefix, start_revision=revision + 1) as w:
+                    attempt = 0
+                    async for event in w:
+                        self._take(event.key, event.value if event.type == "PUT" else None)
+                        self._write_remote()
+            except EtcdError as exc:
+                log.warning("replica watch lost", reason=str(exc))
+                attempt += 1
+                await asyncio.sleep(min(2.0, PERIOD * 2**attempt) * random.uniform(0.5, 1))
+
+    def _take(self, key: bytes, value: bytes | None) -> None:
+        replica = key[len(self.key_prefix) :].decode(errors="replace")
+        if replica == self.id:
+            return
+        if value is None:
+            self.others.pop(replica, None)
+            return
+        try:
+            self.others[replica] = _decoder.decode(value)
+        except msgspec.DecodeError as exc:
+            log.warning("replica row skipped", replica=replica, reason=str(exc))
+
+    def _write_remote(self) -> None:
+        table = self.table
+        slots = self.slots()
+        for plane, field in enumerate(("loads", "waiting")):
+            sums: Counter[str] = Counter()
+            for row in self.others.values():
+                sums.update(getattr(row, field))
+            for name, slot in slots.items():
+                table.cells[table.index(self.remote, plane, slot)] = sums.get(name, 0)
+        self._changed.set()
+
+    # -- drains --------------------------------------------------------------------
+
+    def busy_elsewhere(self, name: str, since: int) -> bool:
+        """Some other live replica has not applied ``since`` yet or has ``name`` in flight."""
+        return any(row.applied < since or row.loads.get(name) for row in self.others.values())
+
+    async def changed(self) -> None:
+        """Return at the next change of another replica's row."""
+        self._changed.clear()
+        await self._changed.wait()

