@@ -103,9 +103,8 @@ async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
                     return status == 200
 
                 await until(has_c)
-            print(
-                f"\nadded through one replica, live on all three in {time.monotonic() - begun:.3f} s"
-            )
+            took = time.monotonic() - begun
+            print(f"\nadded through one replica, live on all three in {took:.3f} s")
             for name in (a.name, b.name):
                 status, _ = await admin_call(
                     http, routers[1][0], "PATCH", f"/admin/backends/{name}", {"state": "draining"}
