@@ -24,14 +24,19 @@ Contract:
   decisions so far (the last ``window``, or all of them while fewer) is above
   ``HOT_SHARE`` (1.5) average members' shares *and* that count is evidence,
   not luck: a key that carried no more than one member's fair share would
-  reach it with probability below ``HOT_EVIDENCE`` (1e-4, the Chernoff bound
+  reach it with probability below ``HOT_EVIDENCE`` (1e-3, the Chernoff bound
   ``exp(-n D(k/n || 1/members))`` on the binomial tail of its count ``k`` in
-  ``n`` decisions).  So a key in every request is hot after 5 decisions on 7
-  members (14 on 2), one in 12 of the first 20 after 20, while in a full
-  window (>= 100 decisions a member) 1.5 shares always pass the test: there
-  the rule is the plain share test.  Tested once per decision, a key of
-  exactly one fair share (the hardest case) was never called hot in 400
-  seeded runs of 3,000 decisions on 7 or 2 members (at 1e-3: 4 runs in 400).  A hot key
+  ``n`` decisions).  So a key in every request is hot after 4 decisions on 7
+  members (10 on 2), one in 11 of the first 22 after 22, one of 37 % of
+  requests on 7 members after ~45, while in a full window (>= 100 decisions
+  a member) 1.5 shares always pass the test: there the rule is the plain
+  share test.  Tested on every decision, a key of exactly one fair share
+  (the hardest case) was called hot in 4 of 400 seeded runs of 3,000
+  decisions on 7 members, 1 of 400 on 2 (at 1e-4: none, but the 37 % key
+  takes ~60 decisions, and on ``hotdocs`` a fresh start's P90 TTFT lost to
+  RANDOM's in one of three seeds).  A false hot key costs a few cold
+  prefills on a replica, a missed one a queue.
+  A hot key
   would, on its home alone, be a hot spot that no placement of other keys
   can offset (one shared system prompt: every request).  Its requests go to
   ``ceil(share)`` replicas, its home and the next members of its walk (an
@@ -73,7 +78,7 @@ MIN_WINDOW = 1024
 HOT_SHARE = 1.5
 # ... and when its count in n decisions would be this unlikely (Chernoff bound) for
 # a key of one member's fair share: the evidence a hot key needs, from few decisions.
-HOT_EVIDENCE = 1e-4
+HOT_EVIDENCE = 1e-3
 # Up to this many replicas each request compares them all; past it, two of them
 # (the power of two choices), so a hot key costs O(1) per request on any fleet.
 SCAN_REPLICAS = 8

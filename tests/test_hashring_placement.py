@@ -236,14 +236,14 @@ def test_the_former_rule_turns_a_key_hot_past_one_and_a_half_shares_of_the_full_
     assert chosen.member == next(m for m in ring.walk(key) if m != home)
 
 
-def test_a_key_in_every_request_is_hot_after_five_decisions_on_seven_members() -> None:
-    # A fresh start: the evidence test needs 5 decisions, not 1.5 shares of 1,024.
-    # Four all-one-key decisions on 7 members are 7**-4 = 4e-4 likely for a key of
-    # one fair share, not below 1e-4; five are 6e-5.
+def test_a_key_in_every_request_is_hot_after_four_decisions_on_seven_members() -> None:
+    # A fresh start: the evidence test needs 4 decisions, not 1.5 shares of 1,024.
+    # Three all-one-key decisions on 7 members are 7**-3 = 2.9e-3 likely for a key
+    # of one fair share, not below 1e-3; four are 4.2e-4.
     ring = Ring(SEVEN, vnodes=64)
     placement = Placement(1.05)
     key = 0xD0C
-    for _ in range(4):
+    for _ in range(3):
         placement.route(ring, key, {}, threshold=1000)
     home = placement.home(key)
     assert home is not None
@@ -254,7 +254,7 @@ def test_a_key_in_every_request_is_hot_after_five_decisions_on_seven_members() -
         Decision.PRIMARY,
         0,
     )
-    # Five decisions, all this key: hot, at 7 shares (every member a replica).
+    # Four decisions, all this key: hot, at 7 shares (every member a replica).
     assert placement.hot_share(key, 7) == 7.0
     chosen = placement.route(ring, key, {}, threshold=1000, fallback_loads=busy_home)
     assert chosen is not None
@@ -263,21 +263,22 @@ def test_a_key_in_every_request_is_hot_after_five_decisions_on_seven_members() -
     assert placement.home(key) == home
 
 
-def test_a_key_in_twelve_of_the_first_twenty_decisions_is_hot() -> None:
-    # The case: a few documents carry most of the first requests.  Eleven of
-    # twenty is 3.85 shares but not yet the evidence (Chernoff: e**-9.03 > 1e-4);
-    # twelve is (e**-11.1).
+def test_a_key_in_eleven_of_the_first_twenty_two_decisions_is_hot() -> None:
+    # The case: a few documents carry most of the first requests.  Nine of
+    # twenty is 3.15 shares but not yet the evidence (Chernoff: e**-5.45 > 1e-3),
+    # nor ten of twenty-one (e**-6.63); eleven of twenty-two is (e**-7.85).
     ring = Ring(SEVEN, vnodes=64)
     placement = Placement(1.05)
     hot = 0xF00D
     others = iter(range(1, 100))
     for i in range(20):
-        placement.route(ring, hot if i % 2 == 0 else next(others), {}, threshold=1000)
-    assert placement.hot_share(hot, 7) == 0.0  # 10 of 20
+        placement.route(ring, hot if i % 2 and i < 19 else next(others), {}, threshold=1000)
+    assert Counter(k for _, k in placement._recent)[hot] == 9
+    assert placement.hot_share(hot, 7) == 0.0
     placement.route(ring, hot, {}, threshold=1000)
-    assert placement.hot_share(hot, 7) == 0.0  # 11 of 21: 3.67 shares, not evidence
+    assert placement.hot_share(hot, 7) == 0.0  # 10 of 21
     placement.route(ring, hot, {}, threshold=1000)
-    assert placement.hot_share(hot, 7) == pytest.approx(12 * 7 / 22)  # 12 of 22
+    assert placement.hot_share(hot, 7) == pytest.approx(11 * 7 / 22)
 
 
 def test_in_a_full_window_one_and_a_half_shares_is_hot_as_before() -> None:
@@ -287,7 +288,7 @@ def test_in_a_full_window_one_and_a_half_shares_is_hot_as_before() -> None:
     ring = Ring(SEVEN, vnodes=64)
     placement = Placement(1.05)
     key = 77
-    for _ in range(220):  # hot from the fifth on
+    for _ in range(220):  # hot from the fifth on (four decisions of evidence)
         placement.route(ring, key, {}, threshold=1000)
     for i in range(1024 - 220):  # then others fill the window
         placement.route(ring, 10_000 + i, {}, threshold=1000)
