@@ -79,6 +79,9 @@ HOT_SHARE = 1.5
 # ... and when its count in n decisions would be this unlikely (Chernoff bound) for
 # a key of one member's fair share: the evidence a hot key needs, from few decisions.
 HOT_EVIDENCE = 1e-3
+# n D(1.5 p || p) at 1.5 shares in a full window (>= WINDOW_PER_MEMBER decisions a
+# member, n p >= 100): at least 100 (1.5 ln 1.5 - 0.5) = 10.8 nats, more for larger p.
+_FULL_WINDOW_SURPRISE = WINDOW_PER_MEMBER * (1.5 * math.log(1.5) - 0.5)
 # Up to this many replicas each request compares them all; past it, two of them
 # (the power of two choices), so a hot key costs O(1) per request on any fleet.
 SCAN_REPLICAS = 8
@@ -168,7 +171,14 @@ class Placement:
         chosen: Pick | None = None
         if home is not None and home in ring:
             self._table.move_to_end(key_hash)
-            share = self.hot_share(key_hash, members)
+            count = self._key_counts.get(key_hash, 0)
+            # The common case inline (a method call costs more than the test): a
+            # key at most 1.5 shares of the decisions so far is not hot by any rule.
+            share = (
+                self._hot(count, members)
+                if count * members > HOT_SHARE * len(self._recent)
+                else 0.0
+            )
             if share:
                 chosen = self._replica(
                     ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
@@ -197,13 +207,19 @@ class Placement:
 
     def hot_share(self, key_hash: int, members: int) -> float:
         """The key's share in average members' shares if it is hot, else 0.0."""
-        count = self._key_counts.get(key_hash, 0)
+        return self._hot(self._key_counts.get(key_hash, 0), members)
+
+    def _hot(self, count: int, members: int) -> float:
         if self._hot_log is None:  # the former rule: against the full window
             share = count * members / self.window
             return share if share > HOT_SHARE else 0.0
         decisions = len(self._recent)
         if count * members <= HOT_SHARE * decisions:
-            return 0.0  # the common case: two multiplications
+            return 0.0
+        if decisions == self._recent.maxlen and self._hot_log < _FULL_WINDOW_SURPRISE:
+            # A full window holds >= 100 decisions a member, where more than 1.5
+            # shares always pass the test below: skip it.
+            return count * members / decisions
         # Chernoff: P(X >= k | n, p) <= exp(-n D(k/n || p)) for a key of fair share p.
         fair = 1 / members
         rate = count / decisions
