@@ -27,18 +27,17 @@ Contract:
   reach it with probability below ``HOT_EVIDENCE`` (1e-3, the Chernoff bound
   ``exp(-n D(k/n || 1/members))`` on the binomial tail of its count ``k`` in
   ``n`` decisions).  So a key in every request is hot after 4 decisions on 7
-  members (10 on 2), one in 11 of the first 22 after 22, one of 37 % of
-  requests on 7 members after ~45, while in a full window (>= 100 decisions
-  a member) 1.5 shares always pass the test: there the rule is the plain
-  share test.  Tested on every decision, a key of exactly one fair share
-  (the hardest case) was called hot in 4 of 400 seeded runs of 3,000
-  decisions on 7 members, 1 of 400 on 2 (at 1e-4: none, but the 37 % key
-  takes ~60 decisions, and on ``hotdocs`` a fresh start's P90 TTFT lost to
-  RANDOM's in one of three seeds).  A false hot key costs a few cold
-  prefills on a replica, a missed one a queue.
-  A hot key
-  would, on its home alone, be a hot spot that no placement of other keys
-  can offset (one shared system prompt: every request).  Its requests go to
+  members (10 on 2), a key in 11 of the first 22 after those 22, one of 37 %
+  of requests on 7 members after ~45 (``hotdocs``: 59; the former rule: 596),
+  while in a full window (>= 100 decisions a member) 1.5 shares always pass
+  the test: there the rule is the plain share test.  Tested on every decision,
+  a key of exactly one fair share (the hardest case) was called hot in 4 of
+  400 seeded runs of 3,000 decisions on 7 members, 1 of 400 on 2 (at 1e-4:
+  none, but the 37 % key takes ~60 decisions, and on ``hotdocs`` a fresh
+  start's P90 TTFT lost to RANDOM's in one of three seeds).  A false hot key
+  costs a few cold prefills on a replica, a missed one a queue.  A hot key
+  would, on its home alone, be a hot spot that no placement of other keys can
+  offset (one shared system prompt: every request).  Its requests go to
   ``ceil(share)`` replicas, its home and the next members of its walk (an
   avoided one is replaced by the next), each request to the replica with the
   fewest ``fallback_loads`` in flight among those below ``threshold``
