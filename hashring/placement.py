@@ -20,10 +20,24 @@ Contract:
   ``OVERFLOW``), which becomes the key's home.  When nobody qualifies, the
   traffic bound is dropped first, then the threshold (``FALLBACK``, fewest
   in flight), as in ``bounded.pick``.
-- Hot keys are served by replicas.  A key whose share of the last ``window``
-  decisions is above ``HOT_SHARE`` (1.5) average members' shares would, on
-  its home alone, be a hot spot that no placement of other keys can offset
-  (one shared system prompt: every request).  Its requests go to
+- Hot keys are served by replicas.  A key is *hot* when its share of the
+  decisions so far (the last ``window``, or all of them while fewer) is above
+  ``HOT_SHARE`` (1.5) average members' shares *and* that count is evidence,
+  not luck: a key that carried no more than one member's fair share would
+  reach it with probability below ``HOT_EVIDENCE`` (1e-3, the Chernoff bound
+  ``exp(-n D(k/n || 1/members))`` on the binomial tail of its count ``k`` in
+  ``n`` decisions).  So a key in every request is hot after 4 decisions on 7
+  members (10 on 2), a key in 11 of the first 22 after those 22, one of 37 %
+  of requests on 7 members after ~45 (``hotdocs``: 59; the former rule: 596),
+  while in a full window (>= 100 decisions a member) 1.5 shares always pass
+  the test: there the rule is the plain share test.  Tested on every decision,
+  a key of exactly one fair share (the hardest case) was called hot in 4 of
+  400 seeded runs of 3,000 decisions on 7 members, 1 of 400 on 2 (at 1e-4:
+  none, but the 37 % key takes ~60 decisions, and on ``hotdocs`` a fresh
+  start's P90 TTFT lost to RANDOM's in one of three seeds).  A false hot key
+  costs a few cold prefills on a replica, a missed one a queue.  A hot key
+  would, on its home alone, be a hot spot that no placement of other keys can
+  offset (one shared system prompt: every request).  Its requests go to
   ``ceil(share)`` replicas, its home and the next members of its walk (an
   avoided one is replaced by the next), each request to the replica with the
   fewest ``fallback_loads`` in flight among those below ``threshold``
@@ -32,8 +46,9 @@ Contract:
   its home.  Past
   ``SCAN_REPLICAS`` replicas a request compares two of them, in rotation
   (the power of two choices), so the cost per request does not grow with the
-  fleet.  Shares count against the full window, so during a cold start no
-  key looks hot early.
+  fleet.  ``Placement(..., hot_evidence=None)`` restores the former rule:
+  shares count against the full window, so no key looks hot before ~1.5
+  shares of it (220 decisions on 7 members) have gone by.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
 - Trade-off, stated: placement depends on this process's recent traffic, so
@@ -60,6 +75,12 @@ MIN_WINDOW = 1024
 # replicas. Measured offline (loadtests/RESULTS.md): on `long` and `short` no
 # key reaches it, and nothing changes; on `sysprompt` it ends the hot spot.
 HOT_SHARE = 1.5
+# ... and when its count in n decisions would be this unlikely (Chernoff bound) for
+# a key of one member's fair share: the evidence a hot key needs, from few decisions.
+HOT_EVIDENCE = 1e-3
+# n D(1.5 p || p) at 1.5 shares in a full window (>= WINDOW_PER_MEMBER decisions a
+# member, n p >= 100): at least 100 (1.5 ln 1.5 - 0.5) = 10.8 nats, more for larger p.
+_FULL_WINDOW_SURPRISE = WINDOW_PER_MEMBER * (1.5 * math.log(1.5) - 0.5)
 # Up to this many replicas each request compares them all; past it, two of them
 # (the power of two choices), so a hot key costs O(1) per request on any fleet.
 SCAN_REPLICAS = 8
@@ -69,6 +90,7 @@ class Placement:
     __slots__ = (
         "_counts",
         "_factor",
+        "_hot_log",
         "_key_counts",
         "_recent",
         "_replica_ring",
@@ -79,9 +101,19 @@ class Placement:
         "capacity",
     )
 
-    def __init__(self, factor: float, *, capacity: int = DEFAULT_CAPACITY):
+    def __init__(
+        self,
+        factor: float,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        hot_evidence: float | None = HOT_EVIDENCE,
+    ):
         self.factor = factor  # checked, and kept as an exact fraction too (below)
         self.capacity = capacity
+        if hot_evidence is not None and not 0 < hot_evidence < 1:
+            raise ValueError(f"hot_evidence must be in (0, 1) or None, got {hot_evidence}")
+        # -ln(evidence): what n * D(k/n || 1/members) must exceed; None: full window.
+        self._hot_log = None if hot_evidence is None else -math.log(hot_evidence)
         self._table: OrderedDict[int, str] = OrderedDict()
         # The last ``window`` decisions, (member, key hash), and their tallies.
         self._recent: deque[tuple[str, int]] = deque(maxlen=MIN_WINDOW)
@@ -138,9 +170,15 @@ class Placement:
         chosen: Pick | None = None
         if home is not None and home in ring:
             self._table.move_to_end(key_hash)
-            # The key's share of the window, in average members' shares.
-            share = self._key_counts.get(key_hash, 0) * members / self.window
-            if share > HOT_SHARE:
+            count = self._key_counts.get(key_hash, 0)
+            # The common case inline (a method call costs more than the test): a
+            # key at most 1.5 shares of the decisions so far is not hot by any rule.
+            share = (
+                self._hot(count, members)
+                if count * members > HOT_SHARE * len(self._recent)
+                else 0.0
+            )
+            if share:
                 chosen = self._replica(
                     ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
                 )
@@ -165,6 +203,29 @@ class Placement:
         if chosen is not None:
             self._count(chosen.member, key_hash)
         return chosen
+
+    def hot_share(self, key_hash: int, members: int) -> float:
+        """The key's share in average members' shares if it is hot, else 0.0."""
+        return self._hot(self._key_counts.get(key_hash, 0), members)
+
+    def _hot(self, count: int, members: int) -> float:
+        if self._hot_log is None:  # the former rule: against the full window
+            share = count * members / self.window
+            return share if share > HOT_SHARE else 0.0
+        decisions = len(self._recent)
+        if count * members <= HOT_SHARE * decisions:
+            return 0.0
+        if decisions == self._recent.maxlen and self._hot_log < _FULL_WINDOW_SURPRISE:
+            # A full window holds >= 100 decisions a member, where more than 1.5
+            # shares always pass the test below: skip it.
+            return count * members / decisions
+        # Chernoff: P(X >= k | n, p) <= exp(-n D(k/n || p)) for a key of fair share p.
+        fair = 1 / members
+        rate = count / decisions
+        surprise = count * math.log(rate / fair)
+        if count < decisions:
+            surprise += (decisions - count) * math.log((1 - rate) / (1 - fair))
+        return rate * members if surprise > self._hot_log else 0.0
 
     def _replica(
         self,

@@ -275,7 +275,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--workload", choices=workloads.NAMES, default="long")
-    p.add_argument("--instances", type=int, default=7)
+    p.add_argument(
+        "--instances", type=int, default=None, help="default: the workload's fleet (7; hotslots 3)"
+    )
     p.add_argument(
         "--strategies",
         default="random,least,prefix",
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.instances is None:
+        args.instances = FLEET[args.workload].instances
     if args.instances < 1 or args.duration <= 0 or args.replicas < 1:
         print("error: --instances and --replicas must be >= 1 and --duration > 0", file=sys.stderr)
         return 2

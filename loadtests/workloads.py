@@ -56,6 +56,19 @@ over tenants), each request carrying its tenant's key (``prompt_cache_key``,
 or the ``X-Amzn-SageMaker-Prefix-Aware-Id`` header in native form): the
 router hashes each tenant apart, the instances share the KV.
 
+``hotdocs``: few hot documents on instances that run few sequences at once
+(issue 12's independent-simulator case): 10 documents of 7,600-8,400 tokens
+with Zipf popularity s = 1.1 (the top one ~37 % of requests, 2.6 instances'
+shares on 7; the second ~17 %), then a ~50-token question, as ``long``; its
+fleet runs 4 sequences at once an instance (``max_num_seqs``), so a hot
+document's home fills long before the default ConcurrencyThreshold of 10.
+
+``hotslots``: the same shape on real engines' scale (issue 12's llama.cpp
+case): 9 documents of ~1,200 tokens (1,100-1,300), Zipf s = 1.1, a ~30-token
+question, 3 instances of one sequence at a time whose cache holds about one
+prompt (llama.cpp's single-slot prompt cache, approximately), 64 output
+tokens.
+
 ``agent``: a catalogue of 28 tools (~6,500 tokens of JSON schema) and a
 1,000-token instruction, then a task; a task runs 1-12 steps (geometric, mean
 4), each adding the assistant's tool call and a tool result (log-normal, mean
@@ -101,10 +114,23 @@ prefill. The rate was set by streams instead: ~9 in flight per instance, near
 the default ConcurrencyThreshold, so that the threshold's overflow shows.
 These two are about spreading one key, not about hits.
 
-``agent``, 18 requests/s: the catalogue and the instruction are cached
-everywhere, task histories only where the task's earlier steps went; RANDOM
-~85 % hits, busy ~57 %. With the default PrefixLength the key is the start of
-the catalogue: one key for every task, as in ``sysprompt``.
+``hotdocs``, 3 requests/s, 4 sequences and 2,560 blocks (40,960 tokens: four
+contexts of 10,240) an instance: an instance holds ~4 of the 10 documents, so
+RANDOM hits on the popular ones only (71 %); a request holds its slot for its
+128 output tokens (3.2 s), so 7 instances serve ~8.7 requests/s at most and
+RANDOM fills ~35 % of the slots. The top document alone (~1.1 requests/s) is
+~90 % of what one instance serves (~1.25/s): on its home, with the hash's
+other documents, it queues. Offline, one model hour: the default
+(IN_FLIGHT, ConcurrencyThreshold 10) puts 39 % of requests on one instance
+and its P90 TTFT is 3.7 s against RANDOM's 0.84 s.
+
+``hotslots``, 0.6 requests/s on 3 instances (``FleetParams.instances`` 3,
+``offline``'s default for it), one sequence and 96 blocks (1,536 tokens, one
+prompt) an instance, a small model's timing (1,000 prefill tokens/s, 10 ms a
+request, 20 ms an output token): a request holds the slot ~2.5 s cold, ~1.3 s
+warm; 300 s of arrivals is ~180 requests, the issue's run. Offline, every
+prefix-aware setting puts 53-57 % of them on one instance, as the issue's
+real engines did (49-56 %).
 """
 
 from __future__ import annotations
@@ -237,6 +263,17 @@ FLEET: dict[str, FleetParams] = {
     "sysprompt": FleetParams(CAPACITY_BLOCKS, default_rate=20.0),
     "tenants": FleetParams(CAPACITY_BLOCKS, default_rate=20.0),
     "agent": FleetParams(CAPACITY_BLOCKS, default_rate=18.0),
+    "hotdocs": FleetParams(2_560, default_rate=3.0, max_num_seqs=4),
+    "hotslots": FleetParams(
+        96,
+        default_rate=0.6,
+        default_max_tokens=64,
+        prefill_tokens_per_s=1_000.0,
+        request_overhead_s=0.010,
+        decode_s_per_token=0.020,
+        max_num_seqs=1,
+        instances=3,
+    ),
 }
 
 # ---------------------------------------------------------------- shapes
@@ -258,6 +295,12 @@ WARMUP_S = 900.0  # conversations and tasks start this long before 0: a steady s
 SYSPROMPT_TOKENS = 3_000
 TENANTS = 48
 TENANT_ZIPF = 1.0
+
+HOTDOCS_DOCUMENTS = 10
+HOTDOCS_ZIPF = 1.1
+HOTSLOTS_DOCUMENTS = 9
+HOTSLOTS_DOC_TOKENS = (1_100, 1_300)
+HOTSLOTS_QUESTION_TOKENS = 30
 
 AGENT_TOOLS = 28
 AGENT_INSTRUCTION_TOKENS = 1_000
@@ -384,21 +427,55 @@ _LONG_INSTRUCTION = (
 
 
 def _long(rng: random.Random, duration: float, rate: float) -> list[Request]:
+    return _documents(rng, duration, rate, "long", LONG_DOCUMENTS, LONG_ZIPF, LONG_DOC_TOKENS)
+
+
+def _hotdocs(rng: random.Random, duration: float, rate: float) -> list[Request]:
+    return _documents(
+        rng, duration, rate, "hotdocs", HOTDOCS_DOCUMENTS, HOTDOCS_ZIPF, LONG_DOC_TOKENS
+    )
+
+
+def _hotslots(rng: random.Random, duration: float, rate: float) -> list[Request]:
+    return _documents(
+        rng,
+        duration,
+        rate,
+        "hotslots",
+        HOTSLOTS_DOCUMENTS,
+        HOTDOCS_ZIPF,
+        HOTSLOTS_DOC_TOKENS,
+        question_tokens=HOTSLOTS_QUESTION_TOKENS,
+    )
+
+
+def _documents(
+    rng: random.Random,
+    duration: float,
+    rate: float,
+    name: str,
+    documents: int,
+    zipf: float,
+    doc_tokens: tuple[int, int],
+    *,
+    question_tokens: int = QUESTION_TOKENS,
+) -> list[Request]:
+    """Documents of ``doc_tokens`` tokens with Zipf popularity, a question each."""
     text = _Text(rng)
-    low, high = LONG_DOC_TOKENS
+    low, high = doc_tokens
     systems = []
-    for i in range(LONG_DOCUMENTS):
+    for i in range(documents):
         # Cut from the shared pool: documents overlap in wording at other offsets,
         # which neither a prefix cache nor a prefix key can see.
         body = text.excerpt(rng.randint(low, high), fresh_start=True)
         content = f'{_LONG_INSTRUCTION}\n\n<document id="doc-{i}">\n{body}\n</document>'
         systems.append({"role": "system", "content": content})
-    pick = _zipf_picker(rng, LONG_DOCUMENTS, LONG_ZIPF)
-    max_tokens = FLEET["long"].default_max_tokens
+    pick = _zipf_picker(rng, documents, zipf)
+    max_tokens = FLEET[name].default_max_tokens
     out = []
     for serial, at in enumerate(_arrivals(rng, rate, 0.0, duration)):
         doc = pick()
-        question = {"role": "user", "content": text.question(serial)}
+        question = {"role": "user", "content": text.question(serial, question_tokens)}
         out.append(Request(at, f"doc-{doc}", (systems[doc], question), max_tokens=max_tokens))
     return out
 
@@ -532,8 +609,10 @@ _BUILDERS: dict[str, Callable[[random.Random, float, float], list[Request]]] = {
     "sysprompt": _sysprompt,
     "tenants": _tenants,
     "agent": _agent,
+    "hotdocs": _hotdocs,
+    "hotslots": _hotslots,
 }
-NAMES: tuple[str, ...] = ("long", "short", "sysprompt", "tenants", "agent")
+NAMES: tuple[str, ...] = ("long", "short", "sysprompt", "tenants", "agent", "hotdocs", "hotslots")
 
 
 def build(name: str, *, seed: int, duration: float, rate: float) -> list[Request]:

@@ -211,9 +211,11 @@ def test_a_hot_key_on_a_large_fleet_spreads_by_two_choices() -> None:
     assert "m5" not in {p.member for p in later}
 
 
-def test_a_key_turns_hot_past_one_and_a_half_members_shares() -> None:
+def test_the_former_rule_turns_a_key_hot_past_one_and_a_half_shares_of_the_full_window() -> None:
+    # hot_evidence=None: shares count against the full window (the rule before the
+    # evidence test), so a cold start calls nothing hot for 220 decisions.
     ring = Ring(SEVEN, vnodes=64)
-    placement = Placement(1.05)
+    placement = Placement(1.05, hot_evidence=None)
     key = 99
     for _ in range(219):  # 219 * 7 / 1024 window = 1.497 members' shares: not hot
         placement.route(ring, key, {}, threshold=1000)
@@ -232,6 +234,93 @@ def test_a_key_turns_hot_past_one_and_a_half_members_shares() -> None:
     assert chosen.decision is Decision.OVERFLOW
     assert chosen.position == 1
     assert chosen.member == next(m for m in ring.walk(key) if m != home)
+
+
+def test_a_key_in_every_request_is_hot_after_four_decisions_on_seven_members() -> None:
+    # A fresh start: the evidence test needs 4 decisions, not 1.5 shares of 1,024.
+    # Three all-one-key decisions on 7 members are 7**-3 = 2.9e-3 likely for a key
+    # of one fair share, not below 1e-3; four are 4.2e-4.
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    key = 0xD0C
+    for _ in range(3):
+        placement.route(ring, key, {}, threshold=1000)
+    home = placement.home(key)
+    assert home is not None
+    assert placement.hot_share(key, 7) == 0.0
+    busy_home = {home: 5}
+    assert placement.route(ring, key, {}, threshold=1000, fallback_loads=busy_home) == (
+        home,
+        Decision.PRIMARY,
+        0,
+    )
+    # Four decisions, all this key: hot, at 7 shares (every member a replica).
+    assert placement.hot_share(key, 7) == 7.0
+    chosen = placement.route(ring, key, {}, threshold=1000, fallback_loads=busy_home)
+    assert chosen is not None
+    assert chosen.member != home
+    assert chosen.decision is Decision.OVERFLOW
+    assert placement.home(key) == home
+
+
+def test_a_key_in_eleven_of_the_first_twenty_two_decisions_is_hot() -> None:
+    # The issue's case: a few documents carry most of the first requests.  Nine of
+    # twenty is 3.15 shares but not yet the evidence (Chernoff: e**-5.45 > 1e-3),
+    # nor ten of twenty-one (e**-6.63); eleven of twenty-two is (e**-7.85).
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    hot = 0xF00D
+    others = iter(range(1, 100))
+    for i in range(20):
+        placement.route(ring, hot if i % 2 and i < 19 else next(others), {}, threshold=1000)
+    assert Counter(k for _, k in placement._recent)[hot] == 9
+    assert placement.hot_share(hot, 7) == 0.0
+    placement.route(ring, hot, {}, threshold=1000)
+    assert placement.hot_share(hot, 7) == 0.0  # 10 of 21
+    placement.route(ring, hot, {}, threshold=1000)
+    assert placement.hot_share(hot, 7) == pytest.approx(11 * 7 / 22)
+
+
+def test_in_a_full_window_one_and_a_half_shares_is_hot_as_before() -> None:
+    # In a full window (1,024 decisions on 7 members) the evidence test always
+    # passes at 1.5 shares, so the rule is the plain share test: 219 of 1,024 is
+    # 1.497 shares (not hot), 220 is 1.504 (hot).
+    ring = Ring(SEVEN, vnodes=64)
+    placement = Placement(1.05)
+    key = 77
+    for _ in range(220):  # hot from the fifth on (four decisions of evidence)
+        placement.route(ring, key, {}, threshold=1000)
+    for i in range(1024 - 220):  # then others fill the window
+        placement.route(ring, 10_000 + i, {}, threshold=1000)
+    assert placement.window == len(placement._recent) == 1024
+    assert placement.hot_share(key, 7) == pytest.approx(220 * 7 / 1024)
+    placement.route(ring, 90_000, {}, threshold=1000)  # the oldest decision, the key's, leaves
+    assert Counter(k for _, k in placement._recent)[key] == 219
+    assert placement.hot_share(key, 7) == 0.0
+
+
+@pytest.mark.parametrize(("members", "keys"), [(7, 7), (7, 70), (2, 2), (3, 9)])
+def test_no_key_is_called_hot_in_a_uniform_stream(members: int, keys: int) -> None:
+    # Keys of one fair share each (the hardest case: every key as big as a member's
+    # share) or smaller, drawn uniformly, seeded; tested on every decision.
+    ring = Ring({f"m{i}": 1 for i in range(members)}, vnodes=64)
+    placement = Placement(1.05)
+    rng = random.Random(f"uniform:{members}:{keys}")
+    pool = [rng.getrandbits(64) for _ in range(keys)]
+    for _ in range(3000):
+        key = pool[rng.randrange(keys)]
+        assert placement.hot_share(key, members) == 0.0
+        home = placement.home(key)
+        chosen = placement.route(ring, key, {}, threshold=1000)
+        assert chosen is not None
+        if home is not None:  # no replica: every placed key goes to its home
+            assert chosen == (home, Decision.PRIMARY, 0)
+
+
+def test_hot_evidence_out_of_range_is_rejected() -> None:
+    for bad in (0.0, 1.0, 2.0, -1e-3):
+        with pytest.raises(ValueError, match=r"hot_evidence must be in \(0, 1\)"):
+            Placement(1.05, hot_evidence=bad)
 
 
 def test_keys_below_the_hot_share_stay_on_their_homes() -> None:

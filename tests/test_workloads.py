@@ -64,13 +64,14 @@ def test_same_seed_same_requests_other_seed_others(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_arrivals_are_sorted_in_the_window_at_the_rate(name: str) -> None:
-    requests = sample(name)
+    duration = max(300.0, 2000 / FLEET[name].default_rate)  # hotslots: 0.6/s
+    requests = sample(name, duration)
     times = [r.at for r in requests]
     assert times == sorted(times)
     assert times[0] >= 0
-    assert times[-1] < 300
+    assert times[-1] < duration
     # Poisson (conversations: clusters of turns) over >= 2,000 arrivals: 10 % is > 4 sigma.
-    assert len(requests) / 300 == pytest.approx(FLEET[name].default_rate, rel=0.10)
+    assert len(requests) / duration == pytest.approx(FLEET[name].default_rate, rel=0.10)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -117,7 +118,9 @@ def test_fleet_flags_are_the_simulators(name: str) -> None:
     assert args.capacity_blocks == params.capacity_blocks
     assert args.prefill_tokens_per_s == params.prefill_tokens_per_s
     assert args.decode_ms == pytest.approx(params.decode_s_per_token * 1000)
-    assert params.rate_for(14) == pytest.approx(2 * params.default_rate)
+    assert args.max_num_seqs == params.max_num_seqs
+    assert args.overhead_ms == pytest.approx(params.request_overhead_s * 1000)
+    assert params.rate_for(2 * params.instances) == pytest.approx(2 * params.default_rate)
 
 
 # ---------------------------------------------------------------- long
@@ -190,6 +193,45 @@ def test_short_lengths_resemble_sharegpt() -> None:
     groups = by_group(requests)
     began = [groups[r.group] for r in firsts if r.at < 600]  # long enough to finish
     assert statistics.fmean(len(g) for g in began) == pytest.approx(3.5, rel=0.15)
+
+
+# ---------------------------------------------------------------- hotdocs, hotslots
+
+
+@pytest.mark.parametrize(
+    ("name", "documents", "tokens", "question"),
+    [("hotdocs", 10, (7_600, 8_500), 50), ("hotslots", 9, (1_100, 1_350), 30)],
+)
+def test_few_hot_documents_on_instances_of_few_sequences(
+    name: str, documents: int, tokens: tuple[int, int], question: int
+) -> None:
+    # Issue 12's shape: a few documents, Zipf 1.1, the top one a third of requests or more;
+    # instances that run few sequences at once (the simulator's max_num_seqs).
+    requests = sample(name, 2000 / FLEET[name].default_rate)
+    groups = by_group(requests)
+    assert len(groups) == documents
+    counts = sorted((len(r) for r in groups.values()), reverse=True)
+    assert 0.30 < counts[0] / len(requests) < 0.45  # Zipf 1.1: ~37 %
+    assert counts[0] > 1.8 * counts[1]
+    for group in groups.values():
+        low, high = tokens
+        assert low <= len(tokenize(group[0].messages[0]["content"])) <= high
+        assert len({chat_key(r) for r in group}) == 1  # one key a document
+        assert len(tokenize(group[0].messages[-1]["content"])) == pytest.approx(question, abs=2)
+    assert len({chat_key(g[0]) for g in groups.values()}) == documents
+    fleet = FLEET[name]
+    assert (fleet.max_num_seqs, fleet.instances) == {"hotdocs": (4, 7), "hotslots": (1, 3)}[name]
+    assert all(r.max_tokens == fleet.default_max_tokens for r in requests)
+
+
+def test_hotdocs_is_long_with_fewer_hotter_documents() -> None:
+    # Same generator as long (so long is unchanged by the refactor): same instruction
+    # and document layout, other documents and popularity.
+    hot, long = sample("hotdocs")[0], sample("long")[0]
+    assert (
+        hot.messages[0]["content"].split("\n\n")[0] == long.messages[0]["content"].split("\n\n")[0]
+    )
+    assert hot.messages[0]["content"] != long.messages[0]["content"]
 
 
 # ---------------------------------------------------------------- sysprompt, tenants, agent
