@@ -36,6 +36,9 @@ Contract:
   key looks hot early.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
+- ``adopt`` and ``observe`` apply another router replica's decisions (a home
+  it placed, a request it counted), so that replicas share one placement
+  (``hashring.shared.PlacementLog``); a replica alone never calls them.
 - Trade-off, stated: placement depends on this process's recent traffic, so
   two router replicas agree on the ring but not always on new keys; and an
   added member takes only new keys until old ones age out of the table.
@@ -165,6 +168,19 @@ class Placement:
         if chosen is not None:
             self._count(chosen.member, key_hash)
         return chosen
+
+    def adopt(self, key_hash: int, member: str) -> None:
+        """Make ``member`` the key's home, as another router replica placed it
+        (``hashring.shared``): the key becomes the most recently used, as when
+        routed here; nothing is counted."""
+        self._remember(key_hash, member)
+
+    def observe(self, ring: Ring, key_hash: int, member: str) -> None:
+        """Count a request another router replica routed to ``member`` in the
+        recent-traffic window (member shares, hot keys), as ``route`` counts its
+        own: fed every replica's requests, the window is the fleet's."""
+        self._fit_window(len(ring))
+        self._count(member, key_hash)
 
     def _replica(
         self,
