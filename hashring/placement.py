@@ -39,6 +39,9 @@ Contract:
 - ``adopt`` and ``observe`` apply another router replica's decisions (a home
   it placed, a request it counted), so that replicas share one placement
   (``hashring.shared.PlacementLog``); a replica alone never calls them.
+  ``scan_replicas`` (default ``SCAN_REPLICAS``) is where two replicas start
+  to be compared instead of all: replicas that see each other's loads late
+  set it lower (``hashring.shared.STALE_SCAN_REPLICAS``).
 - Trade-off, stated: placement depends on this process's recent traffic, so
   two router replicas agree on the ring but not always on new keys; and an
   added member takes only new keys until old ones age out of the table.
@@ -80,6 +83,7 @@ class Placement:
         "_table",
         "_tick",
         "capacity",
+        "scan_replicas",
     )
 
     def __init__(self, factor: float, *, capacity: int = DEFAULT_CAPACITY):
@@ -94,6 +98,7 @@ class Placement:
         self._replicas: dict[int, list[str]] = {}
         self._replica_ring: Ring | None = None
         self._tick = 0
+        self.scan_replicas = SCAN_REPLICAS  # past it, two replicas (see the contract)
 
     @property
     def factor(self) -> float:
@@ -207,7 +212,7 @@ class Placement:
             count = len(replicas)
             if not count:
                 return None
-        if count > SCAN_REPLICAS:
+        if count > self.scan_replicas:
             self._tick = tick = self._tick + 1
             first = tick % count
             second = (first + 1 + (tick // count) % (count - 1)) % count

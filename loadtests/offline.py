@@ -46,7 +46,8 @@ Contract
   before every decision: exact sharing. In TRAFFIC mode ``share_placement``
   says what the ``hashring.shared.PlacementLog`` publishes in the same
   message: ``log`` every decision (homes, shares and hot keys fleet-wide),
-  ``homes`` new homes only, ``none`` nothing. Publications fall between
+  ``homes`` new homes only, ``none`` nothing; with P > 0 and R > 1 hot keys
+  compare two of their replicas (``STALE_SCAN_REPLICAS``). Publications fall between
   events: one due at or before an event's time is made before it. With
   R = 1 nothing is exchanged and the run is the plain one to the last digit;
   with P = 0 and ``log``, a deterministic strategy routes as one router.
@@ -72,7 +73,7 @@ import msgspec
 
 from admin.cli import prefix_aware_flags
 from hashring import Placement, hash_key, tenant_seed
-from hashring.shared import PlacementLog, Record, SharedLoads
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record, SharedLoads
 from router.balancer import Balancer, Choice
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
@@ -173,6 +174,10 @@ class _Exchange:
             for r, p in enumerate(placements)
         ]
         self.placements = placements
+        if period > 0 and len(fleets) > 1:  # the others' loads are seen late: no herding
+            for p in placements:
+                if p is not None:
+                    p.scan_replicas = STALE_SCAN_REPLICAS
         count = len(fleets)
         # What each router last published: its rows, and its records not yet applied.
         self.rows: list[dict[str, int]] = [{} for _ in fleets]

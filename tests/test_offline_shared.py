@@ -14,7 +14,8 @@ import functools
 import pytest
 
 from hashring import Lease, LoadTracker, Placement, Ring
-from hashring.shared import PlacementLog, SharedLoads
+from hashring.placement import SCAN_REPLICAS
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, SharedLoads
 from loadtests import offline, report, workloads
 from loadtests.offline import Outcome, simulate
 from loadtests.workloads import FLEET, Request
@@ -220,6 +221,10 @@ def test_a_period_longer_than_the_run_is_the_uncoordinated_run(prefix: dict[str,
     assert figures(run(2, 1e6, **prefix)) == figures(run(2, None, **prefix))
     shared = run(2, 0.1, **prefix)
     assert figures(shared) != figures(run(2, None, **prefix))
+    # Loads seen late: hot keys compare two replicas; exact or alone: all of them.
+    for outcome, scan in ((shared, STALE_SCAN_REPLICAS), (run(2, 0.0, **prefix), SCAN_REPLICAS)):
+        for balancer in outcome.balancers:
+            assert balancer._placement is None or balancer._placement.scan_replicas == scan
     for fleet in shared.fleets:  # the views keep the last rows published, the own are empty
         assert isinstance(fleet.loads, SharedLoads)
         assert isinstance(fleet.waiting, SharedLoads)
