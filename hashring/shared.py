@@ -44,7 +44,6 @@ Contract:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -125,6 +124,10 @@ class SharedLoads(LoadTracker):
         self.total = own_total + self._others_total
 
 
+# A home whose stamp was forgotten is older than any remembered.
+_OLDEST = float("-inf")
+
+
 class Record(NamedTuple):
     """One routing decision (or a re-published home) as the other replicas see it."""
 
@@ -132,6 +135,10 @@ class Record(NamedTuple):
     key_hash: int
     member: str | None  # where the request went; None: a home published again
     home: str | None  # the key's home after the decision; None: it has none
+
+
+# NamedTuple's generated __new__ is Python code; tuple.__new__ is not (as bounded.py).
+_new_record = tuple.__new__
 
 
 class PlacementLog:
@@ -143,9 +150,9 @@ class PlacementLog:
         self.placement = placement
         self.replica = replica
         self.decisions = decisions
-        # Placement stamps of the homes in the table, least recently used first,
-        # bounded as the table is.
-        self._stamps: OrderedDict[int, Stamp] = OrderedDict()
+        # Placement stamps of the homes in the table, oldest first, as many as
+        # the table holds.
+        self._stamps: dict[int, Stamp] = {}
         self._outbox: list[Record] = []
         self._resent: set[int] = set()  # keys published again since the last publish
 
@@ -154,15 +161,16 @@ class PlacementLog:
         home = self.placement.home(key_hash)
         if home is not None and home != before:  # placed here, now
             stamp = self._stamp(key_hash, (now, self.replica))
-        elif home is not None:
-            stamp = self._stamps.get(key_hash) or (float("-inf"), self.replica)
-            self._touch(key_hash)
+            if not self.decisions:
+                self._outbox.append(_new_record(Record, (stamp, key_hash, None, home)))
+        elif not self.decisions:
+            return
+        elif home is not None:  # the common case: a known key
+            stamp = self._stamps.get(key_hash) or (_OLDEST, self.replica)
         else:
             stamp = (now, self.replica)
         if self.decisions:
-            self._outbox.append(Record(stamp, key_hash, member, home))
-        elif home is not None and home != before:
-            self._outbox.append(Record(stamp, key_hash, None, home))
+            self._outbox.append(_new_record(Record, (stamp, key_hash, member, home)))
 
     def publish(self) -> list[Record]:
         """The records made since the last call, in order: this period's message."""
@@ -187,7 +195,7 @@ class PlacementLog:
                         stamp = record.stamp
                     self._stamp(key_hash, stamp)
                 else:
-                    stamp = self._stamps.get(key_hash) or (float("-inf"), self.replica)
+                    stamp = self._stamps.get(key_hash) or (_OLDEST, self.replica)
                     if record.stamp < stamp:  # placed there first: re-home here
                         placement.adopt(key_hash, home)
                         self._stamp(key_hash, record.stamp)
@@ -199,12 +207,10 @@ class PlacementLog:
 
     def _stamp(self, key_hash: int, stamp: Stamp) -> Stamp:
         stamps = self._stamps
+        stamps.pop(key_hash, None)  # re-stamped: now the newest
         stamps[key_hash] = stamp
-        stamps.move_to_end(key_hash)
         if len(stamps) > self.placement.capacity:
-            stamps.popitem(last=False)
+            # The oldest stamp goes; its home, if still held, then counts as
+            # placed before any other (it is at least that old).
+            del stamps[next(iter(stamps))]
         return stamp
-
-    def _touch(self, key_hash: int) -> None:
-        if key_hash in self._stamps:
-            self._stamps.move_to_end(key_hash)
