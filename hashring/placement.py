@@ -51,6 +51,12 @@ Contract:
   shares of it (220 decisions on 7 members) have gone by.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
+- ``adopt`` and ``observe`` apply another router replica's decisions (a home
+  it placed, a request it counted), so that replicas share one placement
+  (``hashring.shared.PlacementLog``); a replica alone never calls them.
+  ``scan_replicas`` (default ``SCAN_REPLICAS``) is where two replicas start
+  to be compared instead of all: replicas that see each other's loads late
+  set it lower (``hashring.shared.STALE_SCAN_REPLICAS``).
 - Trade-off, stated: placement depends on this process's recent traffic, so
   two router replicas agree on the ring but not always on new keys; and an
   added member takes only new keys until old ones age out of the table.
@@ -99,6 +105,7 @@ class Placement:
         "_table",
         "_tick",
         "capacity",
+        "scan_replicas",
     )
 
     def __init__(
@@ -123,6 +130,7 @@ class Placement:
         self._replicas: dict[int, list[str]] = {}
         self._replica_ring: Ring | None = None
         self._tick = 0
+        self.scan_replicas = SCAN_REPLICAS  # past it, two replicas (see the contract)
 
     @property
     def factor(self) -> float:
@@ -227,6 +235,19 @@ class Placement:
             surprise += (decisions - count) * math.log((1 - rate) / (1 - fair))
         return rate * members if surprise > self._hot_log else 0.0
 
+    def adopt(self, key_hash: int, member: str) -> None:
+        """Make ``member`` the key's home, as another router replica placed it
+        (``hashring.shared``): the key becomes the most recently used, as when
+        routed here; nothing is counted."""
+        self._remember(key_hash, member)
+
+    def observe(self, ring: Ring, key_hash: int, member: str) -> None:
+        """Count a request another router replica routed to ``member`` in the
+        recent-traffic window (member shares, hot keys), as ``route`` counts its
+        own: fed every replica's requests, the window is the fleet's."""
+        self._fit_window(len(ring))
+        self._count(member, key_hash)
+
     def _replica(
         self,
         ring: Ring,
@@ -252,7 +273,7 @@ class Placement:
             count = len(replicas)
             if not count:
                 return None
-        if count > SCAN_REPLICAS:
+        if count > self.scan_replicas:
             self._tick = tick = self._tick + 1
             first = tick % count
             second = (first + 1 + (tick // count) % (count - 1)) % count

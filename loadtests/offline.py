@@ -2,8 +2,8 @@
 
 ``python -m loadtests.offline --workload long --instances 7 --strategies random,least,prefix
 --duration 3600 [--seed S] [--rate R] [--prefix-length N --concurrency-threshold N
---balance-factor C] [--replicas R [--replica-threshold each|split]]
-[--form openai|native] [--out DIR]``
+--balance-factor C] [--replicas R [--replica-threshold each|split]
+[--share-loads PERIOD_S [--share-placement none|homes|log]]] [--form openai|native] [--out DIR]``
 
 Contract
 --------
@@ -37,6 +37,20 @@ Contract
   on that router. R = 1 draws nothing: the run is the single-router run to
   the last digit. ``split_threshold`` gives each router ConcurrencyThreshold
   ceil(T / R) instead of T.
+- ``share_period`` P (None: the routers share nothing) gives every router a
+  ``hashring.shared.SharedLoads`` for its in-flight (and not-yet-answered)
+  counts: its own row exact, the other routers' rows as they last published
+  them. Router r publishes at model times (r / R + k) * P, k = 0, 1, ..., and
+  every other router folds the row in at once (no transport delay: a row is
+  between 0 and P old when read). P = 0 folds the others' current rows
+  before every decision: exact sharing. In TRAFFIC mode ``share_placement``
+  says what the ``hashring.shared.PlacementLog`` publishes in the same
+  message: ``log`` every decision (homes, shares and hot keys fleet-wide),
+  ``homes`` new homes only, ``none`` nothing; with P > 0 and R > 1 hot keys
+  compare two of their replicas (``STALE_SCAN_REPLICAS``). Publications fall between
+  events: one due at or before an event's time is made before it. With
+  R = 1 nothing is exchanged and the run is the plain one to the last digit;
+  with P = 0 and ``log``, a deterministic strategy routes as one router.
 - ``simulate`` returns the ``report.Run`` and the fleets, balancers and
   engines it used, so tests can check that every lease and every pinned
   block was released.
@@ -58,7 +72,8 @@ from pathlib import Path
 import msgspec
 
 from admin.cli import prefix_aware_flags
-from hashring import hash_key, tenant_seed
+from hashring import Placement, hash_key, tenant_seed
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record, SharedLoads
 from router.balancer import Balancer, Choice
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
@@ -128,6 +143,103 @@ def replica_config(config: RoutingConfig, replicas: int, split_threshold: bool) 
     )
 
 
+SHARE_PLACEMENT = ("none", "homes", "log")
+
+
+class _Exchange:
+    """The transport between routers, in model time (see the module contract)."""
+
+    def __init__(
+        self,
+        fleets: list[Fleet],
+        balancers: list[Balancer],
+        period: float,
+        placement: str,
+    ):
+        if period < 0:
+            raise ValueError(f"share period must be >= 0, not {period}")
+        if placement not in SHARE_PLACEMENT:
+            raise ValueError(f"share placement must be one of {SHARE_PLACEMENT}, not {placement!r}")
+        self.period = period
+        self.fleets = fleets
+        self.loads = [SharedLoads() for _ in fleets]
+        self.waiting = [SharedLoads() for _ in fleets]
+        for fleet, loads, waiting in zip(fleets, self.loads, self.waiting, strict=True):
+            fleet.loads, fleet.waiting = loads, waiting
+        placements: list[Placement | None] = [b._placement for b in balancers]
+        self.logs = [
+            PlacementLog(p, r, decisions=placement == "log")
+            if p is not None and placement != "none"
+            else None
+            for r, p in enumerate(placements)
+        ]
+        self.placements = placements
+        if period > 0 and len(fleets) > 1:  # the others' loads are seen late: no herding
+            for p in placements:
+                if p is not None:
+                    p.scan_replicas = STALE_SCAN_REPLICAS
+        count = len(fleets)
+        # What each router last published: its rows, and its records not yet applied.
+        self.rows: list[dict[str, int]] = [{} for _ in fleets]
+        self.waiting_rows: list[dict[str, int]] = [{} for _ in fleets]
+        self.ticks = [0] * count  # publications made by each router
+        self.phase = [r / count for r in range(count)]
+        self.next_at = min(self._due(r) for r in range(count)) if period > 0 else math.inf
+
+    def _due(self, router: int) -> float:
+        return (self.phase[router] + self.ticks[router]) * self.period
+
+    def before(self, router: int) -> None:
+        """With period 0, fold in the others' rows as they are now (exact sharing)."""
+        if self.period == 0 and len(self.fleets) > 1:
+            others = [r for r in range(len(self.fleets)) if r != router]
+            self.loads[router].fold([self.loads[r].own for r in others])
+            self.waiting[router].fold([self.waiting[r].own for r in others])
+
+    def advance(self, now: float) -> None:
+        """Make the publications due at or before ``now``, in time order."""
+        while self.next_at <= now:
+            due = [self._due(r) for r in range(len(self.fleets))]
+            first = min(range(len(due)), key=due.__getitem__)  # ties: the lowest id
+            self._publish(first)
+            self.ticks[first] += 1
+            self.next_at = min(self._due(r) for r in range(len(self.fleets)))
+
+    def home(self, router: int, key_hash: int) -> str | None:
+        placement = self.placements[router]
+        return placement.home(key_hash) if placement is not None else None
+
+    def after(
+        self, router: int, key_hash: int, member: str, before: str | None, now: float
+    ) -> None:
+        """A decision made: record it; with period 0, every other router applies it now."""
+        log = self.logs[router]
+        if log is None:
+            return
+        log.decided(key_hash, member, before, now)
+        if self.period == 0:
+            self._deliver(router, log.publish())
+
+    def _publish(self, router: int) -> None:
+        self.rows[router] = dict(self.loads[router].own)
+        self.waiting_rows[router] = dict(self.waiting[router].own)
+        log = self.logs[router]
+        if log is not None:
+            self._deliver(router, log.publish())
+        for other in range(len(self.fleets)):
+            if other != router:
+                rest = [r for r in range(len(self.fleets)) if r != other]
+                self.loads[other].fold([self.rows[r] for r in rest])
+                self.waiting[other].fold([self.waiting_rows[r] for r in rest])
+
+    def _deliver(self, router: int, records: list[Record]) -> None:
+        if not records:
+            return
+        for other, log in enumerate(self.logs):
+            if other != router and log is not None:
+                log.apply(self.fleets[other].ring, records)
+
+
 # An event: (model time, tie-break serial, instance, ticket, request index, choice,
 # FIRST_TOKEN or FINISH).
 _Event = tuple[float, int, str, Ticket, int, Choice, int]
@@ -146,6 +258,8 @@ def simulate(
     target: str | None = None,
     replicas: int = 1,
     split_threshold: bool = False,
+    share_period: float | None = None,
+    share_placement: str = "log",
 ) -> Outcome:
     """Route and serve ``requests`` (sorted by arrival); see the module contract.
 
@@ -165,6 +279,11 @@ def simulate(
     per_router = replica_config(config, replicas, split_threshold)
     fleets = [Fleet(specs) for _ in range(replicas)]
     balancers = [Balancer(f, per_router, seed=s) for f, s in zip(fleets, seeds, strict=True)]
+    exchange = (
+        _Exchange(fleets, balancers, share_period, share_placement)
+        if share_period is not None
+        else None
+    )
     timing = Timing(**params.timing_kwargs())
     engines = {n: Engine(timing, KVCache(params.block_size, params.capacity_blocks)) for n in names}
     if hashes is None:
@@ -215,13 +334,24 @@ def simulate(
     for index, request in enumerate(requests):
         now = request.at
         while events and events[0][0] <= now:
+            if exchange is not None:
+                exchange.advance(events[0][0])  # rows as they were at that time
             finish(heapq.heappop(events))
         # Takes the lease on the router the request went to, as the router does;
         # Choice.release gives it back to that router's counts.
         router = draw.randrange(replicas) if replicas > 1 else 0
-        choice = balancers[router].choose(hashes[index])
+        key_hash = hashes[index]
+        if exchange is None:
+            choice = balancers[router].choose(key_hash)
+        else:
+            exchange.advance(now)
+            exchange.before(router)
+            home = exchange.home(router, key_hash)
+            choice = balancers[router].choose(key_hash)
         assert choice is not None  # every backend is available
         name = choice.backend.name
+        if exchange is not None:
+            exchange.after(router, key_hash, name, home, now)
         ticket = engines[name].submit(tokenize(request.prompt_text()), request.max_tokens, now)
         queued[name, ticket.id] = (index, choice)
         if ticket.plan is not None:
@@ -251,6 +381,10 @@ def simulate(
         if split_threshold and config.strategy.value == "PREFIX_AWARE":
             total = config.prefix_aware.concurrency_threshold
             notes += f" (ConcurrencyThreshold {total} split: {prefix.concurrency_threshold} each)"
+        if share_period is not None:
+            notes += f", sharing state every {share_period:g} s"
+            if prefix.balance_mode == "TRAFFIC" and config.strategy.value == "PREFIX_AWARE":
+                notes += f" (placement: {share_placement})"
     run = report.Run(
         target=target or config.strategy.value,
         samples=done,
@@ -308,6 +442,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="each",
         help="each router gets ConcurrencyThreshold T (each) or ceil(T / replicas) (split)",
     )
+    p.add_argument(
+        "--share-loads",
+        type=float,
+        default=None,
+        metavar="PERIOD_S",
+        help="routers publish their state every PERIOD_S model seconds (0: exact sharing); "
+        "default: they share nothing",
+    )
+    p.add_argument(
+        "--share-placement",
+        choices=SHARE_PLACEMENT,
+        default="log",
+        help="TRAFFIC placement shared with --share-loads: every decision (log), "
+        "new homes only (homes), or nothing",
+    )
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -335,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         args.instances = FLEET[args.workload].instances
     if args.instances < 1 or args.duration <= 0 or args.replicas < 1:
         print("error: --instances and --replicas must be >= 1 and --duration > 0", file=sys.stderr)
+        return 2
+    if args.share_loads is not None and args.share_loads < 0:
+        print("error: --share-loads must be >= 0 (0: exact sharing)", file=sys.stderr)
         return 2
     params = FLEET[args.workload]
     if args.capacity_blocks is not None:
@@ -368,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             hashes=hashes[length],
             replicas=args.replicas,
             split_threshold=args.replica_threshold == "split",
+            share_period=args.share_loads,
+            share_placement=args.share_placement,
         )
         wall = time.perf_counter() - clock
         walls[outcome.run.target] = wall
@@ -384,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "replicas": args.replicas,
             "replica_threshold": args.replica_threshold,
+            "share_loads": args.share_loads,
+            "share_placement": args.share_placement,
             "form": args.form,
             "fleet": vars(params),
             "routing": [c.document() for c in configs],

@@ -1,0 +1,258 @@
+"""Routers that share their state (``hashring.shared``, ``loadtests/offline.py`` share_period).
+
+The mechanics first (``SharedLoads`` folds, ``PlacementLog`` conflicts), then
+the simulation: one router with sharing is the plain run, R routers sharing
+exactly (period 0) route as one router, and a period longer than the run is
+the uncoordinated run. Short, deterministic simulations: every figure
+compared here is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from hashring import Lease, LoadTracker, Placement, Ring
+from hashring.placement import SCAN_REPLICAS
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, SharedLoads
+from loadtests import offline, report, workloads
+from loadtests.offline import Outcome, simulate
+from loadtests.workloads import FLEET, Request
+from router.config import RoutingConfig, parse_routing
+
+TRAFFIC_PREFILL = {"BalanceMode": "TRAFFIC", "ConcurrencyScope": "PREFILL"}
+# The deterministic PREFIX_AWARE settings: the default, a BalanceFactor, the
+# README's recommendation.
+SETTINGS = [{}, {"BalanceFactor": 1.2}, TRAFFIC_PREFILL]
+IDS = ["in-flight", "balance-factor", "traffic-prefill"]
+
+
+def routing(**prefix: object) -> RoutingConfig:
+    return parse_routing({"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": prefix})
+
+
+@functools.cache
+def long_run() -> list[Request]:
+    # Two minutes at the calibrated load of 4 instances: ~480 requests, enough
+    # for overflow (BalanceFactor) and TRAFFIC's share bound to act.
+    return workloads.build("long", seed=3, duration=120, rate=FLEET["long"].rate_for(4))
+
+
+def run(replicas: int, period: float | None, placement: str = "log", **prefix: object) -> Outcome:
+    return simulate(
+        long_run(),
+        routing(**prefix),
+        instances=4,
+        params=FLEET["long"],
+        seed=1,
+        replicas=replicas,
+        share_period=period,
+        share_placement=placement,
+    )
+
+
+def figures(outcome: Outcome) -> tuple[list[report.Sample], float | None, list[float] | None]:
+    return outcome.run.samples, outcome.run.hit_rate, outcome.run.utilisation
+
+
+# -- SharedLoads ----------------------------------------------------------------
+
+
+def test_shared_loads_folded_on_read_are_one_trackers_counts() -> None:
+    one = LoadTracker()
+    replicas = [SharedLoads(), SharedLoads()]
+    idle: list[str] = []
+    replicas[0].on_idle = idle.append
+    leases: list[tuple[Lease, Lease]] = []
+    # A fixed interleaving of acquires and releases over both replicas.
+    steps = [(0, "a"), (1, "a"), (1, "b"), (0, "c"), (1, "a"), None, (0, "b"), None, None]
+    for step in steps:
+        if step is None:
+            single, shared = leases.pop(0)
+            assert single.release()
+            assert shared.release()
+            assert not shared.release()
+        else:
+            replica, member = step
+            leases.append((one.acquire(member), replicas[replica].acquire(member)))
+        for index, tracker in enumerate(replicas):
+            tracker.fold([replicas[1 - index].own])
+            assert dict(tracker.counts) == dict(one.counts)
+            assert tracker.total == one.total
+            assert all(tracker.get(m) == one.get(m) for m in "abcd")
+        assert replicas[0].own_total + replicas[1].own_total == one.total
+    # Replica 0's own "a" went to zero (the first release) while replica 1 held
+    # two: on_idle follows the own row, which is what a drain waits on.
+    assert idle == ["a"]
+    assert dict(replicas[0].own) == {"b": 1, "c": 1}
+    assert dict(replicas[0].others) == {"a": 1}
+
+
+def test_fold_replaces_the_others_and_keeps_the_own_row() -> None:
+    loads = SharedLoads()
+    lease = loads.acquire("a")
+    loads.fold([{"a": 2, "b": 1}, {"b": 3, "c": 0}])
+    assert dict(loads.counts) == {"a": 3, "b": 4}
+    assert loads.total == 7
+    loads.fold([{"c": 1}])  # a later publication replaces, it does not add
+    assert dict(loads.counts) == {"a": 1, "c": 1}
+    lease.release()
+    assert dict(loads.counts) == {"c": 1}
+    assert loads.total == 1
+    assert loads.own_total == 0
+    assert not loads.own
+
+
+# -- PlacementLog ---------------------------------------------------------------
+
+
+def placed_apart() -> tuple[Ring, int, list[PlacementLog], list[str]]:
+    """Two replicas that place one new key on different members, replica 1 first."""
+    ring = Ring({"m0": 1, "m1": 1, "m2": 1})
+    key = 12345
+    first, second = list(ring.walk(key))[:2]
+    logs = [PlacementLog(Placement(1.05), r) for r in range(2)]
+    # Replica 0 sees the key's first member at its threshold: the key goes on.
+    chosen = [
+        logs[0].placement.route(ring, key, {first: 1}, 1),
+        logs[1].placement.route(ring, key, {}, 1),
+    ]
+    assert chosen[0] is not None
+    assert chosen[1] is not None
+    assert (chosen[0].member, chosen[1].member) == (second, first)
+    logs[0].decided(key, chosen[0].member, None, now=2.0)
+    logs[1].decided(key, chosen[1].member, None, now=1.0)
+    return ring, key, logs, [first, second]
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["0-first", "1-first"])
+def test_a_conflict_resolves_to_the_earliest_placement(order: tuple[int, int]) -> None:
+    ring, key, logs, (first, _) = placed_apart()
+    messages = [logs[0].publish(), logs[1].publish()]
+    for sender in order:  # each message reaches the other replica
+        logs[1 - sender].apply(ring, messages[sender])
+    # Replica 1 placed it first (stamp 1.0 < 2.0): replica 0 re-homes.
+    assert logs[0].placement.home(key) == logs[1].placement.home(key) == first
+    # Replica 1 saw a later, losing placement and says its own again.
+    again = logs[1].publish()
+    assert [(r.key_hash, r.member, r.home, r.stamp) for r in again] == [
+        (key, None, first, (1.0, 1))
+    ]
+    logs[0].apply(ring, again)  # nothing left to change
+    assert logs[0].placement.home(key) == first
+    assert not logs[0].publish()
+
+
+def test_a_winner_that_never_routes_the_key_again_still_converts_the_loser() -> None:
+    ring, key, logs, (first, _) = placed_apart()
+    # Replica 1's message is lost to replica 0 (say it arrived before a restart);
+    # replica 0's reaches replica 1, which answers with its earlier placement.
+    logs[1].publish()
+    logs[1].apply(ring, logs[0].publish())
+    logs[0].apply(ring, logs[1].publish())
+    assert logs[0].placement.home(key) == logs[1].placement.home(key) == first
+
+
+def test_observed_requests_count_in_the_window() -> None:
+    ring = Ring({"m0": 1, "m1": 1})
+    sender, receiver = PlacementLog(Placement(1.05), 0), PlacementLog(Placement(1.05), 1)
+    for key in range(5):
+        chosen = sender.placement.route(ring, key, {}, 10)
+        assert chosen is not None
+        sender.decided(key, chosen.member, None, now=float(key))
+    receiver.apply(ring, sender.publish())
+    for member in ("m0", "m1"):
+        assert receiver.placement.share(member) == sender.placement.share(member)
+    assert all(receiver.placement.home(k) == sender.placement.home(k) for k in range(5))
+    # New homes only: the table follows, the window does not.
+    homes_only = PlacementLog(Placement(1.05), 2, decisions=False)
+    other = PlacementLog(Placement(1.05), 3, decisions=False)
+    chosen = other.placement.route(ring, 99, {}, 10)
+    assert chosen is not None
+    other.decided(99, chosen.member, None, now=0.0)
+    other.decided(99, chosen.member, chosen.member, now=1.0)  # not new: no record
+    records = other.publish()
+    assert [r.member for r in records] == [None]
+    homes_only.apply(ring, records)
+    assert homes_only.placement.home(99) == chosen.member
+    assert homes_only.placement.share(chosen.member) == 0
+
+
+# -- the simulation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", SETTINGS, ids=IDS)
+@pytest.mark.parametrize("period", [0.0, 0.1])
+def test_one_router_with_sharing_is_the_plain_run(prefix: dict[str, object], period: float) -> None:
+    plain = run(1, None, **prefix)
+    shared = run(1, period, **prefix)
+    assert figures(shared) == figures(plain)
+    assert shared.run.notes == plain.run.notes
+    assert isinstance(shared.fleet.loads, SharedLoads)
+
+
+@pytest.mark.parametrize("prefix", SETTINGS, ids=IDS)
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_routers_sharing_exactly_route_as_one_router(
+    prefix: dict[str, object], replicas: int
+) -> None:
+    one = run(1, None, **prefix)
+    shared = run(replicas, 0.0, **prefix)
+    assert figures(shared) == figures(one)
+    assert [s.decision for s in shared.run.samples] == [s.decision for s in one.run.samples]
+    routed = [sum(b.requests for b in f.backends.values()) for f in shared.fleets]
+    assert min(routed) > 0
+    assert sum(routed) == len(long_run())
+    for fleet in shared.fleets:  # every lease given back to the router that took it
+        assert isinstance(fleet.loads, SharedLoads)
+        assert isinstance(fleet.waiting, SharedLoads)
+        assert fleet.loads.own_total == 0
+        assert fleet.waiting.own_total == 0
+    tables = [b._placement and dict(b._placement._table) for b in shared.balancers]
+    assert all(table == tables[0] for table in tables)
+    # Without sharing the same routers do not route as one (the baseline moves).
+    assert figures(run(replicas, None, **prefix)) != figures(one)
+
+
+@pytest.mark.parametrize("prefix", [{}, TRAFFIC_PREFILL], ids=["in-flight", "traffic-prefill"])
+def test_a_period_longer_than_the_run_is_the_uncoordinated_run(prefix: dict[str, object]) -> None:
+    # Router 0 publishes once, at 0, before any request; router 1 never does.
+    assert figures(run(2, 1e6, **prefix)) == figures(run(2, None, **prefix))
+    shared = run(2, 0.1, **prefix)
+    assert figures(shared) != figures(run(2, None, **prefix))
+    # Loads seen late: hot keys compare two replicas; exact or alone: all of them.
+    for outcome, scan in ((shared, STALE_SCAN_REPLICAS), (run(2, 0.0, **prefix), SCAN_REPLICAS)):
+        for balancer in outcome.balancers:
+            assert balancer._placement is None or balancer._placement.scan_replicas == scan
+    for fleet in shared.fleets:  # the views keep the last rows published, the own are empty
+        assert isinstance(fleet.loads, SharedLoads)
+        assert isinstance(fleet.waiting, SharedLoads)
+        assert fleet.loads.own_total == 0
+        assert not fleet.loads.own
+        assert fleet.waiting.own_total == 0
+        assert not fleet.waiting.own
+
+
+def test_homes_only_gives_every_router_the_same_homes_at_period_0() -> None:
+    shared = run(2, 0.0, "homes", **TRAFFIC_PREFILL)
+    tables = [b._placement and b._placement._table for b in shared.balancers]
+    assert tables[0] is not None
+    assert tables[1] is not None
+    assert dict(tables[0]) == dict(tables[1])
+    assert len(tables[0]) > 100
+
+
+def test_cli_takes_a_share_period_and_refuses_a_negative_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--workload", "long", "--instances", "3", "--duration", "20", "--strategies", "prefix"]
+    argv += ["--balance-mode", "TRAFFIC", "--replicas", "2"]
+    assert offline.main([*argv, "--share-loads", "0.1", "--share-placement", "homes"]) == 0
+    assert "2 routers, sharing state every 0.1 s (placement: homes)" in capsys.readouterr().out
+    assert offline.main([*argv, "--share-loads", "-1"]) == 2
+    assert "--share-loads" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="share period"):
+        run(2, -0.5)
+    with pytest.raises(ValueError, match="share placement"):
+        run(2, 0.1, "everything")
