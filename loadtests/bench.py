@@ -344,6 +344,8 @@ def target_label(label: str, key: str, replicas: int, args: argparse.Namespace) 
         label += f" [{' '.join(extra)}]"
     if replicas > 1:
         label += f", {replicas} routers"
+        if key in OURS and args.replica_threshold == "split":
+            label += f" (threshold {math.ceil(args.concurrency_threshold / replicas)} each)"
     return label
 
 
