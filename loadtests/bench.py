@@ -23,10 +23,26 @@ Contract:
   tokens, from /metrics, over the whole run and per ``--sample-every`` window.
 - Routing decisions come from prefix-router's access log (joined on
   x-request-id), so overflow and fallback are per request.
+- ``--replicas R[,R...]`` runs each target as R independent router
+  processes (``prefix-router serve`` with the same flags and backends; a peer
+  R times) and the client spreads the requests over them uniformly at
+  random, with no coordination: request i goes to replica ``plan[i]`` of
+  ``replica_plan(seed, R, n)``, the draw ``loadtests.offline`` makes with
+  ``--replicas R`` (same seed derivation, same stream), so a live row and an
+  offline row send the same requests to the same replica index.  Replica 0
+  gets ``--seed``, the others seeds of their own.  Everything measured stays
+  the instances' (hit rate from their counters, shares from who answered), so
+  the figures cover all replicas; decisions are joined per replica.  With a
+  list, each target runs once per R, R > 1 labelled ", R routers".
+  ``--replica-threshold split`` gives each router ceil(T / R), as offline.
+- ``--serve-arg ARG`` (repeatable; ``--serve-arg=--flag=value`` for a flag)
+  appends ARG to every ``prefix-router serve`` command line, ``KEY:ARG``
+  only to target KEY's; such targets are labelled with their extra flags.
 - ``--scale-event add@T`` / ``remove@T`` (model seconds) adds the last
   instance at T (it starts outside the ring) or drains it, through the admin
-  API; the report gives the share of groups that moved and the time the
-  windowed hit rate takes to come back to its level before the event.
+  API (every replica's); the report gives the share of groups that moved and
+  the time the windowed hit rate takes to come back to its level before the
+  event.
 - Output: a progress line while running, the markdown tables of
   ``loadtests.report`` on stdout, and ``results.json`` plus PNG plots in
   ``--out``.  Every process started is stopped by PID, on errors and Ctrl-C.
@@ -38,6 +54,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
+import os
+import random
+import re
 import signal
 import sys
 import time
@@ -64,7 +84,7 @@ from .fleet import (
 from .report import Run, Sample, markdown, plots, write_json
 from .workloads import FLEET, NAMES, Request, build, encode
 
-__all__ = ["Event", "main", "scale_report"]
+__all__ = ["Event", "main", "replica_plan", "scale_report"]
 
 OURS = {
     "random": ("RANDOM", "random"),
@@ -82,6 +102,8 @@ PEERS = ("sglang", "vllm")
 # An open loop still needs a ceiling: past it we would measure the client, not the fleet.
 MAX_IN_FLIGHT = 2048
 REQUEST_TIMEOUT_S = 600.0
+# --serve-arg KEY:ARG; anything else (a flag, a value such as 127.0.0.1:0) goes to every target.
+_SCOPED = re.compile(r"^([a-z][a-z-]*):(.*)$", re.S)
 
 
 @dataclass
@@ -95,6 +117,16 @@ class Event:
         if kind not in ("add", "remove") or not at:
             raise argparse.ArgumentTypeError("--scale-event must look like add@60 or remove@60")
         return cls(kind, float(at))
+
+
+def replica_plan(seed: int, replicas: int, count: int) -> tuple[list[int], list[int]]:
+    """(each replica's router seed, the replica of each request), as ``loadtests.offline``
+    draws them: replica 0 is the single router of R = 1, seeded alike; the other seeds and
+    the per-request draw (uniform, independent) come from streams of their own."""
+    streams = random.Random(f"offline-replicas:{seed}")
+    seeds = [seed] + [streams.getrandbits(64) for _ in range(replicas - 1)]
+    draw = random.Random(streams.getrandbits(64))
+    return seeds, [draw.randrange(replicas) if replicas > 1 else 0 for _ in range(count)]
 
 
 @dataclass
@@ -204,31 +236,35 @@ async def sample_hit_rate(
         before = now
 
 
-async def scale_event(event: Event, admin: str, sim: tuple[str, str], scale: float) -> None:
+async def scale_event(event: Event, admins: list[str], sim: tuple[str, str], scale: float) -> None:
+    """The event at its time, on every replica's admin API (each has its own membership)."""
     await asyncio.sleep(event.at * scale)  # the event's scheduled time
     name, url = sim
     async with aiohttp.ClientSession() as session:
-        if event.kind == "add":
-            request = session.post(f"{admin}/admin/backends", json={"name": name, "url": url})
-        else:
-            request = session.delete(f"{admin}/admin/backends/{name}")
-        async with request as resp:
-            if resp.status not in (201, 202):
-                raise FleetError(
-                    f"scale event {event.kind}: HTTP {resp.status} {await resp.text()}"
-                )
+        for admin in admins:
+            if event.kind == "add":
+                request = session.post(f"{admin}/admin/backends", json={"name": name, "url": url})
+            else:
+                request = session.delete(f"{admin}/admin/backends/{name}")
+            async with request as resp:
+                if resp.status not in (201, 202):
+                    raise FleetError(
+                        f"scale event {event.kind} on {admin}: HTTP {resp.status} "
+                        f"{await resp.text()}"
+                    )
 
 
 async def drive(
-    url: str,
+    urls: list[str],
+    plan: list[int],
     requests: list[Request],
     args: argparse.Namespace,
     sims: dict[str, str],
     label: str,
-    admin: str | None,
+    admins: list[str],
 ) -> tuple[list[Sample], list[str], list[tuple[float, float]], float]:
-    """Open-loop load: every request at its time.  Samples, request ids, hit-rate series,
-    and the hit rate of the whole run."""
+    """Open-loop load: every request at its time, request i to ``urls[plan[i]]``.  Samples,
+    request ids, hit-rate series, and the hit rate of the whole run."""
     scale = args.time_scale
     live = Live()
     series: list[tuple[float, float]] = []
@@ -242,21 +278,21 @@ async def drive(
             asyncio.create_task(progress(live, label, args.duration, origin)),
             asyncio.create_task(sample_hit_rate(sims, args.sample_every, scale, origin, series)),
         ]
-        if args.scale_event and admin is not None:
+        if args.scale_event and admins:
             last = list(sims.items())[-1]
-            helpers.append(asyncio.create_task(scale_event(args.scale_event, admin, last, scale)))
+            helpers.append(asyncio.create_task(scale_event(args.scale_event, admins, last, scale)))
 
-        async def one(request: Request) -> tuple[Sample, str]:
+        async def one(request: Request, url: str) -> tuple[Sample, str]:
             async with gate:
                 return await send(session, url, request, args.form, scale, origin, live)
 
         tasks = []
         try:
-            for request in requests:
+            for request, replica in zip(requests, plan, strict=True):
                 delay = origin + request.at * scale - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the request's arrival time
-                tasks.append(asyncio.create_task(one(request)))
+                tasks.append(asyncio.create_task(one(request, urls[replica])))
             results = await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -280,8 +316,42 @@ def decisions_from(access_log: Path) -> dict[str, str]:
     return found
 
 
+def serve_flags(key: str, args: argparse.Namespace, replicas: int) -> list[str]:
+    """The ``serve`` flags of target ``key`` (one of OURS), but seed and access log."""
+    threshold = args.concurrency_threshold
+    if args.replica_threshold == "split":
+        threshold = math.ceil(threshold / replicas)
+    flags = [
+        "--strategy", OURS[key][1], "--prefix-length", str(args.prefix_length),
+        "--concurrency-threshold", str(threshold),
+    ]  # fmt: skip
+    factor = args.balance_factor
+    if key in ("prefix-traffic", "prefix-traffic-prefill"):
+        flags += ["--balance-mode", "TRAFFIC"]
+    if key in ("prefix-prefill", "prefix-traffic-prefill"):
+        flags += ["--concurrency-scope", "PREFILL"]
+    if key == "prefix-prefill":
+        factor = factor or PREFILL_FACTOR
+    if factor:
+        flags += ["--balance-factor", str(factor)]
+    extra: list[str] = args.serve_args.get(None, []) + args.serve_args.get(key, [])
+    return flags + extra
+
+
+def target_label(label: str, key: str, replicas: int, args: argparse.Namespace) -> str:
+    extra = args.serve_args.get(None, []) + args.serve_args.get(key, []) if key in OURS else []
+    if extra:
+        label += f" [{' '.join(extra)}]"
+    if replicas > 1:
+        label += f", {replicas} routers"
+        if key in OURS and args.replica_threshold == "split":
+            label += f" (threshold {math.ceil(args.concurrency_threshold / replicas)} each)"
+    return label
+
+
 async def run_target(
     key: str,
+    replicas: int,
     requests: list[Request],
     args: argparse.Namespace,
     sims: dict[str, str],
@@ -291,45 +361,54 @@ async def run_target(
     await reset_caches(sims)
     adding = args.scale_event is not None and args.scale_event.kind == "add"
     in_ring = dict(list(sims.items())[:-1]) if adding else sims  # the last one joins later
+    seeds, plan = replica_plan(args.seed, replicas, len(requests))
     notes = ""
     if key in OURS:
-        label, strategy = OURS[key]
-        access_log = out / f"access-{key}.log"
-        flags = [
-            "--strategy", strategy, "--access-log", str(access_log), "--seed", str(args.seed),
-            "--prefix-length", str(args.prefix_length),
-            "--concurrency-threshold", str(args.concurrency_threshold),
-        ]  # fmt: skip
-        factor = args.balance_factor
-        if key in ("prefix-traffic", "prefix-traffic-prefill"):
-            flags += ["--balance-mode", "TRAFFIC"]
-        if key in ("prefix-prefill", "prefix-traffic-prefill"):
-            flags += ["--concurrency-scope", "PREFILL"]
-        if key == "prefix-prefill":
-            factor = factor or PREFILL_FACTOR
-        if factor:
-            flags += ["--balance-factor", str(factor)]
-        router, url, admin = await start_router(children, in_ring, *flags, label=f"router {key}")
+        label = target_label(OURS[key][0], key, replicas, args)
+        flags = serve_flags(key, args, replicas)
+        name = key if replicas == 1 else f"{key}-r{replicas}"
+        logs = [out / f"access-{name}-{i}.log" for i in range(replicas)]
+        routers: list[Child] = []
+        urls, admins = [], []
         try:
-            samples, ids, series, rate = await drive(url, requests, args, sims, label, admin)
+            for i, (seed, log) in enumerate(zip(seeds, logs, strict=True)):
+                router, url, admin = await start_router(
+                    children, in_ring, *flags, "--seed", str(seed), "--access-log", str(log),
+                    label=f"router {name} #{i}",
+                )  # fmt: skip
+                routers.append(router)
+                urls.append(url)
+                admins.append(admin)
+            samples, ids, series, rate = await drive(
+                urls, plan, requests, args, sims, label, admins
+            )
         finally:
-            await stop_checked(router)
-        decided = decisions_from(access_log)
-        for sample, request_id in zip(samples, ids, strict=True):
-            sample.decision = decided.get(request_id)
+            for router in routers:
+                await router.stop()
+        for router in routers:
+            await stop_checked(router)  # stopped already: says if one did not exit cleanly
+        decided = [decisions_from(log) for log in logs]
+        for sample, request_id, replica in zip(samples, ids, plan, strict=True):
+            sample.decision = decided[replica].get(request_id)
     else:
-        from .peers import start_peer
+        from .peers import RunningPeer, start_peer
 
+        peers: list[RunningPeer] = []
         try:
-            peer = await start_peer(key, list(in_ring.values()), venv=args.peers_venv)
-        except Exception as exc:
-            say(f"{key}: skipped: {exc}")
-            return Run(key, [], 0.0, list(sims), None, notes=f"skipped: {exc}")
-        label = peer.name
-        try:
-            samples, _, series, rate = await drive(peer.url, requests, args, sims, label, None)
+            try:
+                for _ in range(replicas):
+                    peer = await start_peer(key, list(in_ring.values()), venv=args.peers_venv)
+                    peers.append(peer)  # started: stopped below, whatever follows
+            except Exception as exc:
+                say(f"{key}: skipped: {exc}")
+                label = target_label(key, key, replicas, args)
+                return Run(label, [], 0.0, list(sims), None, notes=f"skipped: {exc}")
+            label = target_label(peers[0].name, key, replicas, args)
+            urls = [peer.url for peer in peers]
+            samples, _, series, rate = await drive(urls, plan, requests, args, sims, label, [])
         finally:
-            await peer.stop()
+            for peer in peers:
+                await peer.stop()
         if args.scale_event:
             notes = "scale event not applied (prefix-router's admin API only)"
     return Run(label, samples, args.duration / args.time_scale, list(sims), rate, series, notes)
@@ -372,6 +451,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main_task.cancel)
     children: list[Child] = []
+    loads: dict[str, list[float]] = {}  # target -> 1-minute load average before, after
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     params = FLEET[args.workload]
@@ -381,7 +461,8 @@ async def main_async(args: argparse.Namespace) -> int:
     say(
         f"workload {args.workload}: {len(requests)} requests over {model_seconds:.0f} model s "
         f"({args.duration:.0f} s wall per target, time scale {args.time_scale}), "
-        f"{rate} requests/s, seed {args.seed}, {args.form} form"
+        f"{rate} requests/s, seed {args.seed}, {args.form} form, "
+        f"router replicas {','.join(map(str, args.replicas))}"
     )
     try:
         if any(key in PEERS for key in args.strategies):
@@ -396,11 +477,15 @@ async def main_async(args: argparse.Namespace) -> int:
         runs = []
         scale: dict[str, Any] = {}
         for key in args.strategies:
-            run = await run_target(key, requests, args, sims, children, out)
-            if run is not None:
-                runs.append(run)
-                if args.scale_event and run.samples and key in OURS:
-                    scale[run.target] = scale_report(run, args.scale_event)
+            for replicas in args.replicas:
+                before = os.getloadavg()[0]
+                run = await run_target(key, replicas, requests, args, sims, children, out)
+                if run is not None:
+                    runs.append(run)
+                    # The machine's state, for the reader: a shared 2-core VM is rarely idle.
+                    loads[run.target] = [round(before, 2), round(os.getloadavg()[0], 2)]
+                    if args.scale_event and run.samples and key in OURS:
+                        scale[run.target] = scale_report(run, args.scale_event)
         await stop_checked(fleet)
     except asyncio.CancelledError:
         say("interrupted")
@@ -416,6 +501,8 @@ async def main_async(args: argparse.Namespace) -> int:
             say(f"- {run.target}: {run.notes}")
     for target, figures in scale.items():
         say(f"- scale event {target}: {json.dumps(figures)}")
+    for target, (before, after) in loads.items():
+        say(f"- load average (1 min) {target}: {before:.2f} before, {after:.2f} after")
     meta = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m loadtests.bench", *sys.argv[1:]]),
@@ -431,6 +518,11 @@ async def main_async(args: argparse.Namespace) -> int:
             "ConcurrencyThreshold": args.concurrency_threshold,
             "BalanceFactor": args.balance_factor,
         },
+        "replicas": args.replicas,
+        "replica_threshold": args.replica_threshold,
+        "serve_args": {key or "*": flags for key, flags in args.serve_args.items()},
+        "load_average": loads,
+        "cpus": os.cpu_count(),
         "scale_events": scale,
     }
     write_json(runs, out / "results.json", meta=meta)
@@ -466,6 +558,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--balance-factor", type=float)
     p.add_argument("--sample-every", type=float, default=2.0, help="hit-rate window, wall s")
     p.add_argument("--scale-event", type=Event.parse, help="add@T or remove@T, model seconds")
+    p.add_argument(
+        "--replicas",
+        default="1",
+        help="router processes per target, the requests spread over them at random;"
+        " a comma list runs each target once per count",
+    )
+    p.add_argument(
+        "--replica-threshold",
+        choices=("each", "split"),
+        default="each",
+        help="each router gets ConcurrencyThreshold T (each) or ceil(T / replicas) (split)",
+    )
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="[KEY:]ARG",
+        help="one more argument for every prefix-router serve (KEY: only target KEY's);"
+        " a flag needs the = form, e.g. --serve-arg=--workers=2",
+    )
     p.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     p.add_argument("--out", type=Path, help="results folder (default: results/DATE-WORKLOAD)")
     args = p.parse_args(argv)
@@ -475,10 +587,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown strategies: {', '.join(unknown)}")
     if args.instances < 2 or args.duration <= 0 or not 0 < args.time_scale <= 10:
         p.error("need --instances >= 2, --duration > 0, 0 < --time-scale <= 10")
+    try:
+        args.replicas = [int(r) for r in args.replicas.split(",")]
+    except ValueError:
+        args.replicas = []
+    if not args.replicas or min(args.replicas) < 1 or len(set(args.replicas)) < len(args.replicas):
+        p.error("--replicas must be distinct counts >= 1, e.g. 2 or 1,2,4")
+    args.serve_args = serve_args(p, args.serve_arg, args.strategies)
     if args.out is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "results" / f"{stamp}-{args.workload}"
     return args
+
+
+def serve_args(
+    p: argparse.ArgumentParser, given: list[str], strategies: list[str]
+) -> dict[str | None, list[str]]:
+    """--serve-arg values by target key (None: every prefix-router target), in order."""
+    out: dict[str | None, list[str]] = {}
+    for text in given:
+        scoped = _SCOPED.match(text)
+        key, arg = scoped.groups() if scoped else (None, text)
+        if key is not None and key not in OURS:
+            p.error(
+                f"--serve-arg {text!r}: {key!r} is not a prefix-router target ({', '.join(OURS)})"
+            )
+        if key is not None and key not in strategies:
+            p.error(f"--serve-arg {text!r}: target {key!r} is not in --strategies")
+        out.setdefault(key, []).append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from loadtests import bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # 4 instances, 6 s of wall time per target at 1/20 of model time: two minutes of
@@ -62,3 +64,86 @@ def test_prefix_aware_beats_random_live_and_offline_agrees(tmp_path: Path) -> No
         for share_on, share_off in zip(on["shares"], off["shares"], strict=True):
             assert abs(share_on - share_off) <= SHARE_POINTS, target
         assert 1 / TTFT_RATIO <= on["ttft_p50"] / off["ttft_p50"] <= TTFT_RATIO, target
+
+
+# Two router processes behind the client's random spread, the smallest run that
+# sends every replica requests: 3 instances, 2 requests/s, 60 model seconds (~120).
+REPLICAS_CASE = ["--workload", "long", "--instances", "3", "--rate", "2", "--seed", "5",
+                 "--duration", "3", "--time-scale", "0.05"]  # fmt: skip
+
+
+def access_ids(log: Path) -> list[str]:
+    events = (json.loads(line) for line in log.read_text().splitlines())
+    return [e["request_id"] for e in events if e.get("event") == "access"]
+
+
+def two_replicas(out: Path, serve_arg: str) -> subprocess.CompletedProcess[str]:
+    """The bench on REPLICAS_CASE: target prefix, 2 router processes, one --serve-arg."""
+    return subprocess.run(
+        [sys.executable, "-m", "loadtests.bench", *REPLICAS_CASE, "--strategies", "prefix",
+         "--replicas", "2", serve_arg, "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_two_replicas_share_the_load_and_every_figure_covers_both(tmp_path: Path) -> None:
+    # --serve-arg reaches every replica's serve command line: a flag with a visible
+    # effect (RANDOM's decisions) shows it, and the label names it.
+    done = two_replicas(tmp_path, "--serve-arg=prefix:--strategy=RANDOM")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    document = json.loads((tmp_path / "results.json").read_text())
+    (run,) = document["runs"]
+    summary = run["summary"]
+    assert summary["target"] == "PREFIX_AWARE [--strategy=RANDOM], 2 routers"
+    assert document["meta"]["replicas"] == [2]
+    assert summary["success_rate"] == 1.0
+    assert summary["hit_rate"] > 0  # the instances' counters, over both replicas' traffic
+    assert min(summary["shares"]) > 0
+
+    # Each replica served exactly the requests the seeded spread sent it, and every
+    # sample's decision was found in its own replica's access log.
+    _, plan = bench.replica_plan(5, 2, summary["requests"])
+    logs = [access_ids(tmp_path / f"access-prefix-r2-{i}.log") for i in range(2)]
+    assert [len(ids) for ids in logs] == [plan.count(0), plan.count(1)]
+    assert plan.count(0) > 0
+    assert plan.count(1) > 0
+    column = document["sample_fields"].index("decision")
+    assert [row[column] for row in run["samples"]] == ["random"] * len(plan)
+
+
+@pytest.mark.timeout(120)
+def test_a_serve_flag_the_router_rejects_stops_the_bench_with_its_error(tmp_path: Path) -> None:
+    done = two_replicas(tmp_path, "--serve-arg=--no-such-flag=1")
+    assert done.returncode == 1
+    assert "router prefix-r2 #0 exited before" in done.stderr
+    assert "unrecognized arguments: --no-such-flag=1" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "0"], "--replicas must be distinct counts >= 1"),
+        (["--replicas", "2,x"], "--replicas must be distinct counts >= 1"),
+        (["--replicas", "2,2"], "--replicas must be distinct counts >= 1"),
+        (["--serve-arg=prefx:--workers=2"], "'prefx' is not a prefix-router target"),
+        (["--serve-arg=least:--workers=2"], "target 'least' is not in --strategies"),
+    ],
+)
+def test_bad_replica_and_serve_arg_flags_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--strategies", "random,prefix", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_spread_is_seeded_uniform_and_one_replica_draws_nothing() -> None:
+    seeds, plan = bench.replica_plan(7, 1, 50)
+    assert (seeds, plan) == ([7], [0] * 50)
+    seeds, plan = bench.replica_plan(7, 4, 4000)
+    assert seeds[0] == 7
+    assert len(set(seeds)) == 4
+    assert (seeds, plan) == bench.replica_plan(7, 4, 4000)
+    assert all(900 <= plan.count(r) <= 1100 for r in range(4))  # exact: the draw is seeded
