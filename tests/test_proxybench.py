@@ -1,9 +1,10 @@
 """The proxy ladder (``python -m loadtests.proxybench``) and its fast backend, CI-sized.
 
 One smoke run of the real command with no apt package and no peer: the fast
-backends, direct, the aiohttp floor and prefix-router, workloads (a) and (b)
-for about a second each with our own generator.  It checks that the run
-produces sane figures and tables, never how fast anything was.
+backends, direct, the aiohttp floor, prefix-router and prefix-router with 2
+workers, workloads (a) and (b) for about a second each with our own
+generator.  It checks that the run produces sane figures and tables, never
+how fast anything was.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.proxybench import measure, procfs, report, workloads, wrk
+from loadtests.proxybench import measure, procfs, report, targets, workloads, wrk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "loadtests.proxybench",
-        "--targets", "direct,aiohttp,prefix-router", "--workloads", "a,b",
+        "--targets", "direct,aiohttp,prefix-router,prefix-router-w2", "--workloads", "a,b",
         "--generator", "python", "--seconds", "1", "--warmup", "0",
         "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0",
         "--ttfb-connections", "1", "--connections", "8", "--keys", "4", "--rounds", "1",
@@ -39,7 +40,7 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert doc["skipped"] == {}
     results = doc["results"]
-    assert list(results) == ["direct", "aiohttp", "prefix-router"]
+    assert list(results) == ["direct", "aiohttp", "prefix-router", "prefix-router-w2"]
     for name, entry in results.items():
         for workload in ("a", "b"):
             row = entry["workloads"][workload]
@@ -63,9 +64,18 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
     out = done.stdout
     assert "### (a) OpenAI chat, 4 KiB prompt, non-streaming" in out
     assert "### (b) OpenAI chat" in out
-    for label in ("direct (no proxy)", "aiohttp floor", "prefix-router"):
+    for label in (
+        "direct (no proxy)",
+        "aiohttp floor",
+        "prefix-router",
+        "prefix-router, 2 workers",
+    ):
         assert f"| {label} |" in out
     assert "(a) prefix-router:" in out  # a ratio line, even with no C or Rust target
+    assert "| prefix-router, 2 workers | a |" in out  # the workers table
+    # Both prefix-router targets stopped cleanly each round, with nothing logged above info.
+    assert results["prefix-router"]["log_problems"] == []
+    assert results["prefix-router-w2"]["log_problems"] == []
 
 
 def test_workload_bodies_have_the_issue_sizes() -> None:
@@ -153,3 +163,41 @@ def test_combine_takes_medians_sums_and_peaks_and_leaves_single_runs() -> None:
     assert measure.combine([streams]) == streams
     failed = {"error": "OSError: boom"}
     assert measure.combine([failed, failed]) == failed
+
+
+def test_workers_table_compares_with_one_worker_of_the_same_run() -> None:
+    def row(rps: float, cpu: float, per_round: list[tuple[float, float]]) -> dict[str, object]:
+        return {
+            "rps": rps, "cpu_us": cpu, "p50_ms": 1.0, "p99_ms": 4.0, "proxy_core_pct": 90,
+            "per_round": [{"rps": r, "cpu_us": c} for r, c in per_round],
+        }  # fmt: skip
+
+    one = row(1000, 50.0, [(1000, 50.0), (800, 60.0)])
+    two = row(1500, 55.0, [(1600, 52.0), (1000, 66.0)])
+    results = {
+        "prefix-router": {"label": "prefix-router", "workloads": {"a": one}},
+        "prefix-router-w2": {"label": "prefix-router, 2 workers", "workloads": {"a": two}},
+    }
+    table = report.workers_table(results, ["a"])
+    assert (
+        "| prefix-router, 2 workers | a | 1,500 | 1.50x (per round 1.25-1.60) | 55.0 "
+        "| 1.10x (per round 1.04-1.10) | 1.000 | 1.00x | 4.000 | 1.00x | 90 |"
+    ) in table
+    assert report.workers_table({"prefix-router": results["prefix-router"]}, ["a"]) == ""
+
+
+def test_log_problems_keeps_warnings_errors_and_lines_that_are_not_json(tmp_path: Path) -> None:
+    log = tmp_path / "prefix-router.log"
+    log.write_text(
+        '{"event": "listening", "level": "info"}\n'
+        '{"event": "worker exited", "level": "warning"}\n'
+        '{"event": "a", "level": "info"}{"event": "b", "level": "info"}\n'
+        "\n"
+        "Traceback (most recent call last):\n"
+    )
+    assert targets.log_problems(log) == [
+        '{"event": "worker exited", "level": "warning"}',
+        '{"event": "a", "level": "info"}{"event": "b", "level": "info"}',
+        "Traceback (most recent call last):",
+    ]
+    assert targets.log_problems(tmp_path / "missing.log") == []

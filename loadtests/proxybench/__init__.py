@@ -15,7 +15,10 @@ Contract:
   baseline): ``direct`` (no proxy: the ceiling), ``haproxy`` and ``nginx`` (apt),
   ``sglang`` (sglang-router cache_aware), ``vllm-ca`` / ``vllm-ch`` (vllm-router
   cache_aware / consistent_hash) from ``loadtests.peers``, ``aiohttp`` (the
-  30-line naive-Python floor below) and ``prefix-router`` (PREFIX_AWARE).  A
+  30-line naive-Python floor below), ``prefix-router`` (PREFIX_AWARE) and
+  ``prefix-router-w2`` (the same as ``serve --workers 2``: the supervisor and
+  both workers are the proxy's tree, pinned together, or not with
+  ``--no-pin``, where every process shares both CPUs).  A
   target that cannot run here is skipped with the reason printed and recorded;
   ``--install`` installs what is missing (apt-get, and the peers' own venv),
   otherwise nothing is installed and what is missing is named.
@@ -53,8 +56,11 @@ Contract:
   every client), as a median of three samples; memory per stream = the
   difference / streams established.
 - Output: a markdown table per workload, ratio lines against the best C and the
-  best Rust target of this run, a check of prefix-router against the issue's
-  targets, and ``results/proxybench-<time>.json`` with every figure and the
+  best Rust target of this run, prefix-router with 2 workers against 1 (ratios
+  of the medians, and the range of the per-round ratios), the warning and error
+  lines of prefix-router's logs (and any line that is not JSON) per round, a
+  check of prefix-router against the issue's targets, the 1-minute load average
+  as each target started, and ``results/proxybench-<time>.json`` with every figure and the
   run's parameters.  Every process is started by this script, stopped by PID
   (SIGTERM, SIGKILL after 5 s) on success, error or Ctrl-C; every loop is
   bounded in time.

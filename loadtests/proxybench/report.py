@@ -230,14 +230,72 @@ def target_checks(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def _ratio(mine: float | None, base: float | None) -> str:
+    return f"{mine / base:.2f}x" if mine is not None and base else "—"
+
+
+def _per_round(mine: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    """The ratio in each round (the targets take turns, so a round's pair shared its load)."""
+    pairs = list(zip(mine.get("per_round", ()), base.get("per_round", ()), strict=False))
+    ratios = [m[key] / b[key] for m, b in pairs if m.get(key) and b.get(key)]
+    if len(ratios) < 2:
+        return ""
+    return f" (per round {min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def workers_table(results: dict[str, Any], workloads: list[str]) -> str:
+    """prefix-router with N workers against 1 worker, both from this run."""
+    base_entry = results.get("prefix-router")
+    others = [e for n, e in results.items() if n.startswith("prefix-router-w")]
+    if base_entry is None or not others:
+        return ""
+    lines = [
+        "| target | workload | req/s | x 1 worker | CPU µs/req | x 1 worker | P50 ms | x 1 worker"
+        " | P99 ms | x 1 worker | proxy core % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    streams = [
+        "| target | (d) streams | KiB/stream | x 1 worker | RSS idle MiB | x 1 worker |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for entry in others:
+        for workload in workloads:
+            mine = entry["workloads"].get(workload, {})
+            base = base_entry["workloads"].get(workload, {})
+            if workload == "d":
+                if mine.get("kib_per_stream") is not None:
+                    streams.append(
+                        f"| {entry['label']} | {mine['established']:,} "
+                        f"| {_f(mine['kib_per_stream'])} "
+                        f"| {_ratio(mine['kib_per_stream'], base.get('kib_per_stream'))} "
+                        f"| {_f(mine.get('rss_idle_mib'))} "
+                        f"| {_ratio(mine.get('rss_idle_mib'), base.get('rss_idle_mib'))} |"
+                    )
+                continue
+            if not mine.get("rps") or "invalid" in mine or "error" in mine:
+                continue
+            lines.append(
+                f"| {entry['label']} | {workload} | {mine['rps']:,.0f} "
+                f"| {_ratio(mine['rps'], base.get('rps'))}{_per_round(mine, base, 'rps')} "
+                f"| {_f(mine['cpu_us'])} "
+                f"| {_ratio(mine['cpu_us'], base.get('cpu_us'))}{_per_round(mine, base, 'cpu_us')} "
+                f"| {_f(mine['p50_ms'], '.3f')} | {_ratio(mine['p50_ms'], base.get('p50_ms'))} "
+                f"| {_f(mine['p99_ms'], '.3f')} | {_ratio(mine['p99_ms'], base.get('p99_ms'))} "
+                f"| {_f(mine['proxy_core_pct'], '.0f')} |"
+            )
+    tables = [t for t in (lines, streams) if len(t) > 2]
+    return "\n\n".join("\n".join(t) for t in tables)
+
+
 LEGEND = """Columns (medians over the rounds): req/s and P50/P99 from the closed-loop
 throughput runs; proxy CPU µs/req = (utime + stime of the proxy's process tree over a run)
 / requests, with its range over the rounds; proxy core % = that CPU time / wall time (100 =
-the proxy's core was the limit); CPU 0 % = the client side (generator, backends, this
-script) in % of one core (near 100 = the client side was the limit); softirq % = interrupt
-time on both CPUs, mostly the loopback network's, charged to no process (so in no CPU
-figure above); others % = CPU taken meanwhile by processes outside this run (noise from a
-shared machine); split = requests each backend answered."""
+one core's worth: pinned, the proxy's core was the limit, whatever its worker count);
+CPU 0 % = the client side (generator, backends, this script) in % of one core (near 100 =
+the client side was the limit); softirq % = interrupt time on both CPUs, mostly the
+loopback network's, charged to no process (so in no CPU figure above); others % = CPU
+taken meanwhile by processes outside this run (noise from a shared machine); split =
+requests each backend answered."""
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -255,6 +313,16 @@ def report(doc: dict[str, Any]) -> str:
     lines = ratio_lines(results, meta["workloads"])
     if lines:
         parts += ["", "## Ratios (this run)", "", *(f"- {line}" for line in lines)]
+    workers = workers_table(results, meta["workloads"])
+    if workers:
+        parts += ["", "## Workers (this run: x 1 worker = against prefix-router's figure)", ""]
+        parts += [workers]
+    logged = {e["label"]: e["log_problems"] for e in results.values() if "log_problems" in e}
+    if logged:
+        parts += ["", "## prefix-router logs (warnings, errors, lines that are not JSON)", ""]
+        for label, found in logged.items():
+            parts += [f"- {label}: {'none' if not found else len(found)}"]
+            parts += [f"  - `{line}`" for line in found]
     checks = target_checks(results)
     if checks:
         parts += ["", "## prefix-router against the issue's targets", "", *checks]

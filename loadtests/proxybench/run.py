@@ -15,6 +15,7 @@ import os
 import platform
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 from datetime import UTC, datetime
@@ -25,11 +26,21 @@ from .. import supervisor
 from ..supervisor import Child, ChildError, say
 from .measure import combine, combined, measure_target
 from .procfs import on_cpu, pin_tree
-from .targets import BY_NAME, START_TIMEOUT_S, Ctx, availability, start_target, version_of
+from .targets import (
+    BY_NAME,
+    START_TIMEOUT_S,
+    WORKERS,
+    Ctx,
+    availability,
+    log_problems,
+    start_target,
+    version_of,
+)
 from .workloads import build_requests, path_of
 from .wrk import wrk_script
 
 GEN_CPUS, PROXY_CPUS = {0}, {1}
+MAX_PROBLEMS = 20  # log lines kept per round
 
 
 def _cpu_model() -> str:
@@ -71,6 +82,7 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
         say(f"not pinning: CPUs {sorted(cpus)} do not include both 0 and 1")
     gen_cpus, proxy_cpus = (GEN_CPUS, PROXY_CPUS) if pinned else (None, None)
     _raise_fd_limit()
+    loads: list[float] = []  # 1-minute load average as each target starts
     tmp = Path(tempfile.mkdtemp(prefix="proxybench-"))
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -100,6 +112,7 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
             # The (b) probe's streams start 2 ms after their head, as after a short prefill.
             ctx.requests["b-probe"] = build_requests("b", opt.keys, f" [[sse:{opt.events}:0:2]]")
             runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+            problems: dict[str, list[str]] = {}  # prefix-router target -> log lines
             versions: dict[str, str] = {}
             for name in names:
                 if reasons.get(name):
@@ -111,7 +124,11 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                     if name in skipped:
                         continue
                     target = BY_NAME[name]
-                    say(f"{target.label}: starting (round {round_} of {opt.rounds})")
+                    loads.append(os.getloadavg()[0])
+                    say(
+                        f"{target.label}: starting (round {round_} of {opt.rounds}; "
+                        f"load average {loads[-1]:.2f})"
+                    )
                     try:
                         running = await start_target(ctx, target)
                     except (ChildError, OSError, RuntimeError, TimeoutError) as exc:
@@ -123,8 +140,16 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                             pin_tree(running.pid, proxy_cpus)
                         rows = await measure_target(ctx, target, running, last)
                     finally:
-                        await running.stop()
+                        code = await running.stop()
                     versions[name] = running.version
+                    if name in WORKERS:  # its log, this round's: what went wrong under load
+                        found = problems.setdefault(name, [])
+                        if code not in (0, None):
+                            found.append(f"round {round_}: exit status {code} on SIGTERM")
+                        lines = log_problems(tmp / f"{name}.log")
+                        found += [f"round {round_}: {line[:300]}" for line in lines[:MAX_PROBLEMS]]
+                        if len(lines) > MAX_PROBLEMS:
+                            found.append(f"round {round_}: ... {len(lines)} lines in all")
                     for workload, row in rows.items():
                         runs.setdefault(name, {}).setdefault(workload, []).append(row)
                     if name == "direct" and "a" in runs["direct"]:
@@ -137,6 +162,7 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
                 results[name] = {
                     "label": target.label, "kind": target.kind, "key": target.key,
                     "version": versions[name],
+                    **({"log_problems": problems.get(name, [])} if name in WORKERS else {}),
                     "workloads": {w: combined(rows) for w, rows in by_workload.items()},
                 }  # fmt: skip
     finally:
@@ -165,8 +191,20 @@ async def run(opt: argparse.Namespace, command: str) -> dict[str, Any]:
         "keys": opt.keys,
         "streams": opt.streams,
         "workloads": opt.workloads,
+        "load_average": _loads(loads),
+        "logs": str(tmp),
     }
     return {"meta": meta, "skipped": skipped, "results": results}
+
+
+def _loads(loads: list[float]) -> str:
+    if not loads:
+        return "?"
+    low, mid, high = min(loads), statistics.median(loads), max(loads)
+    return (
+        f"1-minute load average as each target started: median {mid:.2f}, "
+        f"{low:.2f}-{high:.2f} ({os.cpu_count()} CPUs)"
+    )
 
 
 def write_json(directory: Path, doc: dict[str, Any]) -> Path:

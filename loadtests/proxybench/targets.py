@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,15 @@ TARGETS = (
         "PREFIX_AWARE: mmh3 of the first 4,096 characters of the extracted prompt (chat)"
         " or body bytes (native); bounded-load consistent hashing",
     ),
+    Target(
+        "prefix-router-w2", "prefix-router, 2 workers", "Python",
+        "as prefix-router, run as `serve --workers 2`: a supervisor and 2 data-plane"
+        " processes on one port (SO_REUSEPORT), in-flight counts shared",
+    ),
 )  # fmt: skip
+
+
+WORKERS = {"prefix-router": 1, "prefix-router-w2": 2}  # prefix-router targets: --workers
 
 
 BY_NAME = {t.name: t for t in TARGETS}
@@ -255,18 +264,47 @@ async def start_target(ctx: Ctx, target: Target) -> Running:
         import aiohttp
 
         return Running(url, proc.pid, proc.stop, f"aiohttp {aiohttp.__version__}")
-    if name == "prefix-router":
+    if name in WORKERS:
+        workers = WORKERS[name]
         backends = [a for i, u in enumerate(ctx.backends) for a in ("--backend", f"fb-{i}={u}")]
         argv = [*SERVE, "--listen", "127.0.0.1:0",
                 "--strategy", "prefix", "--prefix-length", str(PREFIX), "--access-log", "off",
                 "--admin-listen", "127.0.0.1:0", *backends]  # fmt: skip
+        if workers > 1:
+            argv += ["--workers", str(workers)]
+        # With workers, each logs "listening" when it is up; the supervisor logs
+        # "workers listening" once every one of them is.
+        event = "listening" if workers == 1 else "workers listening"
         proc = await _spawn(ctx, name, argv)
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-        address = await proc.wait_line(listening_address, "'listening' log line", deadline)
+        address = await proc.wait_line(
+            lambda line: listening_address(line, event), f"{event!r} log line", deadline
+        )
         url = f"http://{address}"
         await _until_serving(proc, url)
         return Running(url, proc.pid, proc.stop, await _git_version())
     raise ChildError(f"unknown target {name}")
+
+
+PROBLEM_LEVELS = ("warning", "error", "critical")
+
+
+def log_problems(path: Path) -> list[str]:
+    """The lines of a prefix-router log at warning level or above, or not JSON at all
+    (a traceback, two processes' lines run together): what went wrong under load."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                out.append(line)
+                continue
+            if not isinstance(event, dict) or event.get("level") in PROBLEM_LEVELS:
+                out.append(line)
+    return out
 
 
 async def _git_version() -> str:
