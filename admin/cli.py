@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import signal
 import ssl
@@ -251,7 +252,11 @@ async def _serve(
 
         host, port = config.listen_address
         held = reserve(host, port)
-        workers = Workers(router, config.workers, held, remote=replicated)
+        if replicated and not config.replica_id:
+            config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
+        workers = Workers(
+            router, config.workers, held, remote=replicated, stamp_base=_stamp_base(config)
+        )
         await router.start_control(held)
     control: RouterControl
     if replicated:
@@ -358,7 +363,17 @@ async def _open_etcd(
         replica_id=config.replica_id,
     )
     control.replicas = replicas
+    workers.on_records = replicas.add_records
+    replicas.on_records = workers.relay
     return store, replicas
+
+
+def _stamp_base(config: Config) -> int:
+    """This replica's TRAFFIC placement stamps: ``base + worker``, unique in the fleet."""
+    if not config.replica_id:
+        return 0  # one replica: its workers are numbered 0..N-1
+    digest = hashlib.blake2b(config.replica_id.encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big") << 16
 
 
 def _warn_if_per_process(config: Config) -> None:

@@ -10,11 +10,19 @@ Contract:
   preference list, see ``hashring.bounded``).  Requests without a key
   (passthrough GETs) go least-outstanding whatever the strategy.
 - ``avoid`` names backends this request already tried (retries).
+- BalanceMode TRAFFIC keeps a key -> home table (``hashring.Placement``).  With
+  ``share_placement(stamp)`` (several workers or replicas), every decision is
+  also recorded in a ``hashring.shared.PlacementLog`` (``placement_log``) that
+  the process publishes to the others and folds theirs into: one placement
+  for the fleet, no round trip on the request path (``router.worker``).  A
+  config change that leaves and re-enters TRAFFIC mode starts a new table and
+  a new log.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Set
 
 from hashring import (
@@ -24,6 +32,7 @@ from hashring import (
     Placement,
     pick,
 )
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog
 
 from .config import RoutingConfig, Strategy
 from .fleet import Backend, Fleet
@@ -86,8 +95,10 @@ class Balancer:
         "_prefill_scope",
         "_rng",
         "_select_keyed",
+        "_stamp",
         "config",
         "fleet",
+        "placement_log",
     )
 
     # TRAFFIC mode without a BalanceFactor: 5 % over a fair share of recent requests.
@@ -97,7 +108,28 @@ class Balancer:
         self.fleet = fleet
         self._rng = random.Random(seed)
         self._placement: Placement | None = None
+        self._stamp: int | None = None  # this process's id in placement stamps; None: alone
+        self.placement_log: PlacementLog | None = None
         self.configure(config)
+
+    def share_placement(self, stamp: int) -> None:
+        """Record TRAFFIC decisions for other processes (``placement_log``).
+
+        ``stamp`` names this process in placement stamps: unique in the fleet
+        (ties between two placements made at one instant go to the lower).
+        Every process that shares placements sees the others' loads late, so
+        hot keys compare two of their replicas (``STALE_SCAN_REPLICAS``).
+        """
+        self._stamp = stamp
+        self._share()
+
+    def _share(self) -> None:
+        placement = self._placement
+        if placement is None or self._stamp is None:
+            self.placement_log = None
+        elif self.placement_log is None or self.placement_log.placement is not placement:
+            placement.scan_replicas = STALE_SCAN_REPLICAS
+            self.placement_log = PlacementLog(placement, self._stamp)
 
     def configure(self, config: RoutingConfig) -> None:
         """Swap the routing config; requests already routed keep their leases."""
@@ -115,6 +147,7 @@ class Balancer:
         else:
             self._placement = None
             self._bound = LoadBound(prefix.concurrency_threshold, prefix.balance_factor)
+        self._share()
         self._select_keyed = {
             Strategy.RANDOM: self._random,
             Strategy.LEAST_OUTSTANDING_REQUESTS: self._least_outstanding,
@@ -145,12 +178,15 @@ class Balancer:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
-        if self._placement is not None:
+        placement = self._placement
+        if placement is not None:
             # ConcurrencyScope PREFILL: the threshold counts only requests not yet
             # answered; a stream in its decode phase no longer competes for the
             # prefill that a cache hit saves.
             counts = fleet.waiting.counts if self._prefill_scope else loads.counts
-            chosen = self._placement.route(
+            log = self.placement_log
+            before = placement.home(key_hash) if log is not None else None
+            chosen = placement.route(
                 fleet.ring,
                 key_hash,
                 counts,
@@ -158,6 +194,8 @@ class Balancer:
                 avoid=skip,
                 fallback_loads=loads.counts,  # the least busy overall, as in pick()
             )
+            if log is not None and chosen is not None:
+                log.decided(key_hash, chosen.member, before, time.time())
         elif self._prefill_scope:
             # The same for the threshold; BalanceFactor still bounds every request
             # in flight, so one hot prefix cannot take a backend's whole batch.

@@ -12,6 +12,10 @@ Contract:
 - Worker to supervisor: ``Ready`` once it listens; ``Failed``/``Recovered``
   (passive health: the supervisor owns health and decides); ``Idle`` when
   its own count for a draining backend reaches zero.
+- Both ways: ``Records``, TRAFFIC placement decisions
+  (``hashring.shared.PlacementLog``): a worker sends its own every
+  ``PUBLISH_SECONDS`` when it made any; the supervisor passes them on to
+  every other worker (and to the other replicas, ``router.replicas``).
 - Messages are answered in order, so a sequence number is enough to pair
   them.  ``send`` never awaits: the socket buffers, and the supervisor
   never sends more than the ops an operator makes.
@@ -23,6 +27,8 @@ import asyncio
 import socket
 
 import msgspec
+
+from hashring.shared import Record
 
 from .config import Config
 from .control.ops import Op
@@ -39,6 +45,7 @@ __all__ = [
     "Message",
     "Query",
     "Ready",
+    "Records",
     "Recovered",
     "Report",
 ]
@@ -48,6 +55,7 @@ MAX_FRAME = 64 << 20  # a Report of a very large fleet stays far below
 
 class Init(msgspec.Struct, tag=True, frozen=True):
     index: int  # the worker's slot: its row in the shared table, its seed offset
+    stamp: int  # its name in TRAFFIC placement stamps, unique in the fleet
     config: Config  # backends as they are now (weights included), routing as it is now
     draining: list[str]
     unhealthy: list[str]
@@ -112,7 +120,11 @@ class Idle(msgspec.Struct, tag=True, frozen=True):
     name: str
 
 
-Message = Init | Ready | Apply | Applied | Query | Report | Failed | Recovered | Idle
+class Records(msgspec.Struct, tag=True, frozen=True):
+    records: list[Record]
+
+
+Message = Init | Ready | Apply | Applied | Query | Report | Failed | Recovered | Idle | Records
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

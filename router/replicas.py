@@ -17,6 +17,16 @@ Contract:
   process alone, so it needs no atomics.  Counts are stale by up to
   ``PERIOD`` + the watch's delay + one fold: the bound can be overshot by the
   fleet's request rate times that.
+- TRAFFIC placement: the row also carries the placement records this
+  replica's workers made since its last write (``hashring.shared.Record``,
+  passed in with ``add_records``); the other replicas hand them to their
+  workers (``on_records``).  A row with records is written even if its
+  counts did not change.  Cost: a record per routed request (~60 bytes of
+  JSON), batched into the 10 writes a second a replica makes anyway, so the
+  etcd traffic grows with the request rate, not the write rate.  A record
+  lost (a watch re-listed after a compaction) only delays agreement: the
+  replicas converge on a key's earliest placement the next time any of them
+  routes it.
 - Drains across replicas (``drained``): a backend set draining leaves when
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.
@@ -39,6 +49,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from hashring.shared import Record
+
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .shared import PLANES, SharedTable
@@ -49,12 +61,14 @@ log = get_logger("replicas")
 
 PERIOD = 0.1
 TTL = 3
+MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
 
 
 class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     applied: int  # the last etcd revision this replica applied
     loads: dict[str, int] = {}
     waiting: dict[str, int] = {}
+    records: list[Record] = []  # TRAFFIC placements since the last write
 
 
 _encoder = msgspec.json.Encoder()
@@ -84,6 +98,8 @@ class Replicas:
         self.others: dict[str, Row] = {}
         self._lease = 0
         self._published: Row | None = None
+        self._records: list[Record] = []
+        self.on_records: Callable[[list[Record]], None] | None = None  # another replica's
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -109,6 +125,12 @@ class Replicas:
 
     # -- what we publish ---------------------------------------------------------
 
+    def add_records(self, records: list[Record]) -> None:
+        """Placement records of this replica's workers, for the next write
+        (the newest ``MAX_RECORDS``: while etcd is away the oldest go)."""
+        self._records += records
+        del self._records[:-MAX_RECORDS]
+
     def local_row(self) -> Row:
         """This replica's own counts: every worker row, not the remote one."""
         planes = []
@@ -122,7 +144,8 @@ class Replicas:
                 if total:
                     counts[name] = total
             planes.append(counts)
-        return Row(self.applied(), *planes)
+        loads, waiting = planes
+        return Row(self.applied(), loads, waiting)
 
     async def _publish_loop(self) -> None:
         attempt = 0
@@ -134,8 +157,15 @@ class Replicas:
                     self._published = None
                 row = self.local_row()
                 quiet += 1
-                if row != self._published or quiet * PERIOD >= TTL / 3:
-                    await self.client.put(self.key, _encoder.encode(row), lease=self._lease)
+                records, self._records = self._records, []
+                if records or row != self._published or quiet * PERIOD >= TTL / 3:
+                    value = msgspec.structs.replace(row, records=records) if records else row
+                    try:
+                        await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
+                    except BaseException:
+                        self._records[:0] = records  # not written: with the next one
+                        del self._records[:-MAX_RECORDS]
+                        raise
                     self._published = row
                     quiet = 0
                 attempt = 0
@@ -178,9 +208,12 @@ class Replicas:
             self.others.pop(replica, None)
             return
         try:
-            self.others[replica] = _decoder.decode(value)
+            row = self.others[replica] = _decoder.decode(value)
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
+            return
+        if row.records and self.on_records is not None:
+            self.on_records(row.records)
 
     def _write_remote(self) -> None:
         table = self.table

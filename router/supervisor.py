@@ -28,6 +28,13 @@ Contract:
 - ``stop()`` sends SIGTERM to every worker (each drains, as a single router
   does, for up to ``shutdown_grace``), waits for them, and kills one that is
   still there a grace period later.
+- TRAFFIC placement (``Records``): what one worker decided is passed on to
+  every other worker as it arrives, and to ``on_records`` (the other
+  replicas); ``relay`` passes the other replicas' records to every worker.
+  Each worker stamps its placements with ``stamp_base + index``.  A worker
+  that restarts starts with an empty table and learns the fleet's homes
+  from the records that follow (a key it places meanwhile is re-homed when
+  it hears of the earlier placement).
 - Slots: a backend gets the lowest free column when it is added and keeps
   it until it is removed; the column is free again once every worker has
   acknowledged the removal (and so forgotten it).
@@ -36,6 +43,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import sys
@@ -56,6 +64,7 @@ from .channel import (
     Init,
     Query,
     Ready,
+    Records,
     Recovered,
     Report,
 )
@@ -68,6 +77,8 @@ from .shared import PLANES, SharedLoadTracker, SharedTable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from hashring.shared import Record
 
     from .app import Router
 
@@ -131,12 +142,20 @@ class _Worker:
 
 class Workers:
     def __init__(
-        self, router: Router, count: int, sockets: list[socket.socket], *, remote: bool = False
+        self,
+        router: Router,
+        count: int,
+        sockets: list[socket.socket],
+        *,
+        remote: bool = False,
+        stamp_base: int = 0,
     ):
         """``remote``: one more row in the table, the other replicas' counts
-        (written by ``router.replicas``)."""
+        (written by ``router.replicas``); ``stamp_base``: this replica's
+        placement stamps (``stamp_base + worker index``, unique in the fleet)."""
         self.router = router
         self.count = count
+        self.stamp_base = stamp_base
         self.port = int(sockets[0].getsockname()[1])
         self.table = SharedTable.create(count + remote, SLOTS, PLANES)
         self.slots: dict[str, int] = {}
@@ -152,6 +171,7 @@ class Workers:
         self._seq = 0
         self._stopping = False
         self.on_idle: Callable[[str], None] | None = None  # a draining backend's count hit zero
+        self.on_records: Callable[[list[Record]], None] | None = None  # the workers' placements
         router.health.on_transition = self._health_changed
 
     # -- lifecycle ------------------------------------------------------------------
@@ -223,6 +243,7 @@ class Workers:
         )
         return Init(
             index=index,
+            stamp=self.stamp_base + index,
             config=config,
             draining=[n for n, b in fleet.backends.items() if b.state is AdminState.DRAINING],
             unhealthy=[n for n, b in fleet.backends.items() if not b.healthy],
@@ -304,12 +325,20 @@ class Workers:
             backend = router.fleet.backends.get(message.name)
             if backend is not None:
                 router.health.answered(backend)
+        elif isinstance(message, Records):
+            self._send_all(message, but=worker)
+            if self.on_records is not None:
+                self.on_records(message.records)
         elif (
             isinstance(message, Idle)
             and self.on_idle is not None
             and not self.in_flight(message.name)
         ):
             self.on_idle(message.name)
+
+    def relay(self, records: list[Record]) -> None:
+        """Pass another replica's placement records to every worker."""
+        self._send_all(Records(records))
 
     # -- changes --------------------------------------------------------------------
 
@@ -339,31 +368,41 @@ class Workers:
                     self.table.cells[self.table.index(self.count, plane, slot)] = 0
         return op
 
-    def _broadcast(self, op: Op) -> list[asyncio.Future[Report | None]]:
+    def _ask(self, message: Callable[[int], Apply | Query]) -> list[asyncio.Future[Report | None]]:
+        """Send ``message(seq)`` to every worker up; a future per worker for its answer."""
         self._seq += 1
+        seq = self._seq
         futures = []
         loop = asyncio.get_running_loop()
         for worker in self._workers:
             if worker.channel is None:
-                continue  # restarting: its Init will have the change
+                continue  # restarting: its Init will have the fleet as it is by then
             future: asyncio.Future[Report | None] = loop.create_future()
-            worker.pending[self._seq] = future
+            worker.pending[seq] = future
             try:
-                worker.channel.send(Apply(self._seq, op))
+                worker.channel.send(message(seq))
             except ChannelClosed:
-                worker.pending.pop(self._seq)
+                worker.pending.pop(seq)
                 continue
             futures.append(future)
         return futures
 
+    def _send_all(self, message: Records, *, but: _Worker | None = None) -> None:
+        """Send ``message`` to every worker up (but one), expecting no answer."""
+        for worker in self._workers:
+            if worker is not but and worker.channel is not None:
+                with contextlib.suppress(ChannelClosed):  # exiting: it restarts without
+                    worker.channel.send(message)
+
     async def apply(self, op: Op) -> None:
         """Send ``op`` (already ``prepare``d and applied here) to every worker; wait for all."""
-        futures = self._broadcast(op)
+        futures = self._ask(lambda seq: Apply(seq, op))
         if futures:
             await asyncio.gather(*futures)
 
     def _health_changed(self, name: str, healthy: bool) -> None:
-        self._broadcast(SetHealthy(name, healthy))  # nobody waits: futures resolve on ack
+        healthy_op = SetHealthy(name, healthy)
+        self._ask(lambda seq: Apply(seq, healthy_op))  # nobody waits: futures resolve on ack
 
     # -- reads ----------------------------------------------------------------------
 
@@ -377,21 +416,7 @@ class Workers:
 
     async def refresh(self) -> None:
         """Add up every worker's accounting into the supervisor's router."""
-        self._seq += 1
-        seq = self._seq
-        loop = asyncio.get_running_loop()
-        futures = []
-        for worker in self._workers:
-            if worker.channel is None:
-                continue
-            future: asyncio.Future[Report | None] = loop.create_future()
-            worker.pending[seq] = future
-            try:
-                worker.channel.send(Query(seq))
-            except ChannelClosed:
-                worker.pending.pop(seq)
-                continue
-            futures.append(future)
+        futures = self._ask(Query)
         reports = [r for r in await asyncio.gather(*futures) if r is not None]
         self._merge(reports)
         for tracker in self._trackers:

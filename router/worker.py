@@ -14,6 +14,12 @@ Contract:
 - Every ``Apply`` goes through ``router.control.ops.apply``, the one apply
   path, and is acknowledged once the worker's ring has it.  ``Query`` is
   answered with the worker's traffic accounting (``Report``).
+- TRAFFIC placement is one for the fleet: the balancer records its
+  decisions (``Balancer.share_placement``), the worker sends them every
+  ``PUBLISH_SECONDS`` when it made any (``Records``) and folds in what the
+  supervisor passes on from the other workers and replicas.  A new key is
+  placed here at once, with no round trip; replicas converge on the earliest
+  placement (``hashring.shared.PlacementLog``).
 - Health belongs to the supervisor: this process runs no checks, it reports
   passive failures (and the first good answer after one) and applies the
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -47,6 +54,7 @@ from .channel import (
     Init,
     Query,
     Ready,
+    Records,
     Recovered,
     Report,
 )
@@ -63,6 +71,9 @@ __all__ = ["main", "report"]
 # How stale the other workers' in-flight counts may be (router.shared says what
 # a fold costs and what a worker misses meanwhile).
 FOLD_SECONDS = DEFAULT_PERIOD
+# How late the other workers learn of a placement made here (and, through the
+# supervisor and router.replicas, the other replicas, PERIOD later again).
+PUBLISH_SECONDS = DEFAULT_PERIOD
 
 log = get_logger("worker")
 
@@ -135,7 +146,27 @@ class _Worker:
             fleet.set_healthy(name, False)
         router.health = ReportedHealth(fleet, router, channel)
         fleet.loads.on_idle = self._idle
+        router.balancer.share_placement(init.stamp)
         self.port = init.port
+        self._publishing: asyncio.TimerHandle | None = None
+
+    def _publish(self) -> None:
+        """Send the placements made since the last call, if any; again in a period."""
+        self._flush()
+        loop = asyncio.get_running_loop()
+        self._publishing = loop.call_later(PUBLISH_SECONDS, self._publish)
+
+    def _flush(self) -> None:
+        """Send the placements made so far.  Also before every answer to the
+        supervisor: once a change is acknowledged by every worker, each one's
+        earlier placements have reached the supervisor (and, relayed in order,
+        every worker that answers the next change)."""
+        placements = self.router.balancer.placement_log
+        if placements is not None:
+            records = placements.publish()
+            if records:
+                with contextlib.suppress(ChannelClosed):  # gone: _receive stops us
+                    self.channel.send(Records(records))
 
     def _assign(self, name: str, slot: int) -> None:
         for tracker in self.trackers:
@@ -158,6 +189,7 @@ class _Worker:
         for tracker in self.trackers:
             tracker.start(loop, FOLD_SECONDS)
         await router.start(port=self.port, reuse_port=True)
+        self._publish()
         self.channel.send(Ready(os.getpid()))
         receiving = asyncio.create_task(self._receive())
         stopping = asyncio.create_task(stop.wait())
@@ -167,6 +199,8 @@ class _Worker:
             receiving.cancel()
             stopping.cancel()
             await router.shutdown()
+            if self._publishing is not None:
+                self._publishing.cancel()
             for tracker in self.trackers:
                 tracker.stop()
 
@@ -183,12 +217,18 @@ class _Worker:
                     if isinstance(op, RemoveBackend):
                         self._forget((op.name,))
                     await router.fleet.settled()
+                    self._flush()
                     channel.send(Applied(message.seq))
+                elif isinstance(message, Records):
+                    placements = router.balancer.placement_log
+                    if placements is not None:
+                        placements.apply(router.fleet.ring, message.records)
                 elif isinstance(message, Query):
                     # Fold now: whoever reads the answer has every worker's counts
                     # as of this moment (a test can rely on it; the timer bounds the rest).
                     for tracker in self.trackers:
                         tracker.fold()
+                    self._flush()
                     channel.send(report(router, message.seq))
                 else:
                     log.error("unexpected message", message=type(message).__name__)

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from hashring import Ring, hash_key
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
@@ -124,6 +125,59 @@ async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
                 assert await post(http, port, f"after {i}") == 200
             assert len(c.requests) == 30
             assert len(a.requests) + len(b.requests) == before
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_a_traffic_placement_made_by_one_replica_is_followed_by_the_others(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # As tests/test_workers.py's twin: the key is placed on its ring's second choice
+    # through replica 0 while the first drains; replica 1 must follow that placement
+    # (it learns it from replica 0's row in etcd, within a publication period or so:
+    # if it routes the key before, it places it itself, later, and gives way).
+    fleet = {backend.name: backend for backend in [await backends(echo) for _ in range(3)]}
+    body = "the first turn of a conversation"
+    first, second, _ = Ring(dict.fromkeys(fleet, 1)).walk(hash_key(body.encode()))
+    traffic = ("--balance-mode", "TRAFFIC", "--concurrency-scope", "PREFILL")
+    routers = await replicas(2, etcd, *fleet.values(), extra=traffic)
+    (zero, zero_port), (_, one_port) = routers
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def set_state(state: str) -> None:
+                path = f"/admin/backends/{first}"
+                assert (await admin_call(http, zero, "PATCH", path, {"state": state}))[0] == 200
+
+                async def everywhere() -> bool:
+                    views = [(await admin_call(http, p, "GET", path))[1] for p, _ in routers]
+                    return all(view["state"] == state for view in views)
+
+                await until(everywhere)
+
+            def served(name: str) -> int:
+                return [seen.body for seen in fleet[name].requests].count(body.encode())
+
+            async def turn(port: int, i: int) -> str:
+                """The key once (other keys between: it stays below a hot key's share)."""
+                before = served(second)
+                assert await post(http, port, body) == 200
+                for j in range(3):
+                    assert await post(http, port, f"another conversation {port} {i} {j}") == 200
+                return second if served(second) > before else first
+
+            await set_state("draining")
+            assert await turn(zero_port, 0) == second
+            await set_state("active")
+            turns = iter(range(1, 1000))
+
+            async def followed() -> bool:
+                return await turn(one_port, next(turns)) == second
+
+            await until(followed)
+            for i in range(20):  # and from then on, through either replica
+                assert await turn(one_port if i % 2 else zero_port, 1000 + i) == second
     finally:
         for proc, _ in routers:
             await stop(proc)

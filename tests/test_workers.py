@@ -17,6 +17,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from hashring import Ring, hash_key
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.http import WAIT
 from tests.harness.processes import admin_call, spawn_router, stop
@@ -127,6 +128,41 @@ async def test_an_admin_change_is_live_in_every_worker_when_it_is_answered(
                 assert await post(http, port, f"prompt {i}") == 200
         assert not a.requests  # draining in every worker from the first request on
         assert len(via(b)) == 2  # and both workers route to the newcomer
+    finally:
+        await stop(proc)
+
+
+async def test_a_traffic_placement_made_in_one_worker_is_followed_by_every_worker(
+    backends: StartBackend,
+) -> None:
+    # BalanceMode TRAFFIC gives a new key a home and keeps it there.  The ring's
+    # first choice for the key drains while its first request is routed, so the
+    # key is placed on the second; a worker that did not learn of that placement
+    # would place the key afresh, on the first.
+    fleet = {backend.name: backend for backend in [await backends(echo) for _ in range(3)]}
+    body = "the first turn of a conversation"
+    first, second, _ = Ring(dict.fromkeys(fleet, 1)).walk(hash_key(body.encode()))
+    traffic = ["--balance-mode", "TRAFFIC", "--concurrency-scope", "PREFILL"]
+    proc, port = await spawn_router(*prefix(*fleet.values()), *traffic)
+    try:
+        async with aiohttp.ClientSession() as http:
+            path = f"/admin/backends/{first}"
+            assert (await admin_call(http, proc, "PATCH", path, {"state": "draining"}))[0] == 200
+            assert await post(http, port, body) == 200
+            assert (await admin_call(http, proc, "PATCH", path, {"state": "active"}))[0] == 200
+            # Every worker sent its placements before it answered that change, and the
+            # supervisor passed them on at once: answering this read, every worker has
+            # every other worker's placements.
+            await stats(http, proc)
+            for i in range(CONNECTIONS):
+                assert await post(http, port, body) == 200
+                # Other keys between: the key stays below a hot key's share.
+                for j in range(3):
+                    assert await post(http, port, f"another conversation {i} {j}") == 200
+        served = [seen.body for seen in fleet[second].requests].count(body.encode())
+        assert served == CONNECTIONS + 1
+        assert len(via(fleet[second])) == 2  # both workers routed there
+        assert body.encode() not in [seen.body for seen in fleet[first].requests]
     finally:
         await stop(proc)
 
