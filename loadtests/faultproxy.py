@@ -204,7 +204,9 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.stats: Counter[str] = Counter()
         self.faults: list[Fault] = []  # one per connection, in accept order
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
+        self._accepted: dict[asyncio.Task[None], socket.socket] = {}
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -218,33 +220,75 @@ class FaultProxy:
 
     async def start(self) -> str:
         """Listen (again, on the same port after ``kill``); returns the URL."""
-        if self._server is None:
-            self._server = await asyncio.start_server(
-                self._accept, self.host, self.port, reuse_address=True
-            )
-            self.port = self._server.sockets[0].getsockname()[1]
+        if self._listener is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setblocking(False)
+            try:
+                sock.bind((self.host, self.port))
+                sock.listen(socket.SOMAXCONN)
+            except OSError:
+                sock.close()
+                raise
+            self.port = sock.getsockname()[1]
+            self._listener = sock
+            self._acceptor = asyncio.create_task(self._accept_loop(sock))
         return self.url
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        # Our own accept loop, not asyncio.start_server: before Python 3.12, a
+        # Server closed while a connection it accepted waits for its transport
+        # fails an assertion in Server._attach and leaks that half-made transport
+        # (kill() closes the listener at any moment, under load).  Nor is this loop
+        # cancelled: a sock_accept cancelled while its accept is due loses the
+        # connection it accepts.  kill() shuts the listener down instead, which
+        # refuses new connections and ends the pending accept with an error.
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError:
+                    return  # shut down by kill()
+                task = asyncio.create_task(self._connected(conn))
+                self._accepted[task] = conn  # until the task runs: close() may cancel it first
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        finally:
+            listener.close()
+
+    async def _connected(self, conn: socket.socket) -> None:
+        del self._accepted[asyncio.current_task()]  # type: ignore[arg-type]
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except BaseException:
+            conn.close()
+            raise
+        await self._relay(reader, writer)
 
     def kill(self) -> None:
         """The instance dies: stop listening and reset every connection, at once."""
-        server, self._server = self._server, None
-        if server is not None:
-            server.close()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # refused from now on; the loop ends
         for link in list(self._links):
             link.abort(rst=True)
         self.stats["killed"] += 1
 
     async def close(self) -> None:
         self.kill()
+        if self._acceptor is not None:
+            await self._acceptor
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in self._accepted.values():  # cancelled before they ran
+            conn.close()
+        self._accepted.clear()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         number = len(self.faults)
         fault = self.plan(number)
         self.faults.append(fault)
@@ -260,7 +304,7 @@ class FaultProxy:
                 link.abort(rst=True)  # as the instance's kernel would have
                 return
             link.writers.append(up_writer)
-            if self._server is None:  # killed while we connected
+            if self._listener is None:  # killed while we connected
                 link.abort(rst=True)
                 return
             for w in link.writers:
@@ -271,13 +315,10 @@ class FaultProxy:
                 link.pump("up", reader, up_writer), link.pump("down", up_reader, writer)
             )
         except asyncio.CancelledError:
-            # close() ends us: return normally, or asyncio's stream server logs the
-            # cancelled handler as an error.
-            link.abort(rst=True)
+            link.abort(rst=True)  # close() ends us
         finally:
             link.abort(rst=False)
             self._links.discard(link)
-            self._tasks.discard(task)
 
 
 async def _main(argv: list[str] | None = None) -> None:
