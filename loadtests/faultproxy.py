@@ -310,7 +310,8 @@ class FaultProxy:
             for w in link.writers:
                 sock = w.get_extra_info("socket")
                 if sock is not None:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    with contextlib.suppress(OSError):  # already reset by its peer
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await asyncio.gather(
                 link.pump("up", reader, up_writer), link.pump("down", up_reader, writer)
             )
