@@ -272,7 +272,6 @@ async def _serve(
         if workers is None:
             await router.start()
         else:
-            _warn_if_per_process(config)
             await workers.start()
             if replicas is not None:
                 replicas.start()
@@ -374,19 +373,6 @@ def _stamp_base(config: Config) -> int:
         return 0  # one replica: its workers are numbered 0..N-1
     digest = hashlib.blake2b(config.replica_id.encode(), digest_size=6).digest()
     return int.from_bytes(digest, "big") << 16
-
-
-def _warn_if_per_process(config: Config) -> None:
-    """Say so when the routing config keeps state each worker keeps on its own."""
-    from router.log import get_logger
-
-    prefix = config.routing.prefix_aware
-    if config.routing.strategy.value == "PREFIX_AWARE" and prefix.balance_mode == "TRAFFIC":
-        get_logger("router").warning(
-            "BalanceMode TRAFFIC places keys per worker: workers may give one key"
-            " different homes (in-flight counts are shared; placements are not yet)",
-            workers=config.workers,
-        )
 
 
 async def _refuse_own_addresses(

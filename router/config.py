@@ -65,15 +65,18 @@ class PrefixAwareRoutingConfig(
     prefix_length: Annotated[int, Meta(ge=1024, le=65_536)] = 4096
     concurrency_threshold: Annotated[int, Meta(ge=1, le=1024)] = 10
     balance_factor: Annotated[float, Meta(ge=1.0, le=1000.0)] | None = None
-    # IN_FLIGHT: BalanceFactor bounds each request by in-flight counts (stateless,
-    # every replica agrees).  TRAFFIC: it bounds where a *new* key is placed by each
-    # backend's share of recent requests, and keys stick (see hashring.placement).
-    balance_mode: Literal["IN_FLIGHT", "TRAFFIC"] = "IN_FLIGHT"
+    # IN_FLIGHT: BalanceFactor bounds each request by in-flight counts (stateless).
+    # TRAFFIC (the default): it bounds where a *new* key is placed by each
+    # backend's share of recent requests, keys stick, and a key hot enough to
+    # overload one backend is served by several (see hashring.placement); one
+    # placement for every worker and replica (router.worker, router.replicas).
+    balance_mode: Literal["IN_FLIGHT", "TRAFFIC"] = "TRAFFIC"
     # What ConcurrencyThreshold counts: every request in flight (SageMaker's
-    # meaning), or PREFILL: only those a backend has not started answering, so
-    # long streams in their decode phase do not count.  BalanceFactor always
-    # counts every request in flight.
-    concurrency_scope: Literal["IN_FLIGHT", "PREFILL"] = "IN_FLIGHT"
+    # meaning), or PREFILL (the default): only those a backend has not started
+    # answering, so long streams in their decode phase do not count.
+    # BalanceFactor always counts every request in flight.  SageMaker's exact
+    # semantics: BalanceMode IN_FLIGHT and ConcurrencyScope IN_FLIGHT.
+    concurrency_scope: Literal["IN_FLIGHT", "PREFILL"] = "PREFILL"
 
 
 class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True):

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from admin import AdminServer
 from router.app import Router
 from router.control.live import RouterControl
-from tests.harness.routers import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter, sagemaker
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -211,7 +211,7 @@ async def test_growing_4_to_5_moves_only_the_newcomers_share_and_removing_moves_
     sim_fleet: SimFleet, start_router: StartRouter, start_admin: StartAdmin
 ) -> None:
     sims = await sim_fleet(5)
-    router = await start_router(sims[:4])
+    router = await start_router(sims[:4], routing=sagemaker())
     admin = await start_admin(router)
     url = f"http://127.0.0.1:{router.port}/invocations"
     prompts = [f"distinct document {i}: " + "lorem ipsum " * 10 for i in range(2000)]

@@ -19,6 +19,7 @@ from loadtests.offline import simulate
 from loadtests.report import Run, Sample
 from loadtests.workloads import FLEET, Request
 from router.config import RoutingConfig, parse_routing
+from tests.harness.routers import SAGEMAKER
 
 
 def routing(strategy: str, **prefix: object) -> RoutingConfig:
@@ -124,11 +125,19 @@ def test_native_form_routes_by_the_same_shared_part() -> None:
 def test_a_concurrency_threshold_of_one_overflows_a_hot_prefix() -> None:
     requests = workloads.build("sysprompt", seed=1, duration=20, rate=10)
     params = FLEET["sysprompt"]
+    # SageMaker's semantics: the threshold alone spreads a hot prefix (BalanceMode
+    # TRAFFIC, the default, also serves it from several instances below it).
     tight = simulate(
-        requests, routing("PREFIX_AWARE", ConcurrencyThreshold=1), instances=4, params=params
+        requests,
+        routing("PREFIX_AWARE", ConcurrencyThreshold=1, **SAGEMAKER),
+        instances=4,
+        params=params,
     )
     loose = simulate(
-        requests, routing("PREFIX_AWARE", ConcurrencyThreshold=1024), instances=4, params=params
+        requests,
+        routing("PREFIX_AWARE", ConcurrencyThreshold=1024, **SAGEMAKER),
+        instances=4,
+        params=params,
     )
     tight_summary, loose_summary = report.summarize(tight.run), report.summarize(loose.run)
     assert tight_summary["overflow_rate"] > 0

@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.harness.routers import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter, sagemaker
 
 SYSTEM = "You are the support assistant of ACME Rockets. " * 120  # ~5.8 KB, shared
 
@@ -73,7 +73,7 @@ async def test_a_shared_system_prompt_sticks_to_one_instance_and_documents_sprea
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
     sims = await sim_fleet(4)
-    router = await start_router(sims)
+    router = await start_router(sims, routing=sagemaker())
     url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     async with aiohttp.ClientSession() as http:
         same_prompt = {await instance_of(http, url, chat(f"Question {i}?")) for i in range(30)}

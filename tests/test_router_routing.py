@@ -14,7 +14,7 @@ from hashring import Placement, hash_key, tenant_seed
 from router.app import Router
 from router.balancer import Balancer
 from router.extract import decode_openai, prompt_key
-from tests.harness.routers import SimFleet, StartRouter
+from tests.harness.routers import SimFleet, StartRouter, sagemaker
 
 SYSTEM = "Warehouse robot safety manual, section 4: lifting limits. " * 100
 
@@ -52,7 +52,7 @@ async def test_tenant_keys_separate_the_same_prompt_deterministically(
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
     sims = await sim_fleet(4)
-    router = await start_router(sims)
+    router = await start_router(sims, routing=sagemaker())
     url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     async with aiohttp.ClientSession() as http:
         placement = {}
@@ -119,9 +119,7 @@ async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
 ) -> None:
     # Every instance holds its requests for a long time, so they stay in flight.
     sims = await sim_fleet(4, extra_ttft_s=30)
-    router = await start_router(
-        sims, routing={"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2}}
-    )
+    router = await start_router(sims, routing=sagemaker(ConcurrencyThreshold=2))
     url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     walk = walk_of(router, chat("q"))
     expected = dict.fromkeys(walk, 0)
@@ -235,7 +233,7 @@ async def test_a_stopped_instance_is_routed_around_without_client_errors(
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
     sims = await sim_fleet(3)
-    router = await start_router(sims)
+    router = await start_router(sims, routing=sagemaker())
     url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     body = chat("where do I go?")
     walk = walk_of(router, body)

@@ -26,6 +26,7 @@ from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.fleet import Fleet
 from router.shared import SharedLoadTracker, SharedTable
+from tests.harness.routers import SAGEMAKER
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 6
@@ -360,7 +361,7 @@ def test_the_balancer_sees_the_other_workers_load_after_fold(table: SharedTable)
     routing = parse_routing(
         {
             "RoutingStrategy": "PREFIX_AWARE",
-            "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2},
+            "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2, **SAGEMAKER},
         }
     )
     specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]

@@ -39,6 +39,17 @@ SimFleet = Callable[..., Awaitable[list[SimServer]]]
 StartRouter = Callable[..., Awaitable["Router"]]
 
 
+# SageMaker's exact semantics.  The defaults are BalanceMode TRAFFIC and
+# ConcurrencyScope PREFILL; tests of the ring walk and of the in-flight threshold
+# as SageMaker defines them pin these.
+SAGEMAKER = {"BalanceMode": "IN_FLIGHT", "ConcurrencyScope": "IN_FLIGHT"}
+
+
+def sagemaker(**prefix_aware: Any) -> dict[str, Any]:
+    """A RoutingConfig with SageMaker's exact semantics (and ``prefix_aware`` fields)."""
+    return {"PrefixAwareRoutingConfig": {**SAGEMAKER, **prefix_aware}}
+
+
 def router_config(backends: list[Any], **overrides: Any) -> dict[str, Any]:
     """A config dict for ``build_config``: SimServers or (name, url) pairs as backends."""
     specs = []
