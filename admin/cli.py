@@ -44,6 +44,8 @@ from router.config import (
 from router.state import State, StateError, StateFile
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from router.app import Router
     from router.control.etcd import EtcdStore
     from router.control.live import RouterControl
@@ -231,8 +233,10 @@ async def _serve(
     state_file: StateFile | None,
     state: State | None,
     tls: ssl.SSLContext | None = None,
+    reread: Callable[[], Config] | None = None,
 ) -> None:
     from admin import AdminServer
+    from admin.reload import Reloads
     from router.app import Router
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
@@ -294,11 +298,15 @@ async def _serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if reread is not None:
+            owns = not (replicated or state_file)  # the file is the backends' source
+            reloads = Reloads(reread, control, router, owns_membership=owns)
+            loop.add_signal_handler(signal.SIGHUP, reloads.request)
         await stop.wait()
     finally:
         # A second signal while we drain must not kill us half-way (nor after the
         # loop is gone and its handlers with it): from here on, signals are ignored.
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
         if replicas is not None:
             await replicas.close()  # our key goes: the others stop counting us
@@ -406,12 +414,35 @@ def _run_loadtests(module: str, argv: list[str]) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N
 
 
+def _check_config(path: str) -> int:
+    """``prefix-router check-config FILE``: what ``serve --config FILE`` would refuse."""
+    try:
+        config = build_config(load_toml(path))
+        parse_address(config.listen, "listen")
+        if config.admin_listen != "off":
+            parse_address(config.admin_listen, "admin_listen")
+        tls_context(config)
+    except ConfigError as exc:
+        print(f"{path}: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    routing = config.routing
+    print(
+        f"{path}: ok: {len(config.backends)} backends, {routing.strategy.value},"
+        f" listen {config.listen}, admin {config.admin_listen}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefix-router", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     demo = sub.add_parser("demo", help="run a simulated fleet behind the router and compare")
     demo.add_argument("--serve", action="store_true", help="keep the fleet and router up")
+    check = sub.add_parser(
+        "check-config", help="validate a config file without starting (exit 2 on an error)"
+    )
+    check.add_argument("file", metavar="FILE", help="the TOML file serve --config would read")
     sub.add_parser(
         "bench",
         add_help=False,
@@ -427,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("demo", "bench"):
         extra = ["--serve"] if args.command == "demo" and args.serve else []
         return _run_loadtests(args.command, [*extra, *rest])
+    if args.command == "check-config":
+        return _check_config(args.file)
     from admin import load_token, requires_token
 
     try:
@@ -459,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     before, after = raise_nofile()
     get_logger("router").info("file descriptor limit", nofile=after, raised_from=before)
     try:
-        uvloop.run(_serve(config, token, state_file, state, tls))
+        uvloop.run(_serve(config, token, state_file, state, tls, lambda: config_from_args(args)))
     except ConfigError as exc:  # found once listening: the router has shut down again
         print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -26,10 +26,12 @@ import socket
 import ssl
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
 from .balancer import Balancer
-from .config import BackendSpec, Config, RoutingConfig
+from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
 from .health import HealthMonitor
 from .keyworker import KeyWorker
@@ -210,6 +212,15 @@ class Router:
 
     def configure_routing(self, routing: RoutingConfig) -> None:
         self.balancer.configure(routing)
+
+    def configure_settings(self, timeouts: Timeouts, limits: Limits, retries: int) -> None:
+        """A config reload: what requests read from ``config`` from now on, and the pools."""
+        self.config = msgspec.structs.replace(
+            self.config, timeouts=timeouts, limits=limits, retries=retries
+        )
+        for pool in self.pools.values():
+            pool.keepalive = timeouts.upstream_keepalive
+            pool.max_idle = limits.max_idle_upstream
 
     # -- used by exchanges -----------------------------------------------------
 

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from ..config import BackendSpec, RoutingConfig
+from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..fleet import AdminState, Backend
 from ..log import get_logger
 from ..metrics import percentile
@@ -45,7 +45,16 @@ from . import (
     Stats,
     Totals,
 )
-from .ops import AddBackend, Op, RemoveBackend, SetRouting, SetState, SetWeight, apply
+from .ops import (
+    AddBackend,
+    Op,
+    RemoveBackend,
+    SetRouting,
+    SetSettings,
+    SetState,
+    SetWeight,
+    apply,
+)
 
 if TYPE_CHECKING:
     from ..app import Router
@@ -280,6 +289,11 @@ class RouterControl:
                     self._cancel_drain(name)
             log.info("backend changed", backend=name, weight=weight, state=state)
             return self._view(backend, self._total_requests())
+
+    async def set_settings(self, timeouts: Timeouts, limits: Limits, retries: int) -> None:
+        """Timeouts, limits and retries, live (a config reload); this replica only."""
+        async with self._lock:
+            await self._apply(SetSettings(timeouts, limits, retries))
 
     async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
         async with self._lock:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..config import BackendSpec, RoutingConfig
+from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..fleet import AdminState
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ __all__ = [
     "RemoveBackend",
     "SetHealthy",
     "SetRouting",
+    "SetSettings",
     "SetState",
     "SetWeight",
     "apply",
@@ -68,7 +69,15 @@ class SetRouting(msgspec.Struct, tag=True, frozen=True):
     routing: RoutingConfig
 
 
-Op = AddBackend | RemoveBackend | SetWeight | SetState | SetHealthy | SetRouting
+class SetSettings(msgspec.Struct, tag=True, frozen=True):
+    """What a config reload changes live besides membership and routing."""
+
+    timeouts: Timeouts
+    limits: Limits
+    retries: int
+
+
+Op = AddBackend | RemoveBackend | SetWeight | SetState | SetHealthy | SetRouting | SetSettings
 
 
 def apply(router: Router, op: Op) -> None:
@@ -87,3 +96,5 @@ def apply(router: Router, op: Op) -> None:
             fleet.set_healthy(name, healthy)
         case SetRouting(routing=routing):
             router.configure_routing(routing)
+        case SetSettings(timeouts=timeouts, limits=limits, retries=retries):
+            router.configure_settings(timeouts, limits, retries)

@@ -1,0 +1,141 @@
+"""SIGHUP: read the configuration again and apply what changed, without a restart.
+
+Contract:
+- ``Reloads.request()`` is the SIGHUP handler: it starts a reload, or, while
+  one runs, marks one more to run after it (signals that arrive meanwhile
+  coalesce into that one).  A reload reads the config file and the flags as
+  ``serve`` read them at start (``reread``); an invalid file changes nothing
+  and is logged (``config not reloaded``, with the field path).
+- Applied live, through the same control calls as the admin API (so every
+  worker has them when the reload logs ``config reloaded``): timeouts,
+  limits and retries always; the RoutingConfig and the backends only where
+  the file is their source, which is exactly where a restart would take them
+  from the file: not with ``--etcd`` (etcd's), not with a state file (the
+  admin API's, persisted there; at start the state file wins too).  The
+  backends: a new name is added, a name gone is drained and removed (the
+  admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is set; a changed
+  URL under one name is refused with a warning (remove the name, add a new
+  one).
+- Everything else (listeners, TLS, workers, etcd, state file, access log,
+  health checks, vnodes, seed) needs a restart: a reload that changes one
+  logs ``config fields need a restart`` naming them and applies the rest.
+- Connections are never dropped: nothing here touches a listener, and a
+  drained backend finishes its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from router.config import BackendSpec, Config, ConfigError
+from router.control import BackendPatch, ControlError
+from router.log import get_logger
+
+if TYPE_CHECKING:
+    from router.app import Router
+    from router.control.live import RouterControl
+
+__all__ = ["DRAIN_TIMEOUT", "RESTART_FIELDS", "Reloads"]
+
+log = get_logger("config")
+
+DRAIN_TIMEOUT = 30.0  # a backend gone from the file drains as a DELETE does
+RESTART_FIELDS = (
+    "listen",
+    "admin_listen",
+    "tls_cert",
+    "tls_key",
+    "workers",
+    "etcd",
+    "etcd_prefix",
+    "replica_id",
+    "state_file",
+    "access_log",
+    "health",
+    "vnodes",
+    "seed",
+)
+
+
+class Reloads:
+    def __init__(
+        self,
+        reread: Callable[[], Config],
+        control: RouterControl,
+        router: Router,
+        *,
+        owns_membership: bool,
+    ):
+        """``owns_membership``: the file is the source of the backends and routing."""
+        self.reread = reread
+        self.control = control
+        self.router = router
+        self.owns_membership = owns_membership
+        self._running: asyncio.Task[None] | None = None
+        self._again = False
+        self.done = 0  # reloads finished, applied or not (tests wait on it)
+
+    def request(self) -> None:
+        if self._running is not None and not self._running.done():
+            self._again = True
+            return
+        self._running = asyncio.create_task(self._run(), name="config reload")
+
+    async def _run(self) -> None:
+        while True:
+            self._again = False
+            try:
+                await self.reload()
+            except Exception:  # a bug: logged, the next SIGHUP tries again
+                log.exception("config reload failed")
+            self.done += 1
+            if not self._again:
+                return
+
+    async def reload(self) -> None:
+        try:
+            new = self.reread()
+        except ConfigError as exc:
+            log.error("config not reloaded", reason=str(exc))
+            return
+        old = self.router.config
+        restart = [field for field in RESTART_FIELDS if getattr(new, field) != getattr(old, field)]
+        if restart:
+            log.warning("config fields need a restart", fields=restart)
+        control = self.control
+        if (new.timeouts, new.limits, new.retries) != (old.timeouts, old.limits, old.retries):
+            await control.set_settings(new.timeouts, new.limits, new.retries)
+        if self.owns_membership:
+            if new.routing != control.routing():
+                await control.set_routing(new.routing)
+            await self._backends(new.backends)
+        log.info("config reloaded", membership_from_file=self.owns_membership)
+
+    async def _backends(self, specs: list[BackendSpec]) -> None:
+        control, fleet = self.control, self.router.fleet
+        wanted = {spec.name: spec for spec in specs}
+        for name in [name for name in fleet.backends if name not in wanted]:
+            await self._call(name, control.remove_backend(name, timeout=DRAIN_TIMEOUT, wait=False))
+        for name, spec in wanted.items():
+            backend = fleet.backends.get(name)
+            if backend is None:
+                await self._call(name, control.add_backend(spec))
+            elif backend.spec.url != spec.url:
+                log.warning(
+                    "backend URL not changed by a reload: remove it and add a new name",
+                    backend=name,
+                    url=backend.spec.url,
+                    file_url=spec.url,
+                )
+            elif backend.weight != spec.weight:
+                patch = BackendPatch(weight=spec.weight)
+                await self._call(name, control.update_backend(name, patch))
+
+    @staticmethod
+    async def _call(name: str, change: Awaitable[object]) -> None:
+        try:
+            await change
+        except ControlError as exc:  # e.g. a drain already running, its own address
+            log.warning("backend not changed by a reload", backend=name, reason=str(exc))

@@ -1,0 +1,210 @@
+"""Config operations: ``prefix-router check-config FILE`` and SIGHUP reloads.
+
+The reload tests run the real daemon with ``--config FILE``, rewrite the file
+and send SIGHUP, as an operator does, while clients keep sending requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.harness.backends import Backend, StartBackend, echo, hold
+from tests.harness.http import WAIT
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def toml(*backends: Backend, threshold: int = 10, first_byte: float = 300.0) -> str:
+    lines = [
+        "[timeouts]",
+        f"first_byte = {first_byte}",
+        "[health]",
+        "active = false",
+        "[RoutingConfig]",
+        'RoutingStrategy = "PREFIX_AWARE"',
+        "[RoutingConfig.PrefixAwareRoutingConfig]",
+        f"ConcurrencyThreshold = {threshold}",
+    ]
+    for backend in backends:
+        lines += ["[[backends]]", f'name = "{backend.name}"', f'url = "{backend.url}"']
+    return "\n".join(lines) + "\n"
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "admin", "check-config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# -- check-config --------------------------------------------------------------------
+
+
+def test_check_config_accepts_a_valid_file_and_names_the_field_of_an_invalid_one(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[[backends]]\nname = "a"\nurl = "http://127.0.0.1:8000"\n'
+        '[RoutingConfig]\nRoutingStrategy = "PREFIX_AWARE"\n'
+    )
+    done = check_config(path)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "ok: 1 backends, PREFIX_AWARE" in done.stdout
+
+    path.write_text('[timeouts]\nconnect = "soon"\n')
+    done = check_config(path)
+    assert done.returncode == 2
+    assert "$.timeouts.connect" in done.stderr  # the field path
+
+    path.write_text("[RoutingConfig.PrefixAwareRoutingConfig]\nConcurrencyThreshold = 0\n")
+    done = check_config(path)
+    assert done.returncode == 2
+    assert "$.RoutingConfig.PrefixAwareRoutingConfig.ConcurrencyThreshold" in done.stderr
+
+    path.write_text('listen = "nowhere"\n')
+    assert check_config(path).returncode == 2
+    path.write_text("not = [toml\n")
+    assert check_config(path).returncode == 2
+    assert check_config(tmp_path / "missing.toml").returncode == 2
+
+
+# -- SIGHUP ----------------------------------------------------------------------------
+
+
+async def logged(proc: asyncio.subprocess.Process, event: str) -> dict[str, object]:
+    """Read the daemon's log until ``event`` (the reload's own report of its end)."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(WAIT):
+        while True:
+            line = await proc.stderr.readline()
+            assert line, f"router exited before logging {event!r}"
+            record = json.loads(line)
+            if record["event"] == event:
+                return record  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sighup_reloads_backends_routing_and_timeouts_under_load_without_a_failure(
+    backends: StartBackend, tmp_path: Path, workers: int
+) -> None:
+    a, b, c = await backends(echo), await backends(echo), await backends(echo)
+    slow = await backends(hold)  # never answers until released: shows first_byte
+    config = tmp_path / "router.toml"
+    config.write_text(toml(a, b, slow))
+    proc, port = await spawn_router("--config", str(config), "--workers", str(workers))
+    statuses: list[int] = []
+    stopping = asyncio.Event()
+    waiting: list[tuple[int, asyncio.Future[None]]] = []
+
+    def answered(count: int) -> asyncio.Future[None]:
+        """Done once the load has had ``count`` answers."""
+        future = asyncio.get_running_loop().create_future()
+        waiting.append((count, future))
+        return future
+
+    async def load(http: aiohttp.ClientSession, worker: int) -> None:
+        i = 0
+        while not stopping.is_set():
+            i += 1
+            body = f"prompt {worker} {i % 50}"
+            async with http.post(f"http://127.0.0.1:{port}/generate", data=body) as resp:
+                await resp.read()
+                statuses.append(resp.status)
+            for count, future in waiting:
+                if len(statuses) >= count and not future.done():
+                    future.set_result(None)
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, _ = await admin_call(http, proc, "PATCH", f"/admin/backends/{slow.name}",
+                                         {"state": "draining"})  # fmt: skip
+            assert status == 200  # the load must not reach it: it answers nobody
+            loaders = [asyncio.create_task(load(http, i)) for i in range(4)]
+            await answered(200)  # traffic on the old config first
+
+            # b goes, c comes, a lower threshold, a short first_byte.
+            config.write_text(toml(a, c, slow, threshold=3, first_byte=1.0))
+            proc.send_signal(signal.SIGHUP)
+            reloaded = await logged(proc, "config reloaded")
+            assert reloaded["membership_from_file"] is True
+            await answered(len(statuses) + 200)  # and on the new one
+            stopping.set()
+            await asyncio.gather(*loaders)
+
+            assert set(statuses) == {200}  # not one request failed across the reload
+            served_c = len(c.requests)
+            assert served_c > 0
+            _, routing = await admin_call(http, proc, "GET", "/admin/routing")
+            prefix = routing["RoutingConfig"]["PrefixAwareRoutingConfig"]  # type: ignore[index]
+            assert prefix["ConcurrencyThreshold"] == 3
+            _, views = await admin_call(http, proc, "GET", "/admin/backends")
+            states = {v["name"]: v["state"] for v in views}  # type: ignore[union-attr, index]
+            assert b.name not in states or states[b.name] == "draining"
+
+            # The new first_byte, in every worker: a request to the silent backend is
+            # a 504 after 1 s, not after 300.
+            _, _ = await admin_call(http, proc, "PATCH", f"/admin/backends/{slow.name}",
+                                    {"state": "active"})  # fmt: skip
+            for name in (a.name, c.name):
+                await admin_call(http, proc, "PATCH", f"/admin/backends/{name}",
+                                 {"state": "draining"})  # fmt: skip
+            for i in range(2 * workers):  # connections of their own: each worker's turn
+                async with http.post(
+                    f"http://127.0.0.1:{port}/generate",
+                    data=f"late {i}",
+                    headers={"Connection": "close"},
+                ) as resp:
+                    assert resp.status == 504
+    finally:
+        slow.release.set()
+        await stop(proc)
+
+
+async def test_an_invalid_file_changes_nothing_and_a_state_file_keeps_the_backends(
+    backends: StartBackend, tmp_path: Path
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    config = tmp_path / "router.toml"
+    config.write_text(toml(a))
+    state = tmp_path / "state.json"
+    proc, port = await spawn_router("--config", str(config), "--state-file", str(state))
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, _ = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": b.name, "url": b.url}
+            )
+            assert status == 201
+
+            config.write_text("[timeouts]\nconnect = -1\n")
+            proc.send_signal(signal.SIGHUP)
+            refused = await logged(proc, "config not reloaded")
+            assert "$.timeouts.connect" in str(refused["reason"])
+
+            # The admin API owns the backends when there is a state file (a restart
+            # would take them from it too): a reload leaves them, and says what needs
+            # a restart.
+            config.write_text("vnodes = 512\n" + toml(a, threshold=4))
+            proc.send_signal(signal.SIGHUP)
+            restart = await logged(proc, "config fields need a restart")
+            assert restart["fields"] == ["vnodes"]
+            reloaded = await logged(proc, "config reloaded")
+            assert reloaded["membership_from_file"] is False
+            _, views = await admin_call(http, proc, "GET", "/admin/backends")
+            assert sorted(v["name"] for v in views) == [a.name, b.name]  # type: ignore[index, union-attr]
+            async with http.post(f"http://127.0.0.1:{port}/generate", data="x") as resp:
+                assert resp.status == 200
+    finally:
+        await stop(proc)
