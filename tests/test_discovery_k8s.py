@@ -25,7 +25,7 @@ import trustme
 from router.app import Router
 from router.config import ConfigError
 from router.control.live import RouterControl
-from router.discovery import Backoff, Reconciler
+from router.discovery import Backoff, DiscoveredControl, Reconciler
 from router.discovery.k8s import K8sSource, KubeAuth, from_kubeconfig, in_cluster
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.discovery import converged, post, states
@@ -190,6 +190,22 @@ async def test_several_slices_merge_and_an_address_in_two_serves_if_either_says_
     assert states(router) == {name_of(a): "active", name_of(b): "active"}
 
 
+async def test_a_list_in_pages_follows_the_continue_token(
+    kube: FakeKube, ca: trustme.CA, backends: StartBackend
+) -> None:
+    fleet = [await backends(echo) for _ in range(3)]
+    for i, backend in enumerate(fleet):
+        kube.put_slice(slice_for(f"vllm-{i}", backend))
+    source = K8sSource(auth_for(kube, ca), "default", service="vllm", port_name="http", page_size=1)
+    try:
+        await source._list()
+    finally:
+        await source.close()
+    assert source.snapshot().keys() == {name_of(b) for b in fleet}
+    assert [r.get("continue") is not None for r in kube.requests] == [False, True, True]
+    assert source.resource_version == str(kube.version)
+
+
 @pytest.mark.parametrize("how", ["error event", "http 410"])
 async def test_a_watch_that_ends_resumes_and_410_gone_relists_without_losing_a_backend(
     how: str, kube: FakeKube, watch: Watch, backends: StartBackend, start_router: StartRouter
@@ -241,6 +257,7 @@ async def test_api_server_outage_keeps_the_fleet_routing_and_a_restart_catches_u
     await kube.stop()
     async with asyncio.timeout(WAIT):
         await reconciler.wait_health(False)  # the bound passed without the API
+    assert not DiscoveredControl(control, reconciler, source.description).ready()  # /readyz 503
     assert states(router) == {name_of(a): "active", name_of(b): "active"}
     for i in range(6):
         assert await post(router, b"during the outage %d" % i) == 200
