@@ -9,6 +9,10 @@ names the field, as does a backend that is the router's own listener.  A
 state file, when it exists, then wins for backends and routing.  The soft
 ``RLIMIT_NOFILE`` is raised to the hard limit (logged).  SIGTERM and SIGINT
 drain in-flight requests (up to ``timeouts.shutdown_grace``) and exit 0.
+With ``--discover k8s|dns:NAME:PORT`` membership comes from the source
+(``router.discovery``): start-up waits up to ``DISCOVER_WAIT`` s for its first
+answer, and the admin API answers 409 to membership writes.  ``--discover``
+with ``--etcd`` or with configured backends is refused (exit 2).
 
 This module is the composition root of the whole daemon: it wires the data
 plane (``router``) to the control plane (the admin API of this package), so
