@@ -9,6 +9,10 @@ names the field, as does a backend that is the router's own listener.  A
 state file, when it exists, then wins for backends and routing.  The soft
 ``RLIMIT_NOFILE`` is raised to the hard limit (logged).  SIGTERM and SIGINT
 drain in-flight requests (up to ``timeouts.shutdown_grace``) and exit 0.
+With ``--discover k8s|dns:NAME:PORT`` membership comes from the source
+(``router.discovery``): start-up waits up to ``DISCOVER_WAIT`` s for its first
+answer, and the admin API answers 409 to membership writes.  ``--discover``
+with ``--etcd`` or with configured backends is refused (exit 2).
 
 This module is the composition root of the whole daemon: it wires the data
 plane (``router``) to the control plane (the admin API of this package), so
@@ -47,9 +51,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from router.app import Router
+    from router.config import DiscoverConfig
+    from router.control import Control
     from router.control.etcd import EtcdStore
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
+    from router.discovery import Reconciler, Source
     from router.replicas import Replicas
     from router.supervisor import Workers
 
@@ -135,6 +142,21 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="N",
         help="data-plane processes on the one port (1: a single process does all)",
     )
+    serve.add_argument(
+        "--discover",
+        metavar="k8s|dns:NAME:PORT",
+        help="membership from Kubernetes EndpointSlices or a DNS name (not the admin API)",
+    )
+    serve.add_argument("--k8s-namespace", metavar="NS", help="the Service's namespace")
+    serve.add_argument("--k8s-service", metavar="NAME", help="watch this Service's EndpointSlices")
+    serve.add_argument(
+        "--k8s-selector", metavar="LABELS", help="or EndpointSlices with these labels"
+    )
+    serve.add_argument("--k8s-port-name", metavar="NAME", help="the EndpointSlice port to use")
+    serve.add_argument("--kubeconfig", metavar="FILE", help="else the in-cluster service account")
+    serve.add_argument(
+        "--discover-interval", type=float, metavar="S", help="between two DNS lookups (5)"
+    )
 
 
 # Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
@@ -144,6 +166,18 @@ PREFIX_AWARE_FLAGS = (
     ("balance_factor", "BalanceFactor"),
     ("balance_mode", "BalanceMode"),
     ("concurrency_scope", "ConcurrencyScope"),
+)
+
+
+# Discovery flags (argparse dests) for DiscoverConfig fields.
+DISCOVER_FLAGS = (
+    ("discover", "source"),
+    ("k8s_namespace", "namespace"),
+    ("k8s_service", "service"),
+    ("k8s_selector", "selector"),
+    ("k8s_port_name", "port_name"),
+    ("kubeconfig", "kubeconfig"),
+    ("discover_interval", "interval"),
 )
 
 
@@ -174,6 +208,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["etcd_prefix"] = args.etcd_prefix
     if args.replica_id is not None:
         data["replica_id"] = args.replica_id
+    discover = dict(data.get("discover", {}))
+    for flag, field in DISCOVER_FLAGS:
+        if getattr(args, flag) is not None:
+            discover[field] = getattr(args, flag)
+    if discover:
+        data["discover"] = discover
     if args.admin_listen is not None:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:
@@ -215,7 +255,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         routing["PrefixAwareRoutingConfig"] = inner
     if routing:
         data["RoutingConfig"] = routing
-    return build_config(data)
+    config = build_config(data)
+    if config.discover is not None and config.backends:
+        raise ConfigError(
+            "backends come from discovery (--discover): leave --backend and the file's backends out"
+        )
+    return config
 
 
 def with_state(config: Config, state: State | None) -> Config:
@@ -240,6 +285,7 @@ async def _serve(
     from router.app import Router
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
+    from router.discovery import DiscoveredControl
     from router.fleet import AdminState
     from router.log import get_logger
 
@@ -269,10 +315,15 @@ async def _serve(
     else:
         control = RouterControl(router, state_file, workers=workers)
     admin = None
+    admin_control: Control = control
+    discovery: tuple[Reconciler, Source] | None = None
     try:
         if isinstance(control, ReplicatedControl):
             assert workers is not None
             store, replicas = await _open_etcd(config, router, workers, control, state_file)
+        if config.discover is not None:
+            discovery = await _open_discovery(config.discover, router, control)
+            admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
         if workers is None:
             await router.start()
         else:
@@ -287,7 +338,7 @@ async def _serve(
                 replica=replicas.id if replicas is not None else None,
             )
         if config.admin_listen != "off":
-            admin = AdminServer(control, token=token)
+            admin = AdminServer(admin_control, token=token)
             host, port = parse_address(config.admin_listen, "admin_listen")
             await admin.start(host, port)
             control.admin_listeners = admin.listeners
@@ -299,7 +350,7 @@ async def _serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         if reread is not None:
-            owns = not (replicated or state_file)  # the file is the backends' source
+            owns = not (replicated or state_file or config.discover)  # the file: their source
             reloads = Reloads(reread, control, router, owns_membership=owns)
             loop.add_signal_handler(signal.SIGHUP, reloads.request)
         await stop.wait()
@@ -308,6 +359,10 @@ async def _serve(
         # loop is gone and its handlers with it): from here on, signals are ignored.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        if discovery is not None:
+            reconciler, source = discovery
+            await reconciler.close()  # no membership change while we drain
+            await source.close()
         if replicas is not None:
             await replicas.close()  # our key goes: the others stop counting us
         if workers is not None:
@@ -381,6 +436,54 @@ def _stamp_base(config: Config) -> int:
         return 0  # one replica: its workers are numbered 0..N-1
     digest = hashlib.blake2b(config.replica_id.encode(), digest_size=6).digest()
     return int.from_bytes(digest, "big") << 16
+
+
+# How long start-up waits for the discovery source's first answer before it
+# listens anyway (with the state file's membership, if any; /readyz says 503).
+DISCOVER_WAIT = 10.0
+
+
+async def _open_discovery(
+    discover: DiscoverConfig, router: Router, control: RouterControl
+) -> tuple[Reconciler, Source]:
+    """Start the discovery source and wait (boundedly) for its first membership."""
+    from router.discovery import Reconciler
+    from router.log import get_logger
+
+    source: Source
+    if discover.source == "k8s":
+        from router.discovery.k8s import K8sSource, from_kubeconfig, in_cluster
+
+        auth = from_kubeconfig(discover.kubeconfig) if discover.kubeconfig else in_cluster()
+        source = K8sSource(
+            auth,
+            discover.namespace or auth.namespace or "default",
+            service=discover.service,
+            selector=discover.selector,
+            port_name=discover.port_name,
+        )
+    else:
+        from router.discovery.dns import DnsSource, parse_target
+
+        name, port = parse_target(discover.source)
+        source = DnsSource(name, port, interval=discover.interval)
+    reconciler = Reconciler(
+        control,
+        drain_timeout=discover.drain_timeout,
+        unhealthy_after=discover.unhealthy_after,
+    )
+    reconciler.start(source)
+    log = get_logger("discovery")
+    if await reconciler.wait_synced(DISCOVER_WAIT):
+        log.info("discovered", source=source.description, backends=sorted(router.fleet.backends))
+    else:
+        log.warning(
+            "no membership from the discovery source yet: listening with the last one",
+            source=source.description,
+            backends=sorted(router.fleet.backends),
+            waited_s=DISCOVER_WAIT,
+        )
+    return reconciler, source
 
 
 async def _refuse_own_addresses(

@@ -10,7 +10,8 @@ Contract:
   worker has them when the reload logs ``config reloaded``): timeouts,
   limits and retries always; the RoutingConfig and the backends only where
   the file is their source, which is exactly where a restart would take them
-  from the file: not with ``--etcd`` (etcd's), not with a state file (the
+  from the file: not with ``--etcd`` (etcd's) or ``--discover`` (the
+  platform's), not with a state file (the
   admin API's, persisted there; at start the state file wins too).  The
   backends: a new name is added, a name gone is drained and removed (the
   admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is set; a changed

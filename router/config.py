@@ -31,6 +31,7 @@ __all__ = [
     "BackendSpec",
     "Config",
     "ConfigError",
+    "DiscoverConfig",
     "HealthConfig",
     "HealthOverride",
     "Limits",
@@ -209,6 +210,40 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scrape_interval: Seconds = 10.0
 
 
+class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Membership from a discovery source (router.discovery) instead of the admin API."""
+
+    source: str  # "k8s" or "dns:NAME:PORT"
+    namespace: str | None = None  # k8s: default the pod's (in-cluster) or the context's
+    service: str | None = None  # k8s: EndpointSlices labelled kubernetes.io/service-name=<it>
+    selector: str | None = None  # k8s: or this label selector
+    port_name: str | None = None  # k8s: the EndpointSlice port; unset: the only TCP port
+    kubeconfig: str | None = None  # k8s: unset: the in-cluster service account
+    interval: Seconds = 5.0  # dns: between two lookups
+    drain_timeout: Seconds = 30.0  # a removed endpoint's drain (as DELETE ?timeout=)
+    unhealthy_after: Seconds = 10.0  # source failing this long: /readyz 503 (routing goes on)
+
+    def __post_init__(self) -> None:
+        if self.source == "k8s":
+            if (self.service is None) == (self.selector is None):
+                raise ValueError("discover k8s needs exactly one of service and selector")
+        elif self.source.startswith("dns:"):
+            k8s = [
+                field
+                for field in ("namespace", "service", "selector", "port_name", "kubeconfig")
+                if getattr(self, field) is not None
+            ]
+            if k8s:
+                raise ValueError(f"discover {self.source!r} takes no k8s field: {', '.join(k8s)}")
+            name, sep, port = self.source[4:].rpartition(":")
+            if not sep or not name or not port.isdigit() or not 1 <= int(port) <= 65_535:
+                raise ValueError(
+                    f"discover {self.source!r} must look like dns:NAME:PORT (port 1-65535)"
+                )
+        else:
+            raise ValueError(f"discover {self.source!r} must be k8s or dns:NAME:PORT")
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -242,6 +277,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     etcd: list[str] = msgspec.field(default_factory=list)  # client URLs
     etcd_prefix: str = "/prefix-router/"
     replica_id: str | None = None  # this replica's name in etcd; random when unset
+    # Membership from Kubernetes EndpointSlices or DNS (router.discovery).
+    discover: DiscoverConfig | None = None
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")
@@ -253,6 +290,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate backend names: {', '.join(duplicates)}")
+        if self.discover is not None and self.etcd:
+            raise ValueError(
+                "discover and etcd both manage membership: with discovery every replica"
+                " watches the same source, so leave etcd out"
+            )
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -1,0 +1,138 @@
+"""DNS discovery: a name whose answer changes makes backends join and drain.
+
+The resolver is injected (``DnsSource(resolve=...)``): the test owns the answer of
+``vllm.test``, so it can change it and make it fail; everything after the lookup is
+real (the ``Reconciler``, ``RouterControl``, the ``Router`` in the test's loop,
+recording backends).  One name, one port: the two backends listen on the same port
+at 127.0.0.1 and ::1, the two addresses the answer can hold.  The system resolver's
+path (``getaddrinfo`` off the loop) runs in ``test_discovery_serve.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from router.config import ConfigError
+from router.control.live import RouterControl
+from router.discovery import Reconciler
+from router.discovery.dns import DnsSource, parse_target
+from tests.harness.backends import Backend, echo
+from tests.harness.discovery import converged, post, states
+from tests.harness.http import WAIT
+from tests.harness.routers import StartRouter
+
+
+class V6Backend(Backend):
+    """The harness's recording backend, on [::1] at a given port."""
+
+    async def start_at(self, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, "::1", port)
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://[::1]:{self._server.sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Backend, Backend, int]]:
+    """Backends on 127.0.0.1:P and [::1]:P (another P if ::1 has it taken)."""
+    v4 = v6 = None
+    for _ in range(20):  # bounded: a port free on 127.0.0.1 but taken on ::1 is rare
+        v4, v6 = Backend(echo, "v4"), V6Backend(echo, "v6")
+        await v4.start()
+        port = int(v4.url.rpartition(":")[2])
+        try:
+            await v6.start_at(port)
+            break
+        except OSError as exc:
+            await v4.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    else:
+        pytest.fail("no port free on both 127.0.0.1 and ::1")
+    assert v4 is not None
+    assert v6 is not None
+    try:
+        yield v4, v6, port
+    finally:
+        await v4.close()
+        await v6.close()
+
+
+class Zone:
+    """The answer of ``vllm.test``, as the test sets it."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = list(addresses)
+        self.failure: OSError | None = None
+        self.asked = 0
+
+    async def resolve(self, name: str, port: int) -> list[str]:
+        assert name == "vllm.test"
+        self.asked += 1
+        if self.failure is not None:
+            raise self.failure
+        return list(self.addresses)
+
+
+async def test_a_changing_answer_joins_and_drains_and_a_failing_lookup_keeps_the_fleet(
+    pair: tuple[Backend, Backend, int], start_router: StartRouter
+) -> None:
+    v4, v6, port = pair
+    zone = Zone("127.0.0.1")
+    router = await start_router([], health={"active": False})
+    control = RouterControl(router)
+    reconciler = Reconciler(control, drain_timeout=WAIT, unhealthy_after=0.1)
+    reconciler.start(DnsSource("vllm.test", port, interval=0.02, resolve=zone.resolve))
+    n4, n6 = f"127.0.0.1:{port}", f"0::1:{port}"
+    try:
+        assert await reconciler.wait_synced(WAIT)
+        assert states(router) == {n4: "active"}
+        assert await post(router, b"one") == 200
+        assert len(v4.requests) == 1
+
+        zone.addresses = ["127.0.0.1", "::1"]  # a pod joins
+        await converged(reconciler, lambda: states(router) == {n4: "active", n6: "active"})
+        assert router.fleet.backends[n6].url == f"http://[::1]:{port}"
+
+        zone.addresses = ["::1"]  # the first one leaves: drained, then removed
+        await converged(reconciler, lambda: states(router).get(n4) != "active")
+        if n4 in router.fleet.backends:  # join the drain discovery started
+            async with asyncio.timeout(WAIT):
+                await control.remove_backend(n4, timeout=WAIT, wait=True)
+        assert states(router) == {n6: "active"}
+        for key in (b"a", b"b", b"c"):
+            assert await post(router, key) == 200
+        assert len(v6.requests) == 3
+        assert len(v4.requests) == 1
+
+        # DNS fails (NXDOMAIN, SERVFAIL: the same to us): membership kept, not ready.
+        zone.failure = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        async with asyncio.timeout(WAIT):
+            await reconciler.wait_health(False)
+        assert states(router) == {n6: "active"}
+        assert await post(router, b"d") == 200
+        zone.failure = None
+        async with asyncio.timeout(WAIT):
+            await reconciler.wait_health(True)
+        assert states(router) == {n6: "active"}
+    finally:
+        await reconciler.close()
+        await control.close()
+
+
+def test_dns_targets_parse_or_say_what_is_wrong() -> None:
+    assert parse_target("dns:vllm.default.svc.cluster.local:8000") == (
+        "vllm.default.svc.cluster.local",
+        8000,
+    )
+    assert parse_target("dns:[fd00::1]:80") == ("fd00::1", 80)
+    for bad in ("dns:vllm", "dns::80", "dns:vllm:0", "dns:vllm:http"):
+        with pytest.raises(ConfigError, match="dns:NAME:PORT"):
+            parse_target(bad)
