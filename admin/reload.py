@@ -9,14 +9,13 @@ Contract:
 - Applied live, through the same control calls as the admin API (so every
   worker has them when the reload logs ``config reloaded``): timeouts,
   limits and retries always; the RoutingConfig and the backends only where
-  the file is their source, which is exactly where a restart would take them
-  from the file: not with ``--etcd`` (etcd's) or ``--discover`` (the
-  platform's), not with a state file (the
-  admin API's, persisted there; at start the state file wins too).  The
-  backends: a new name is added, a name gone is drained and removed (the
-  admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is set; a changed
-  URL under one name is refused with a warning (remove the name, add a new
-  one).
+  the file is their source, which is where a restart would take them from:
+  not with ``--etcd`` (etcd's), ``--discover`` (the platform's) or a state
+  file (the admin API's, persisted there; at start the state file wins
+  too).  The backends: a new name is added, a name gone is drained and
+  removed (the admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is
+  set; a changed URL under one name is refused with a warning (remove the
+  name, add a new one).
 - Everything else (listeners, TLS, workers, etcd, state file, access log,
   health checks, vnodes, seed) needs a restart: a reload that changes one
   logs ``config fields need a restart`` naming them and applies the rest.
