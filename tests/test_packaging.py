@@ -259,7 +259,9 @@ def test_the_fresh_venv_serves_and_passes_the_image_healthcheck(
 
     def check(path: str) -> subprocess.CompletedProcess[str]:
         url = f"http://127.0.0.1:{admin_port}{path}"
-        env = clean_env(PREFIX_ROUTER_HEALTH_URL=url, http_proxy="http://127.0.0.1:9")
+        # A proxy in the environment (port 9, discard: nothing listens) must not catch it.
+        proxy = {"http_proxy": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+        env = clean_env(PREFIX_ROUTER_HEALTH_URL=url, **proxy)
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=30)
 
     healthy = check("/healthz")
