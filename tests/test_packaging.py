@@ -47,6 +47,10 @@ IMAGE_UID = "10001"
 # The packages the wheel must hold, and top-level folders it must not.
 PACKAGES = {"hashring", "router", "admin"}
 NOT_SHIPPED = {"tests", "loadtests", "deploy"}
+# The first test to ask for the wheel pays for the wheelhouse (a download on a new
+# machine), the build and the venv: ~5 s here, more on a loaded or fresh machine.
+# A guard against a hang, not a speed claim.
+WHEEL_SETUP = pytest.mark.timeout(300)
 
 
 def pyproject() -> dict[str, object]:
@@ -158,6 +162,7 @@ def fresh_venv(wheel: Path, wheelhouse: Path, tmp_path_factory: pytest.TempPathF
     return venv
 
 
+@WHEEL_SETUP
 def test_the_wheel_holds_the_three_packages_and_no_tests(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
@@ -174,6 +179,7 @@ def test_the_wheel_holds_the_three_packages_and_no_tests(wheel: Path) -> None:
         assert "prefix-router = admin.cli:main" in archive.read(entry_points).decode()
 
 
+@WHEEL_SETUP
 def test_the_installed_command_answers_help_from_the_fresh_venv(fresh_venv: Path) -> None:
     command = fresh_venv / "bin" / "prefix-router"
     top = subprocess.run([command, "--help"], capture_output=True, text=True, env=clean_env())
@@ -251,6 +257,7 @@ def served(fresh_venv: Path, tmp_path: Path) -> Iterator[tuple[int, Path]]:
         proc.stderr.close()
 
 
+@WHEEL_SETUP
 def test_the_fresh_venv_serves_and_passes_the_image_healthcheck(
     served: tuple[int, Path], fresh_venv: Path
 ) -> None:
