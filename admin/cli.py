@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
     from router.discovery import Reconciler, Source
+    from router.etcd import EtcdClient
     from router.replicas import Replicas
     from router.supervisor import Workers
 
@@ -289,7 +290,10 @@ async def _serve(
     from router.fleet import AdminState
     from router.log import get_logger
 
-    replicated = bool(config.etcd)
+    # etcd: in-flight counts and TRAFFIC placements shared with the other replicas;
+    # and membership and routing too, unless discovery gives every replica those.
+    shared = bool(config.etcd)
+    replicated = shared and config.discover is None
     # With etcd, the state file is the store's copy of etcd's state: etcd wins.
     router = Router(config if replicated else with_state(config, state), tls=tls)
     saved_backends = state.backends if state and not replicated else []
@@ -297,15 +301,15 @@ async def _serve(
     router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
     workers = None
     store = replicas = None
-    if config.workers > 1 or replicated:
+    if config.workers > 1 or shared:
         from router.supervisor import Workers, reserve
 
         host, port = config.listen_address
         held = reserve(host, port)
-        if replicated and not config.replica_id:
+        if shared and not config.replica_id:
             config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
         workers = Workers(
-            router, config.workers, held, remote=replicated, stamp_base=_stamp_base(config)
+            router, config.workers, held, remote=shared, stamp_base=_stamp_base(config)
         )
         await router.start_control(held)
     control: RouterControl
@@ -321,6 +325,11 @@ async def _serve(
         if isinstance(control, ReplicatedControl):
             assert workers is not None
             store, replicas = await _open_etcd(config, router, workers, control, state_file)
+        elif shared:
+            from router.etcd import EtcdClient
+
+            assert workers is not None
+            replicas = _join_replicas(config, workers, EtcdClient(config.etcd), lambda: 0)
         if config.discover is not None:
             discovery = await _open_discovery(config.discover, router, control)
             admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
@@ -373,7 +382,8 @@ async def _serve(
         await control.close()
         if store is not None:
             await store.close()
-            await store.client.close()
+        if replicas is not None:
+            await replicas.client.close()
 
 
 async def _open_etcd(
@@ -387,7 +397,6 @@ async def _open_etcd(
     from router.control.etcd import EtcdStore
     from router.etcd import EtcdClient, Unavailable
     from router.log import get_logger
-    from router.replicas import Replicas
     from router.state import VERSION, SavedBackend
 
     client = EtcdClient(config.etcd)
@@ -416,18 +425,25 @@ async def _open_etcd(
         if await store.initialize(seed):
             get_logger("etcd").info("seeded a new fleet in etcd", prefix=config.etcd_prefix)
     await control.on_resync(store.state())
-    replicas = Replicas(
-        client,
-        store.prefix,
-        workers.table,
-        lambda: workers.slots,
-        lambda: store.revision,
-        replica_id=config.replica_id,
-    )
+    replicas = _join_replicas(config, workers, client, lambda: store.revision)
     control.replicas = replicas
+    return store, replicas
+
+
+def _join_replicas(
+    config: Config, workers: Workers, client: EtcdClient, applied: Callable[[], int]
+) -> Replicas:
+    """This replica's row in etcd, and the other replicas' rows and placements folded in
+    (``applied``: the etcd revision of the membership this replica has applied)."""
+    from router.replicas import Replicas
+
+    prefix = config.etcd_prefix.encode()
+    replicas = Replicas(
+        client, prefix, workers.table, lambda: workers.slots, applied, replica_id=config.replica_id
+    )
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay
-    return store, replicas
+    return replicas
 
 
 def _stamp_base(config: Config) -> int:

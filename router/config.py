@@ -290,11 +290,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate backend names: {', '.join(duplicates)}")
-        if self.discover is not None and self.etcd:
-            raise ValueError(
-                "discover and etcd both manage membership: with discovery every replica"
-                " watches the same source, so leave etcd out"
-            )
 
     @property
     def listen_address(self) -> tuple[str, int]:

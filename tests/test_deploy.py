@@ -42,8 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 # The oldest Kubernetes the manifests are written for, and the newest schemas we have.
 VERSIONS = ("1.30", latest_version())
-# Flags of `serve` that the discovery branch adds (each takes one value).
-DISCOVERY_FLAGS = ("--discover", "--k8s-namespace", "--k8s-service", "--k8s-port-name")
 
 
 def documents() -> list[tuple[str, dict[str, Any]]]:
@@ -87,10 +85,6 @@ def serve_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, sub.choices["serve"]
 
 
-def knows_discovery() -> bool:
-    return "--discover" in serve_parser()[1]._option_string_actions
-
-
 def command_line() -> list[str]:
     """The image's entrypoint and the Deployment's args, $(VAR) expanded as the kubelet does."""
     runtime = read(ROOT / "Dockerfile")[1][-1]
@@ -99,18 +93,6 @@ def command_line() -> list[str]:
     env = {item["name"]: f"<{item['name']}>" for item in container().get("env", [])}
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container()["args"]]
     return [*entrypoint.exec_form, *args]
-
-
-def without(flags: tuple[str, ...], argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True  # and its value
-        elif arg.split("=", 1)[0] not in flags:
-            out.append(arg)
-    return out
 
 
 def parsed(argv: list[str], config: Path) -> argparse.Namespace:
@@ -214,15 +196,13 @@ def test_the_entrypoint_reads_the_configmap_file() -> None:
     assert config_path.name in one("ConfigMap")["data"]
 
 
-def test_the_deployment_args_parse_and_build_a_config_without_the_discovery_flags(
-    tmp_path: Path,
-) -> None:
-    """The args the parser knows today; the discovery flags are filtered by name."""
+def test_the_deployment_args_parse_and_build_a_config(tmp_path: Path) -> None:
+    """The Deployment's args, through the real serve parser and config builder."""
     path, _ = configmap_config(tmp_path)
-    argv = command_line()
-    assert all(flag in argv for flag in DISCOVERY_FLAGS)
-    args = parsed(without(DISCOVERY_FLAGS, argv), path)
+    args = parsed(command_line(), path)
     config = cli.config_from_args(args)
+    assert config.discover is not None
+    assert (config.discover.source, config.discover.service) == ("k8s", "vllm")
     host, _ = parse_address(config.admin_listen)
     # Off loopback the daemon refuses to start without a token: the args give the
     # file, and it is where the Secret volume is mounted, under the Secret's key.
@@ -232,20 +212,6 @@ def test_the_deployment_args_parse_and_build_a_config_without_the_discovery_flag
     (mount,) = (m for m in container()["volumeMounts"] if m["name"] == secret["name"])
     assert str(token.parent) == mount["mountPath"]
     assert token.name == "token"
-
-
-@pytest.mark.xfail(
-    not knows_discovery(),
-    reason="--discover k8s --k8s-namespace/--k8s-service/--k8s-port-name come with the"
-    " Kubernetes-discovery branch (h-k8s, issue 13 item 2); reconcile the names on merge",
-    raises=AssertionError,
-    strict=True,
-)
-def test_the_deployment_args_parse_with_the_discovery_flags(tmp_path: Path) -> None:
-    path, _ = configmap_config(tmp_path)
-    args = parsed(command_line(), path)
-    cli.config_from_args(args)
-    assert args.discover == "k8s"
 
 
 def test_ports_and_probes_match_the_config_and_the_admin_api(tmp_path: Path) -> None:

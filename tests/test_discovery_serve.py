@@ -170,10 +170,6 @@ async def test_serve_dns_discovery_through_the_system_resolver(backends: StartBa
             ["--discover", "dns:a:80", "--backend", "x=http://127.0.0.1:1"],
             "backends come from discovery",
         ),
-        (
-            ["--discover", "dns:a:80", "--etcd", "http://127.0.0.1:2379"],
-            "discover and etcd both manage membership",
-        ),
     ],
 )
 def test_bad_discovery_flags_exit_2_naming_the_problem(

@@ -236,6 +236,38 @@ async def test_in_flight_counts_and_drains_span_the_replicas(
             await stop(proc)
 
 
+async def test_with_discovery_etcd_carries_the_shared_state_and_not_the_membership(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # --discover gives every replica its membership; --etcd still shares what each
+    # has in flight (and its TRAFFIC placements) with the others.
+    a = await backends(hold)
+    port = a.url.rpartition(":")[2]
+    discover = ("--discover", f"dns:localhost:{port}", "--discover-interval", "0.2")
+    routers = await replicas(2, etcd, extra=discover)
+    (_, one_port), (two, _) = routers
+    try:
+        async with aiohttp.ClientSession() as http:
+            held = asyncio.create_task(post(http, one_port, "one prompt"))
+            await a.wait_for(lambda: len(a.heads) == 1)
+
+            async def two_sees_it() -> bool:
+                _, body = await admin_call(http, two, "GET", "/admin/stats")
+                return body["totals"]["in_flight"] == 1  # type: ignore[index]
+
+            await until(two_sees_it)  # replica one's row reached replica two's table
+            status, body = await admin_call(
+                http, two, "POST", "/admin/backends", {"name": "x", "url": "http://127.0.0.1:9"}
+            )
+            assert status == 409, body  # membership is discovery's, not etcd's
+            a.release.set()
+            assert await held == 200
+    finally:
+        a.release.set()
+        for proc, _ in routers:
+            await stop(proc)
+
+
 async def test_etcd_killed_and_restarted_under_load_fails_no_request(
     etcd: EtcdServer, backends: StartBackend
 ) -> None:
