@@ -42,6 +42,7 @@ from .wire import DateHeader
 if TYPE_CHECKING:
     from .client import ClientConnection
     from .exchange import Exchange
+    from .tracing import Tracer
 
 __all__ = ["Router"]
 
@@ -85,6 +86,8 @@ class Router:
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
         self.keyworker: KeyWorker = None  # type: ignore[assignment]  # set by start
+        # Set by start when otel.endpoint is: the one check the data plane makes.
+        self.tracer: Tracer | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -107,6 +110,12 @@ class Router:
             ssl=self.tls,
         )
         self.access.start(self.loop)
+        if self.config.otel.endpoint is not None and self.tracer is None:
+            from .tracing import Tracer, TracerCollector  # imported only when tracing is on
+
+            self.tracer = Tracer(self.config.otel, self.head_tail)
+            self.collector.registry.register(TracerCollector(self.tracer))
+            self.tracer.start()
         self.health.start()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
         log.info(
@@ -169,6 +178,8 @@ class Router:
             await self._server.wait_closed()
         for sock in self._held:
             sock.close()
+        if self.tracer is not None:
+            await self.tracer.close()
         self.access.close()
         log.info("stopped")
 
@@ -230,6 +241,8 @@ class Router:
         self.active -= 1
         self.recorder.observe(exchange)
         self.access.record(exchange)
+        if exchange.span is not None:
+            self.tracer.end(exchange)  # type: ignore[union-attr]  # a span means a tracer
         if not self.active:
             self._quiet.set()
 
