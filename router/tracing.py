@@ -30,10 +30,14 @@ Contract:
   honoured, capped) up to ``EXPORT_ATTEMPTS`` times, then its spans are
   dropped and counted; other answers drop the batch at once.  A state
   change of the collector (failing, recovered) is logged once.
-- The protobuf is written here by hand (a dozen fields of six messages,
-  ``opentelemetry/proto/trace/v1/trace.proto``): measured against the
-  ``opentelemetry-proto`` classes by ``python -m router.tracing`` (see
-  ``bench``); the tests decode every payload with those classes.
+- The protobuf is written here by hand (a dozen fields of six messages of
+  ``opentelemetry/proto/trace/v1/trace.proto``; the encodings of repeating
+  attribute values are memoised): 4.9 us a span, against 25 us for the same
+  Span built with the ``opentelemetry-proto`` classes and 39 + 58 us with
+  ``opentelemetry-sdk`` and its OTLP encoder (``python -m
+  loadtests.bench_tracing``, CPU medians, this 2-core VM).  No protobuf
+  package is imported at run time; the tests decode every payload with
+  ``opentelemetry-proto``'s classes.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ import os
 import random
 import struct
 import time
+from binascii import unhexlify
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -148,15 +153,19 @@ def _key(name: str) -> bytes:
 
 
 def _kv_str(key: bytes, value: bytes) -> bytes:
-    any_value = b"\x0a" + _varint(len(value)) + value  # AnyValue.string_value
+    """A string attribute (Span.attributes, 9): KeyValue{key, AnyValue.string_value}."""
+    n = len(value)
+    size = len(key) + n + 4
+    if size < 0x80:  # every length fits one byte: one formatting operation
+        return b"\x4a%c%s\x12%c\x0a%c%s" % (size, key, n + 2, n, value)
+    any_value = b"\x0a" + _varint(n) + value
     kv = key + b"\x12" + _varint(len(any_value)) + any_value
-    return b"\x4a" + _varint(len(kv)) + kv  # Span.attributes (9)
+    return b"\x4a" + _varint(len(kv)) + kv
 
 
 def _kv_int(key: bytes, value: int) -> bytes:
-    any_value = b"\x18" + _varint(value & _MASK64)  # AnyValue.int_value
-    kv = key + b"\x12" + _varint(len(any_value)) + any_value
-    return b"\x4a" + _varint(len(kv)) + kv
+    number = _varint(value & _MASK64)  # AnyValue.int_value (3)
+    return b"\x4a%c%s\x12%c\x18%s" % (len(key) + len(number) + 3, key, len(number) + 1, number)
 
 
 def _kv_bool(key: bytes, value: bool) -> bytes:
@@ -169,76 +178,98 @@ def _kv_double(key: bytes, value: float) -> bytes:
     return b"\x4a" + _varint(len(kv)) + kv
 
 
-_METHOD = _key("http.request.method")
-_PATH = _key("url.path")
-_STATUS = _key("http.response.status_code")
+class _Memo(dict[Any, bytes]):
+    """Encoded attributes of a field whose values repeat (method, kind, backend, ...):
+    encoded once, looked up after; cleared past ``MEMO_SIZE`` values."""
+
+    def __init__(self, encode: Callable[[bytes, Any], bytes], key: bytes):
+        super().__init__()
+        self._encode = encode
+        self._key = key
+
+    def __missing__(self, value: Any) -> bytes:
+        if len(self) >= MEMO_SIZE:
+            self.clear()
+        encoded = self[value] = self._encode(self._key, value)
+        return encoded
+
+
+MEMO_SIZE = 1024
+_METHOD = _Memo(_kv_str, _key("http.request.method"))
+_PATH = _Memo(_kv_str, _key("url.path"))  # OpenAI paths only: native ones are the client's
+_PATH_KEY = _key("url.path")
+_STATUS = _Memo(_kv_int, _key("http.response.status_code"))
 _SIZE_IN = _key("http.request.body.size")
 _SIZE_OUT = _key("http.response.body.size")
 _ERROR_TYPE = _key("error.type")
 _REQUEST_ID = _key("prefix_router.request_id")
-_KIND = _key("prefix_router.kind")
+_KIND = _Memo(lambda key, kind: _kv_str(key, kind.encode()), _key("prefix_router.kind"))
 _PREFIX_HASH = _key("prefix_router.prefix_hash")
-_TENANT = _key("prefix_router.tenant_salted")
-_BACKEND = _key("prefix_router.backend")
-_DECISION = _key("prefix_router.decision")
+_TENANT = _Memo(_kv_bool, _key("prefix_router.tenant_salted"))
+_BACKEND = _Memo(_kv_str, _key("prefix_router.backend"))
+_DECISION = _Memo(_kv_str, _key("prefix_router.decision"))
 _TTFT = _key("prefix_router.ttft_ms")
 _SERVER_KIND = b"\x30\x02"  # Span.kind = SPAN_KIND_SERVER
 _FLAGS_TAG = b"\x85\x01"  # Span.flags (16), fixed32
 # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK, and _IS_REMOTE_MASK when the parent is the client's
 _FLAGS_LOCAL, _FLAGS_REMOTE = 0x100, 0x300
 _FIRST_BYTE_EVENT = b"\x12\x0afirst_byte"  # Event.name
+_TIMES = struct.Struct("<BQBQ")  # Span.start_time_unix_nano (7), end_time_unix_nano (8)
+_EVENT = struct.Struct("<BQ")  # Event.time_unix_nano (1)
+_NAMES = _Memo(lambda tag, name: _ld(tag[0], name), b"\x2a")  # Span.name (5)
 
 
 def encode_span(exchange: Exchange, span: Span, offset_ns: int) -> bytes:
     """The Span message of a finished exchange (``offset_ns``: perf_counter to Unix time)."""
     choice = exchange.choice
     status = exchange.status
-    started = int(exchange.started * 1e9) + offset_ns
-    ended = int(exchange.ended * 1e9) + offset_ns
+    started = exchange.started
     method = exchange.method
-    # OpenAI kinds have a small fixed set of paths: a low-cardinality span name.
-    name = method + b" " + exchange.path if exchange.kind == "openai" else method
-    parts = [
-        b"\x0a\x10",
-        span.trace_id,
-        b"\x12\x08",
-        span.span_id,
-    ]
+    kind = exchange.kind
+    if kind == "openai":
+        # A small fixed set of paths: a low-cardinality span name, a memo that hits.
+        name = _NAMES[method + b" " + exchange.path]
+        path = _PATH[exchange.path]
+    else:
+        name = _NAMES[method]
+        path = _kv_str(_PATH_KEY, exchange.path)
+    parts = [b"\x0a\x10", span.trace_id, b"\x12\x08", span.span_id]
     if span.tracestate:
         parts.append(_ld(0x1A, span.tracestate))
     if span.parent_id:
         parts += (b"\x22\x08", span.parent_id)
     parts += (
-        _ld(0x2A, name),
+        name,
         _SERVER_KIND,
-        struct.pack("<BQBQ", 0x39, started, 0x41, ended),
-        _kv_str(_METHOD, method),
-        _kv_str(_PATH, exchange.path),
+        _TIMES.pack(
+            0x39, int(started * 1e9) + offset_ns, 0x41, int(exchange.ended * 1e9) + offset_ns
+        ),
+        _METHOD[method],
+        path,
         _kv_str(_REQUEST_ID, exchange.request_id),
-        _kv_str(_KIND, exchange.kind.encode()),
-        _kv_bool(_TENANT, exchange.tenant),
+        _KIND[kind],
+        _TENANT[exchange.tenant],
         _kv_int(_SIZE_IN, exchange.bytes_in),
         _kv_int(_SIZE_OUT, exchange.bytes_out),
     )
     if status:
-        parts.append(_kv_int(_STATUS, status))
+        parts.append(_STATUS[status])
     key_hash = exchange.key_hash
     if key_hash is not None:
         parts.append(_kv_str(_PREFIX_HASH, b"%016x" % key_hash))
     if choice is not None:
+        parts += (_BACKEND[choice.backend.name.encode()], _DECISION[choice.label.encode()])
+    ttft = exchange.ttft
+    if ttft:
         parts += (
-            _kv_str(_BACKEND, choice.backend.name.encode()),
-            _kv_str(_DECISION, choice.label.encode()),
+            _kv_double(_TTFT, round((ttft - started) * 1000, 3)),
+            b"\x5a\x15",  # Span.events (11), 21 bytes
+            _EVENT.pack(0x09, int(ttft * 1e9) + offset_ns),
+            _FIRST_BYTE_EVENT,
         )
-    if exchange.ttft:
-        parts.append(_kv_double(_TTFT, round((exchange.ttft - exchange.started) * 1000, 3)))
-        first = int(exchange.ttft * 1e9) + offset_ns
-        event = b"\x09" + struct.pack("<Q", first) + _FIRST_BYTE_EVENT
-        parts.append(_ld(0x5A, event))  # Span.events (11)
     if status >= 500:
         parts.append(_kv_str(_ERROR_TYPE, b"%d" % status))
-        message = span.error.encode()
-        parts.append(_ld(0x7A, _ld(0x12, message) + b"\x18\x02"))  # Status: ERROR
+        parts.append(_ld(0x7A, _ld(0x12, span.error.encode()) + b"\x18\x02"))  # Status: ERROR
     flags = (1 if span.sampled else 0) | (_FLAGS_REMOTE if span.parent_id else _FLAGS_LOCAL)
     parts += (_FLAGS_TAG, struct.pack("<I", flags))
     return b"".join(parts)
@@ -315,8 +346,8 @@ class Tracer:
         if parent is not None and found == 1:
             trace_hex, parent_hex, flags = parent
             sampled = bool(flags & 1)
-            trace_id = bytes.fromhex(trace_hex.decode())
-            parent_id = bytes.fromhex(parent_hex.decode())
+            trace_id = unhexlify(trace_hex)
+            parent_id = unhexlify(parent_hex)
         else:
             trace_int = rand(128) or 1
             sampled = (trace_int & _MASK64) < self._bound

@@ -232,14 +232,24 @@ async def test_a_streamed_response_has_its_ttft_as_attribute_and_first_byte_even
     backend = await backends(chunks)
     router = await start_router([backend.spec], otel=otel(collector.url))
     body = b"x" * 5000  # native: keyed on the first PrefixLength bytes
+    target = b"/generate/" + b"p" * 300  # lengths past one varint byte
+    request_id = b"r" * 200
+    headers = b"x-request-id: %s\r\ntracestate: %s\r\ntraceparent: %s\r\n" % (
+        request_id,
+        b"v=" + b"s" * 250,
+        CLIENT_TRACEPARENT,
+    )
     async with connect(router) as client:
-        await client.send(req(b"POST", b"/generate", body=body))
+        await client.send(req(b"POST", target, body=body, headers=headers))
         resp = await client.response()
     assert resp.body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
     [received] = await collector.wait(1)
     span = received.span
     attrs = received.attributes
     assert attrs["prefix_router.kind"] == "native"
+    assert attrs["url.path"] == target.decode()
+    assert attrs["prefix_router.request_id"] == request_id.decode()
+    assert span.trace_state == "v=" + "s" * 250
     assert attrs["prefix_router.tenant_salted"] is False
     assert attrs["http.response.body.size"] == len(resp.body)
     assert span.name == "POST"  # native paths are the client's: not in the name
