@@ -134,6 +134,8 @@ class Span:
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
+    if n < 0x4000:
+        return b"%c%c" % (n & 0x7F | 0x80, n >> 7)
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -161,6 +163,10 @@ def _kv_str(key: bytes, value: bytes) -> bytes:
     any_value = b"\x0a" + _varint(n) + value
     kv = key + b"\x12" + _varint(len(any_value)) + any_value
     return b"\x4a" + _varint(len(kv)) + kv
+
+
+def _kv_text(key: bytes, value: str) -> bytes:
+    return _kv_str(key, value.encode())
 
 
 def _kv_int(key: bytes, value: int) -> bytes:
@@ -203,11 +209,11 @@ _SIZE_IN = _key("http.request.body.size")
 _SIZE_OUT = _key("http.response.body.size")
 _ERROR_TYPE = _key("error.type")
 _REQUEST_ID = _key("prefix_router.request_id")
-_KIND = _Memo(lambda key, kind: _kv_str(key, kind.encode()), _key("prefix_router.kind"))
+_KIND = _Memo(_kv_text, _key("prefix_router.kind"))
 _PREFIX_HASH = _key("prefix_router.prefix_hash")
 _TENANT = _Memo(_kv_bool, _key("prefix_router.tenant_salted"))
-_BACKEND = _Memo(_kv_str, _key("prefix_router.backend"))
-_DECISION = _Memo(_kv_str, _key("prefix_router.decision"))
+_BACKEND = _Memo(_kv_text, _key("prefix_router.backend"))
+_DECISION = _Memo(_kv_text, _key("prefix_router.decision"))
 _TTFT = _key("prefix_router.ttft_ms")
 _SERVER_KIND = b"\x30\x02"  # Span.kind = SPAN_KIND_SERVER
 _FLAGS_TAG = b"\x85\x01"  # Span.flags (16), fixed32
@@ -258,7 +264,7 @@ def encode_span(exchange: Exchange, span: Span, offset_ns: int) -> bytes:
     if key_hash is not None:
         parts.append(_kv_str(_PREFIX_HASH, b"%016x" % key_hash))
     if choice is not None:
-        parts += (_BACKEND[choice.backend.name.encode()], _DECISION[choice.label.encode()])
+        parts += (_BACKEND[choice.backend.name], _DECISION[choice.label])
     ttft = exchange.ttft
     if ttft:
         parts += (
@@ -401,7 +407,11 @@ class Tracer:
                     async with asyncio.timeout(self.interval):
                         await self._full.wait()
                 self._full.clear()
-                while self._queue:
+                # What is queued now, then only full batches: spans that come in
+                # meanwhile wait for the next turn (one POST per batch, not per span).
+                if self._queue:
+                    await self._export(session, self._take(), EXPORT_ATTEMPTS)
+                while len(self._queue) >= BATCH_SPANS:
                     await self._export(session, self._take(), EXPORT_ATTEMPTS)
 
     async def _export(self, session: aiohttp.ClientSession, batch: list[bytes], tries: int) -> None:
