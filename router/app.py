@@ -114,7 +114,7 @@ class Router:
             from .tracing import Tracer, TracerCollector  # imported only when tracing is on
 
             self.tracer = Tracer(self.config.otel, self.head_tail)
-            self.collector.registry.register(TracerCollector(self.tracer))
+            self.collector.registry.register(TracerCollector(self.tracer.counts))
             self.tracer.start()
         self.health.start()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)

@@ -50,7 +50,7 @@ import struct
 import time
 from binascii import unhexlify
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,7 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 8.0
 CLOSE_TIMEOUT = 2.0  # the last flush at shutdown
 RETRYABLE = frozenset({429, 502, 503, 504})  # OTLP/HTTP spec: "retryable response codes"
+DROP_REASONS = ("queue_full", "export_failed", "rejected")
 SCOPE_NAME = "prefix-router"
 VERSION = "0.1.0"
 
@@ -327,7 +328,7 @@ class Tracer:
         self._task: asyncio.Task[None] | None = None
         self._failing = False
         self.exported = 0
-        self.dropped: dict[str, int] = {"queue_full": 0, "export_failed": 0, "rejected": 0}
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.export_errors = 0  # POSTs that failed (each retry counts)
 
     # -- the data plane's side ---------------------------------------------------------
@@ -392,6 +393,12 @@ class Tracer:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    def counts(self) -> dict[str, int]:
+        """Every counter by name (what ``TracerCollector`` shows; a worker reports it)."""
+        counts = {f"dropped_{reason}": count for reason, count in self.dropped.items()}
+        counts.update(exported=self.exported, export_errors=self.export_errors, queued=self.queued)
+        return counts
 
     def _take(self) -> list[bytes]:
         queue = self._queue
@@ -484,17 +491,18 @@ def _retry_after(value: str | None) -> float | None:
 
 
 class TracerCollector:
-    """The tracer's counters on the router's /metrics."""
+    """Tracing counters on /metrics: one tracer's (``Tracer.counts``), or the sum of
+    several processes' (a supervisor adding up its workers' reports)."""
 
-    def __init__(self, tracer: Tracer):
-        self._tracer = tracer
+    def __init__(self, counts: Callable[[], Mapping[str, int]]):
+        self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        tracer = self._tracer
+        counts = self._counts()
         yield CounterMetricFamily(
             "prefix_router_trace_spans_exported",
             "Spans the collector accepted.",
-            value=tracer.exported,
+            value=counts.get("exported", 0),
         )
         dropped = CounterMetricFamily(
             "prefix_router_trace_spans_dropped",
@@ -502,14 +510,16 @@ class TracerCollector:
             " collector could not be reached after retries), rejected (it refused them).",
             labels=["reason"],
         )
-        for reason, count in sorted(tracer.dropped.items()):
-            dropped.add_metric([reason], count)
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], counts.get(f"dropped_{reason}", 0))
         yield dropped
         yield CounterMetricFamily(
             "prefix_router_trace_export_errors",
             "Export POSTs that failed (each retry counts).",
-            value=tracer.export_errors,
+            value=counts.get("export_errors", 0),
         )
         yield GaugeMetricFamily(
-            "prefix_router_trace_spans_queued", "Spans waiting for export.", value=tracer.queued
+            "prefix_router_trace_spans_queued",
+            "Spans waiting for export.",
+            value=counts.get("queued", 0),
         )
