@@ -12,8 +12,9 @@ Contract:
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
   ``exchange_started``/``exchange_finished``, ``request_refused`` and the
-  shared objects); membership changes go through
-  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.  Both
+  shared objects, ``tracer`` included: None unless ``otel.endpoint`` is
+  set); membership changes go through ``add_backend`` / ``remove_backend``
+  so that pools follow the fleet.  Both
   change the fleet at once; the ring follows in the background (``await
   router.fleet.settled()`` for it), so neither blocks the loop.
 """

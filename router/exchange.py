@@ -27,7 +27,8 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   framework routes on (``wire.request_path``: absolute form, percent
   escapes and dot segments resolved), so no spelling of an OpenAI path
   escapes its limits and key rule.  Every forwarded request carries our
-  ``Via`` entry.
+  ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
+  ``span`` is None while it is off, the only thing checked then).
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
