@@ -158,6 +158,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--discover-interval", type=float, metavar="S", help="between two DNS lookups (5)"
     )
+    serve.add_argument(
+        "--otel-endpoint",
+        metavar="URL",
+        help="trace requests: OTLP/HTTP protobuf spans POSTed to URL/v1/traces (off)",
+    )
+    serve.add_argument(
+        "--otel-service-name", metavar="NAME", help="service.name of the spans (prefix-router)"
+    )
+    serve.add_argument(
+        "--otel-sample",
+        type=float,
+        metavar="R",
+        help="share of new traces sampled, 0-1 (1.0); a client's traceparent decides its own",
+    )
 
 
 # Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
@@ -223,6 +237,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["tls_cert"] = args.tls_cert
     if args.tls_key is not None:
         data["tls_key"] = args.tls_key
+    otel = dict(data.get("otel", {}))
+    for flag, field in (
+        ("otel_endpoint", "endpoint"),
+        ("otel_service_name", "service_name"),
+        ("otel_sample", "sample"),
+    ):
+        if getattr(args, flag) is not None:
+            otel[field] = getattr(args, flag)
+    if otel:
+        data["otel"] = otel
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path

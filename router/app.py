@@ -12,8 +12,9 @@ Contract:
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
   ``exchange_started``/``exchange_finished``, ``request_refused`` and the
-  shared objects); membership changes go through
-  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.  Both
+  shared objects, ``tracer`` included: None unless ``otel.endpoint`` is
+  set); membership changes go through ``add_backend`` / ``remove_backend``
+  so that pools follow the fleet.  Both
   change the fleet at once; the ring follows in the background (``await
   router.fleet.settled()`` for it), so neither blocks the loop.
 """
@@ -44,6 +45,7 @@ from .wire import DateHeader
 if TYPE_CHECKING:
     from .client import ClientConnection
     from .exchange import Exchange
+    from .tracing import Tracer
 
 __all__ = ["Router"]
 
@@ -87,6 +89,8 @@ class Router:
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
         self.keyworker: KeyWorker = None  # type: ignore[assignment]  # set by start
+        # Set by start when otel.endpoint is: the one check the data plane makes.
+        self.tracer: Tracer | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -109,6 +113,12 @@ class Router:
             ssl=self.tls,
         )
         self.access.start(self.loop)
+        if self.config.otel.endpoint is not None and self.tracer is None:
+            from .tracing import Tracer, TracerCollector  # imported only when tracing is on
+
+            self.tracer = Tracer(self.config.otel, self.head_tail)
+            self.collector.registry.register(TracerCollector(self.tracer.counts))
+            self.tracer.start()
         self.health.start()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
         log.info(
@@ -171,6 +181,8 @@ class Router:
             await self._server.wait_closed()
         for sock in self._held:
             sock.close()
+        if self.tracer is not None:
+            await self.tracer.close()
         self.access.close()
         log.info("stopped")
 
@@ -241,6 +253,8 @@ class Router:
         self.active -= 1
         self.recorder.observe(exchange)
         self.access.record(exchange)
+        if exchange.span is not None:
+            self.tracer.end(exchange)  # type: ignore[union-attr]  # a span means a tracer
         if not self.active:
             self._quiet.set()
 

@@ -35,6 +35,7 @@ __all__ = [
     "HealthConfig",
     "HealthOverride",
     "Limits",
+    "OtelConfig",
     "PrefixAwareRoutingConfig",
     "RoutingConfig",
     "Strategy",
@@ -244,6 +245,28 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"discover {self.source!r} must be k8s or dns:NAME:PORT")
 
 
+class OtelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """OpenTelemetry tracing (router.tracing); off while ``endpoint`` is unset."""
+
+    # OTLP/HTTP base URL of a collector: spans are POSTed to ENDPOINT/v1/traces.
+    endpoint: str | None = None
+    service_name: Annotated[str, Meta(min_length=1, max_length=255)] = "prefix-router"
+    # Share of new traces sampled; a client's traceparent decides for its own trace.
+    sample: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+    export_interval: Seconds = 1.0  # a batch is sent at least this often
+    max_queue: Annotated[int, Meta(ge=1, le=1_000_000)] = 8192  # spans waiting; more are dropped
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None:
+            parts = urlsplit(self.endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"otel endpoint {self.endpoint!r} must be an http:// or https:// URL"
+                )
+            if parts.query or parts.fragment:
+                raise ValueError(f"otel endpoint {self.endpoint!r} must not have a query")
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -279,6 +302,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replica_id: str | None = None  # this replica's name in etcd; random when unset
     # Membership from Kubernetes EndpointSlices or DNS (router.discovery).
     discover: DiscoverConfig | None = None
+    otel: OtelConfig = msgspec.field(default_factory=OtelConfig)  # tracing, off by default
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

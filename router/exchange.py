@@ -27,7 +27,8 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   framework routes on (``wire.request_path``: absolute form, percent
   escapes and dot segments resolved), so no spelling of an OpenAI path
   escapes its limits and key rule.  Every forwarded request carries our
-  ``Via`` entry.
+  ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
+  ``span`` is None while it is off, the only thing checked then).
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
@@ -64,6 +65,7 @@ _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 if TYPE_CHECKING:
     from .balancer import Choice
     from .client import ClientConnection
+    from .tracing import Span
     from .upstream import UpstreamConnection
 
 __all__ = ["Exchange"]
@@ -103,6 +105,7 @@ class Exchange(LazyDeadline):
         "request_complete",
         "request_id",
         "reset_client",
+        "span",
         "started",
         "status",
         "tenant",
@@ -144,6 +147,7 @@ class Exchange(LazyDeadline):
         self.done = False
         self.request_complete = False
         self.reset_client = False  # cut short where the framing cannot show it: reset
+        self.span: Span | None = None  # tracing on: this request's trace context
         self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
@@ -170,6 +174,9 @@ class Exchange(LazyDeadline):
         router.exchange_started()
         request = self._request
         self.request_id = request.request_id or router.next_request_id()
+        tracer = router.tracer
+        if tracer is not None:
+            self.span = tracer.begin(request)
         self._client_paused = self._conn.write_paused
         if request.refusal is not None:
             self._fail(*request.refusal)
@@ -355,12 +362,13 @@ class Exchange(LazyDeadline):
         if self._client_paused:
             upstream.transport.pause_reading()
         self._upstream_bytes = False
+        span = self.span
         pieces = [
             upstream_head(
                 self._request,
                 host=upstream.pool.authority,
                 client_ip=self._conn.peer_ip,
-                tail=self._router.head_tail,
+                tail=self._router.head_tail if span is None else span.tail,
                 request_id=self.request_id,
             )
         ]
@@ -534,6 +542,8 @@ class Exchange(LazyDeadline):
             self._truncate()
             return
         self.status = status
+        if self.span is not None:
+            self.span.error = message
         keep_alive = self.client_keep_alive and self.request_complete and status < 500
         self.client_keep_alive = keep_alive
         self._conn.write(
@@ -556,6 +566,8 @@ class Exchange(LazyDeadline):
         """
         self.client_keep_alive = False
         self.reset_client = self._framing == UNTIL_CLOSE
+        if self.span is not None:
+            self.span.error = "the response was cut short"
         self._finish(upstream_reusable=False)
 
     def abort_request(self, status: int, message: str) -> None:
