@@ -105,6 +105,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     windows: dict[str, list[float]]  # the last TTFTs per backend, ms
     no_backend: int
     refused: dict[int, int]
+    tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):

@@ -170,6 +170,11 @@ class Workers:
         self._workers = [_Worker(i) for i in range(count)]
         self._seq = 0
         self._stopping = False
+        self.tracing: dict[str, int] = {}  # the workers' tracing counters, added up
+        if router.config.otel.endpoint is not None:
+            from .tracing import TracerCollector  # imported only when tracing is on
+
+            router.collector.registry.register(TracerCollector(lambda: self.tracing))
         self.on_idle: Callable[[str], None] | None = None  # a draining backend's count hit zero
         self.on_records: Callable[[list[Record]], None] | None = None  # the workers' placements
         router.health.on_transition = self._health_changed
@@ -426,8 +431,10 @@ class Workers:
         router = self.router
         recorder = Recorder()
         idle: Counter[str] = Counter()
+        tracing: Counter[str] = Counter()
         totals: dict[str, list[int]] = {}
         for report in reports:
+            tracing.update(report.tracing)
             for name, counts in report.backends.items():
                 row = totals.setdefault(name, [0, 0, 0, 0])
                 row[0] += counts.requests
@@ -451,6 +458,7 @@ class Workers:
             backend.fallback, backend.errors = fallback, errors
         router.recorder = recorder
         router.reported_idle = dict(idle)
+        self.tracing = dict(tracing)
 
 
 def _add_histograms(

@@ -126,6 +126,7 @@ def report(router: Router, seq: int) -> Report:
         windows={name: list(window) for name, window in recorder.windows.items()},
         no_backend=recorder.no_backend,
         refused=dict(recorder.refused),
+        tracing=router.tracer.counts() if router.tracer is not None else {},
     )
 
 

@@ -27,7 +27,7 @@ from router.config import ConfigError, build_config
 from router.tracing import parse_traceparent
 from tests.harness.backends import Backend, Seen, StartBackend, echo
 from tests.harness.http import COMPLETION, WAIT, connect, quiet, req
-from tests.harness.processes import ROOT, spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import StartRouter
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -347,6 +347,26 @@ async def test_serve_with_workers_exports_each_workers_spans(
                 async with http.get(f"http://127.0.0.1:{port}/r{n}", headers=headers) as resp:
                     assert resp.status == 200
             spans = await collector.wait(40)
+
+            # The supervisor's /metrics adds up the workers' tracing counters (each
+            # counts a batch once the collector answered: poll, bounded by WAIT).
+            async def exported() -> float:
+                _, _ = await admin_call(http, proc, "GET", "/admin/stats")  # a refresh
+                url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics"
+                async with http.get(url) as resp:
+                    text = await resp.text()
+                (line,) = [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("prefix_router_trace_spans_exported_total ")
+                ]
+                return float(line.split()[1])
+
+            async with asyncio.timeout(WAIT):
+                while True:
+                    if await exported() == 40:
+                        break
+                    await asyncio.sleep(0.05)
     finally:
         await stop(proc)
     assert {r.resource["service.name"] for r in spans} == {"fleet-a"}
