@@ -93,7 +93,8 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
                 profiler.disable()
                 profiler.dump_stats(str(profile))
             cpu = time.process_time() - started
-        spans = router.tracer.counts() if router.tracer is not None else None
+        tracer = getattr(router, "tracer", None)  # --tree: a build before tracing has none
+        spans = tracer.counts() if tracer is not None else None
         await router.shutdown(grace=1)
         served = next(line for line in out.decode().splitlines() if "requests in" in line)
         requests = int(served.split()[0])
