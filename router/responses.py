@@ -1,0 +1,205 @@
+"""Responses API follow-ups: send them to the backend that holds the response's state.
+
+Why: vLLM keeps ``/v1/responses`` state in process memory
+(``VLLM_ENABLE_RESPONSES_API_STORE=1``), so a request naming a
+``previous_response_id``, and ``GET``/``DELETE /v1/responses/{id}`` or
+``POST /v1/responses/{id}/cancel``, only succeed on the instance that
+produced that response; anywhere else they are a 404 ("Response with id ...
+not found.").
+
+Contract:
+- ``ResponseIds`` remembers ``response id -> backend name`` for the
+  ``capacity`` ids most recently learnt or followed (``limits.response_ids``,
+  0: the feature is off).  Memory: ~200 bytes an id (a ~40-character str key
+  and an LRU slot; the backend name is shared), ~20 MB at the default 100,000
+  (``python -m loadtests.bench_responses`` measures it).
+- Learning reads only the first bytes of the 2xx answers to ``POST
+  /v1/responses`` (``IdScanner``): the response object's ``id`` is the first
+  ``"id"`` key of its JSON, and of the first SSE event (``response.created``,
+  which carries the whole object) of a stream.  That holds for vLLM, SGLang
+  and OpenAI (``id`` is the object's first field; output items, which have
+  ids of their own, come after).  A body piece that holds the id is searched
+  in place; only a window cut before the id is gathered, and never past
+  ``WINDOW`` bytes.  A body compressed or shaped otherwise is not learnt
+  (counted ``unread``).
+- Routing (``Exchange``): an OpenAI request with ``previous_response_id`` (read
+  by the same decode as the routing key, ``router.extract``) and any request
+  on ``/v1/responses/{id}[/...]`` (``response_id_of``) go to the id's backend
+  whatever the strategy, if it is known (``hits``) and available (not down,
+  draining or gone); otherwise the strategy's usual rule applies, the prefix
+  rule for a keyed request: ``misses`` (id unknown) and ``fallbacks`` (its
+  backend cannot take it; the engine then most likely answers 404, since the
+  state is gone with it).
+- Sharing (several workers or replicas): with ``share()``, every id learnt
+  here also goes to ``outbox``; ``publish`` hands it over and the other
+  processes ``apply`` it (``router.worker`` sends it with the TRAFFIC
+  placement records, on the same channel and replica rows).  ``on_learn``
+  fires once per batch, so the worker can send new ids at the end of the
+  loop iteration instead of waiting for its period.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+__all__ = ["WINDOW", "IdScanner", "ResponseIds", "response_id_of"]
+
+# The most body bytes a scan reads for the id: the response object's first field.
+WINDOW = 4096
+MAX_ID_LENGTH = 256  # longer is not an id we keep (nor a vLLM one: resp_ + 32 hex)
+
+_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,%d})"' % MAX_ID_LENGTH)
+_JSON = re.compile(rb"\s*\{")
+_PREFIX = b"/v1/responses/"
+
+# A learnt id as other processes get it: (id, backend name).
+Learnt = tuple[str, str]
+
+
+def response_id_of(path: bytes) -> str | None:
+    """The id of ``/v1/responses/{id}`` or ``/v1/responses/{id}/...``, else None."""
+    if not path.startswith(_PREFIX):
+        return None
+    rest = path[len(_PREFIX) :]
+    response_id = rest.partition(b"/")[0]
+    if not response_id or len(response_id) > MAX_ID_LENGTH:
+        return None
+    return response_id.decode("latin-1")
+
+
+class ResponseIds:
+    """id -> backend, least recently used first (see the module contract)."""
+
+    __slots__ = (
+        "_ids",
+        "capacity",
+        "fallbacks",
+        "hits",
+        "learnt",
+        "misses",
+        "on_learn",
+        "outbox",
+        "unread",
+    )
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, str] = OrderedDict()
+        self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
+        self.outbox: list[Learnt] | None = None  # None: not shared
+        self.on_learn: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def share(self, on_learn: Callable[[], None] | None = None) -> None:
+        """Keep what is learnt here for ``publish``; ``on_learn`` when an outbox fills."""
+        self.outbox = []
+        self.on_learn = on_learn
+
+    def resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._trim()
+
+    def _put(self, response_id: str, backend: str) -> None:
+        ids = self._ids
+        ids[response_id] = backend
+        ids.move_to_end(response_id)
+        if len(ids) > self.capacity:
+            self._trim()
+
+    def _trim(self) -> None:
+        ids = self._ids
+        while len(ids) > self.capacity:
+            ids.popitem(last=False)
+
+    def learn(self, response_id: str, backend: str) -> None:
+        """A response this process saw ``backend`` produce."""
+        self._put(response_id, backend)
+        self.learnt += 1
+        outbox = self.outbox
+        if outbox is not None:
+            if not outbox and self.on_learn is not None:
+                self.on_learn()
+            outbox.append((response_id, backend))
+
+    def backend_of(self, response_id: str) -> str | None:
+        """The backend that holds ``response_id`` (now the most recently used), or None:
+        a miss, counted."""
+        ids = self._ids
+        backend = ids.get(response_id)
+        if backend is None:
+            self.misses += 1
+            return None
+        ids.move_to_end(response_id)
+        return backend
+
+    def publish(self) -> list[Learnt]:
+        """What was learnt here since the last call."""
+        outbox = self.outbox
+        if not outbox:
+            return []
+        self.outbox = []
+        return outbox
+
+    def apply(self, learnt: Iterable[Learnt]) -> None:
+        """Ids other processes learnt, in the order they learnt them."""
+        if not self.enabled:
+            return
+        for response_id, backend in learnt:
+            self._put(response_id, backend)
+
+    def snapshot(self) -> list[Learnt]:
+        """Every id held, least recently used first (a worker starting anew)."""
+        return list(self._ids.items())
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "fallbacks": self.fallbacks,
+            "learnt": self.learnt,
+            "unread": self.unread,
+        }
+
+
+class IdScanner:
+    """Finds the response id in the first bytes of one response body, fed piece by piece.
+
+    ``feed`` returns the id, ``""`` when it will not be found (window full, or
+    the first SSE event ended without one), or None for "feed more".
+    """
+
+    __slots__ = ("_window",)
+
+    def __init__(self) -> None:
+        self._window: bytearray | None = None  # only when a piece ended before the id
+
+    def feed(self, data: bytes) -> str | None:
+        window = self._window
+        if window is None:
+            found = _scan(data, len(data) >= WINDOW)
+            if found is None:
+                self._window = bytearray(memoryview(data)[:WINDOW])
+            return found
+        window += memoryview(data)[: WINDOW - len(window)]
+        return _scan(window, len(window) >= WINDOW)
+
+
+def _scan(data: bytes | bytearray, full: bool) -> str | None:
+    """Search the first ``WINDOW`` bytes in place (no slice: a slice is a copy)."""
+    end = min(len(data), WINDOW)
+    if _JSON.match(data, 0, end) is None:  # SSE: only the first event
+        stop = data.find(b"\n\n", 0, end)
+        if stop >= 0:
+            end, full = stop, True
+    match = _ID.search(data, 0, end)
+    if match is not None:
+        return match[1].decode("latin-1")
+    return "" if full else None
