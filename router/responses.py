@@ -44,7 +44,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-__all__ = ["WINDOW", "IdScanner", "ResponseIds", "response_id_of"]
+__all__ = ["WINDOW", "IdScanner", "Learnt", "ResponseIds", "response_id_of"]
 
 # The most body bytes a scan reads for the id: the response object's first field.
 WINDOW = 4096
@@ -53,6 +53,8 @@ MAX_ID_LENGTH = 256  # longer is not an id we keep (nor a vLLM one: resp_ + 32 h
 _ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,%d})"' % MAX_ID_LENGTH)
 _JSON = re.compile(rb"\s*\{")
 _PREFIX = b"/v1/responses/"
+
+_COUNTS = ("hits", "misses", "fallbacks", "learnt", "unread")
 
 # A learnt id as other processes get it: (id, backend name).
 Learnt = tuple[str, str]
@@ -158,6 +160,11 @@ class ResponseIds:
     def snapshot(self) -> list[Learnt]:
         """Every id held, least recently used first (a worker starting anew)."""
         return list(self._ids.items())
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """Add another process's ``counts()`` (a supervisor adding up its workers)."""
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + counts.get(name, 0))
 
     def counts(self) -> dict[str, int]:
         return {

@@ -133,3 +133,12 @@ async def test_unknown_ids_and_lost_backends_fall_back_to_the_prefix_rule(
         _, there = await create(via, input="and a comet?", previous_response_id=first)
         assert there == where
     assert router.responses.counts()["hits"] == 1
+    metrics = router.collector.render().decode()
+    for line in (
+        'prefix_router_response_follow_ups_total{result="hit"} 1.0',
+        'prefix_router_response_follow_ups_total{result="miss"} 2.0',
+        'prefix_router_response_follow_ups_total{result="fallback"} 1.0',
+        "prefix_router_response_ids_learnt_total 2.0",
+        "prefix_router_response_ids 2.0",
+    ):
+        assert line in metrics.splitlines(), line
