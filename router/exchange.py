@@ -83,6 +83,7 @@ class Exchange(LazyDeadline):
         "_framing",
         "_hasher",
         "_head_sent",
+        "_id_wait",
         "_last_read",
         "_out",
         "_read_timeout",
@@ -169,6 +170,7 @@ class Exchange(LazyDeadline):
         self._upstream_framed = False  # the backend's response has a length or chunks
         self._client_paused = False  # the client's write buffer is full: the backend is not read
         self._response_id: str | None = None  # a Responses API id: route to its backend
+        self._id_wait: asyncio.TimerHandle | None = None  # waiting for that id to be shared
         self._scan: IdScanner | None = None  # reading a new response's id (router.responses)
 
     # -- request side (driven by ClientConnection) ------------------------------
@@ -234,15 +236,14 @@ class Exchange(LazyDeadline):
             return
         if self.kind is Kind.OPENAI:
             self._route_openai()
-        elif self.choice is None:
-            assert self._hasher is not None
+        elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
             self._route()
         elif self.upstream is not None:
             if self._request.chunked:
                 self.upstream.transport.write(CHUNKED_END)
             self._last_read = self._router.loop.time()
-        # else: still connecting; _attach sends everything, end included
+        # else: still connecting or waiting for an id; _attach sends everything, end included
 
     def _route_openai(self) -> None:
         router = self._router
@@ -314,8 +315,12 @@ class Exchange(LazyDeadline):
 
     def _route(self) -> None:
         choice = None
-        if self._response_id is not None and not self._tried:
-            choice = self._follow(self._response_id)
+        response_id = self._response_id
+        if response_id is not None and not self._tried:
+            name = self._router.responses.backend_of(response_id)
+            if name is None and self._wait_for(response_id):
+                return  # routed when the id arrives or the wait ends
+            choice = self._follow(name)
         if choice is None:
             choice = self._router.balancer.choose(self.key_hash, self._tried)
         if choice is None:
@@ -331,13 +336,36 @@ class Exchange(LazyDeadline):
         else:
             self._connect()
 
-    def _follow(self, response_id: str) -> Choice | None:
-        """The backend that holds ``response_id``, if known and available (counted)."""
-        router = self._router
-        responses = router.responses
-        name = responses.backend_of(response_id)
+    def _wait_for(self, response_id: str) -> bool:
+        """Wait (once, bounded) for an id another process may be sharing right now;
+        False: a miss, counted."""
+        responses = self._router.responses
+        if self._id_wait is not None or not responses.wait_s:
+            responses.misses += 1
+            return False
+        responses.wait(response_id, self._id_shared)
+        self._id_wait = self._router.loop.call_later(responses.wait_s, self._id_shared)
+        return True
+
+    def _id_shared(self) -> None:
+        """The awaited id arrived, or the wait is over: route now."""
+        self._stop_waiting()
+        if not self.done:
+            self._route()
+
+    def _stop_waiting(self) -> None:
+        timer = self._id_wait
+        if timer is not None and not timer.cancelled():
+            timer.cancel()
+            assert self._response_id is not None
+            self._router.responses.unwait(self._response_id, self._id_shared)
+
+    def _follow(self, name: str | None) -> Choice | None:
+        """The backend that holds the response, if known and available (counted)."""
         if name is None:
             return None
+        router = self._router
+        responses = router.responses
         choice = router.balancer.pin(name)
         if choice is None:
             responses.fallbacks += 1
@@ -661,6 +689,8 @@ class Exchange(LazyDeadline):
         router = self._router
         self.ended = perf_counter()
         self._disarm()
+        if self._id_wait is not None:
+            self._stop_waiting()
         if self.choice is not None:
             self.choice.release()
         upstream, self.upstream = self.upstream, None

@@ -10,9 +10,9 @@ not found.").
 Contract:
 - ``ResponseIds`` remembers ``response id -> backend name`` for the
   ``capacity`` ids most recently learnt or followed (``limits.response_ids``,
-  0: the feature is off).  Memory: ~200 bytes an id (a ~40-character str key
-  and an LRU slot; the backend name is shared), ~20 MB at the default 100,000
-  (``python -m loadtests.bench_responses`` measures it).
+  0: the feature is off).  Memory: ~180 bytes an id (the 37-character str key
+  of a vLLM id and its LRU slot; the backend name is shared), ~18 MB at the
+  default 100,000 (``python -m loadtests.bench_responses`` measures it).
 - Learning reads only the first bytes of the 2xx answers to ``POST
   /v1/responses`` (``IdScanner``): the response object's ``id`` is the first
   ``"id"`` key of its JSON, and of the first SSE event (``response.created``,
@@ -36,6 +36,17 @@ Contract:
   placement records, on the same channel and replica rows).  ``on_learn``
   fires once per batch, so the worker can send new ids at the end of the
   loop iteration instead of waiting for its period.
+- The race: a client can send a follow-up the moment it reads the answer,
+  on another connection that another worker accepts, before the id got
+  there: without a wait, 6 of 205 immediate follow-ups that reached the
+  other worker missed (2 workers, a loaded 2-core machine).  So when ids are
+  shared (``wait_s`` > 0, set by the worker: 20 ms), a request whose id is
+  unknown waits for it (``wait``: the callback fires when ``apply`` brings
+  the id) for at most ``wait_s``, then counts a miss and takes the
+  strategy's rule (with it: 0 of 173 missed).  An id that never comes
+  (unknown to the whole fleet, evicted) costs that wait, once.  Across
+  replicas ids travel in the 100 ms rows: a follow-up sent through another
+  replica within ~0.1-0.2 s of its answer still misses.
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ class ResponseIds:
 
     __slots__ = (
         "_ids",
+        "_waiters",
         "capacity",
         "fallbacks",
         "hits",
@@ -84,6 +96,7 @@ class ResponseIds:
         "on_learn",
         "outbox",
         "unread",
+        "wait_s",
     )
 
     def __init__(self, capacity: int):
@@ -92,6 +105,8 @@ class ResponseIds:
         self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
         self.outbox: list[Learnt] | None = None  # None: not shared
         self.on_learn: Callable[[], None] | None = None
+        self.wait_s = 0.0  # how long an unknown id is waited for (shared ids only)
+        self._waiters: dict[str, list[Callable[[], None]]] = {}
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -100,10 +115,12 @@ class ResponseIds:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def share(self, on_learn: Callable[[], None] | None = None) -> None:
-        """Keep what is learnt here for ``publish``; ``on_learn`` when an outbox fills."""
+    def share(self, on_learn: Callable[[], None] | None = None, wait_s: float = 0.0) -> None:
+        """Keep what is learnt here for ``publish``; ``on_learn`` when an outbox fills;
+        an unknown id may be waited for ``wait_s``."""
         self.outbox = []
         self.on_learn = on_learn
+        self.wait_s = wait_s
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
@@ -132,15 +149,27 @@ class ResponseIds:
             outbox.append((response_id, backend))
 
     def backend_of(self, response_id: str) -> str | None:
-        """The backend that holds ``response_id`` (now the most recently used), or None:
-        a miss, counted."""
+        """The backend that holds ``response_id`` (now the most recently used), or None."""
         ids = self._ids
         backend = ids.get(response_id)
-        if backend is None:
-            self.misses += 1
-            return None
-        ids.move_to_end(response_id)
+        if backend is not None:
+            ids.move_to_end(response_id)
         return backend
+
+    def wait(self, response_id: str, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once ``apply`` brings ``response_id`` (see ``unwait``)."""
+        self._waiters.setdefault(response_id, []).append(callback)
+
+    def waiting(self, response_id: str) -> int:
+        """How many requests wait for ``response_id``."""
+        return len(self._waiters.get(response_id, ()))
+
+    def unwait(self, response_id: str, callback: Callable[[], None]) -> None:
+        waiters = self._waiters.get(response_id)
+        if waiters is not None and callback in waiters:
+            waiters.remove(callback)
+            if not waiters:
+                del self._waiters[response_id]
 
     def publish(self) -> list[Learnt]:
         """What was learnt here since the last call."""
@@ -154,8 +183,12 @@ class ResponseIds:
         """Ids other processes learnt, in the order they learnt them."""
         if not self.enabled:
             return
+        waiters = self._waiters
         for response_id, backend in learnt:
             self._put(response_id, backend)
+            if waiters and response_id in waiters:
+                for callback in waiters.pop(response_id):
+                    callback()
 
     def snapshot(self) -> list[Learnt]:
         """Every id held, least recently used first (a worker starting anew)."""

@@ -154,8 +154,9 @@ class _Worker:
         router.balancer.share_placement(init.stamp)
         router.responses.apply(init.responses)
         # A follow-up may reach another worker a moment after the answer: new ids
-        # leave at the end of this loop iteration, not a period later.
-        router.responses.share(self._flush_soon)
+        # leave at the end of this loop iteration, not a period later, and an
+        # unknown id is waited for up to two periods (router.responses, "The race").
+        router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
 

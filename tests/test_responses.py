@@ -81,7 +81,6 @@ def test_the_map_keeps_the_most_recently_used_and_counts() -> None:
     assert ids.snapshot() == [("r3", "b3"), ("r4", "b4"), ("r5", "b5")]
     ids.resize(1)
     assert ids.snapshot() == [("r5", "b5")]
-    assert ids.counts()["misses"] == 1
     assert ids.counts()["learnt"] == 4
 
 
@@ -99,3 +98,22 @@ def test_shared_ids_are_published_once_and_announced_once_a_batch() -> None:
     off = ResponseIds(0)
     off.apply([("r0", "b0")])
     assert len(off) == 0
+
+
+def test_a_waiter_is_called_once_when_its_id_is_applied_and_not_after_unwait() -> None:
+    ids = ResponseIds(10)
+    called: list[str] = []
+
+    def first() -> None:
+        called.append("first")
+
+    def second() -> None:
+        called.append("second")
+
+    ids.wait("r0", first)
+    ids.wait("r0", second)
+    ids.unwait("r0", second)
+    ids.apply([("r1", "b1"), ("r0", "b0")])
+    ids.apply([("r0", "b0")])
+    assert called == ["first"]
+    ids.unwait("r0", first)  # gone already: nothing to do

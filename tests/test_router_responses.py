@@ -8,6 +8,8 @@ succeeds is one the router sent where its state is.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import openai
@@ -42,6 +44,16 @@ async def create_streaming(via: openai.AsyncOpenAI, **fields: Any) -> tuple[str,
     assert events[0].type == "response.created"
     assert events[-1].type == "response.completed"
     return events[0].response.id, instance
+
+
+async def waiting(router: Any, response_id: str, count: int) -> None:
+    """Return once ``count`` requests wait for ``response_id`` (the client's requests
+    reach the router in this same loop: each turn of it moves them on)."""
+    async with asyncio.timeout(10):
+        while True:
+            if router.responses.waiting(response_id) >= count:
+                return
+            await asyncio.sleep(0)
 
 
 STRATEGIES = [
@@ -142,3 +154,41 @@ async def test_unknown_ids_and_lost_backends_fall_back_to_the_prefix_rule(
         "prefix_router_response_ids 2.0",
     ):
         assert line in metrics.splitlines(), line
+
+
+async def test_an_unknown_id_waits_for_another_process_to_share_it(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    """With shared ids (several workers), a follow-up can beat its id to this process:
+    it waits for the id (``apply``), bounded by ``wait_s``, then takes the prefix rule."""
+    sims = await sim_fleet(3)
+    maker = await start_router(sims, routing={"RoutingStrategy": "PREFIX_AWARE", **sagemaker()})
+    router = await start_router(sims, routing={"RoutingStrategy": "PREFIX_AWARE", **sagemaker()})
+    router.responses.share(wait_s=60.0)  # as a worker does; no timer fires in this test
+    async with client(maker) as made, client(router) as via:
+        first, where = await create(made, input="What is a rocket?")
+        follow = asyncio.ensure_future(
+            create(via, input="and a comet?", previous_response_id=first)
+        )
+        fetch = asyncio.ensure_future(via.responses.retrieve(first))
+        await waiting(router, first, 2)  # both: nothing in flight, nothing counted yet
+        assert router.fleet.loads.total == 0
+        router.responses.apply([(first, where)])  # as a worker applies the others' ids
+        assert (await follow)[1] == where
+        assert (await fetch).id == first
+        assert router.responses.counts()["hits"] == 2
+
+        # A client that leaves while waiting leaves nothing behind.
+        gone = asyncio.ensure_future(via.responses.retrieve("resp_later"))
+        await waiting(router, "resp_later", 1)
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await router.wait_quiet()
+        assert router.responses.waiting("resp_later") == 0
+
+        # An id that never comes: a miss once the wait is over, then the prefix rule.
+        router.responses.wait_s = 0.001
+        with pytest.raises(openai.NotFoundError):
+            await via.responses.retrieve("resp_never")
+    assert router.responses.counts()["misses"] == 1
