@@ -11,6 +11,8 @@ worker answered is read from the ``X-Request-Id`` the router put on the answer
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import aiohttp
@@ -104,5 +106,44 @@ async def test_a_follow_up_on_the_other_worker_lands_where_the_response_was_made
             assert counts["misses"] == counts["fallbacks"] == counts["unread"] == 0
             assert counts["hits"] == 2 * (i + 1)
             assert counts["learnt"] == counts["held"] == learnt
+    finally:
+        await stop(proc)
+
+
+async def test_restarted_workers_know_the_ids_learnt_before(sim_fleet: SimFleet) -> None:
+    """The supervisor keeps every id it relays and hands them to a worker that starts
+    anew (its ``Init``): both workers killed, every follow-up still lands right."""
+    sims = await sim_fleet(4)
+    flags = ["--workers", "2", "--strategy", "prefix", "--no-health-checks"]
+    for sim in sims:
+        flags += ["--backend", f"{sim.name}={sim.url}"]
+    proc, port = await spawn_router(*flags)
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{port}/v1/responses"
+            made = {}
+            for i in range(8):
+                body = {"model": MODEL, "input": f"Conversation {i}", "max_output_tokens": 2}
+                async with http.post(url, json=body, headers={"Connection": "close"}) as r:
+                    assert r.status == 200
+                    made[(await r.json())["id"]] = r.headers["x-sim-instance"]
+            await propagated(http, proc, len(made))
+            _, stats = await admin_call(http, proc, "GET", "/admin/stats")
+            pids = [worker["pid"] for worker in stats["workers"]]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            async with asyncio.timeout(20):
+                while True:
+                    _, stats = await admin_call(http, proc, "GET", "/admin/stats")
+                    workers = stats["workers"]
+                    if all(w["up"] and w["pid"] not in pids for w in workers):
+                        break
+                    await asyncio.sleep(0.05)  # a restart has no event to await from outside
+            for first, where in made.items():
+                body = {"model": MODEL, "input": "and?", "previous_response_id": first}
+                async with http.post(url, json=body, headers={"Connection": "close"}) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["x-sim-instance"] == where
+            assert (await responses_stats(http, proc))["hits"] == len(made)
     finally:
         await stop(proc)
