@@ -10,6 +10,13 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
 - ``Balancer.choose`` takes the lease in the same step as the pick; the
   lease is released exactly once, in ``_finish``, which every ending path
   (complete, error, timeout, client gone) goes through once.
+- Responses API follow-ups (``router.responses``): a request naming a
+  response id (``previous_response_id`` of ``POST /v1/responses``, from the
+  same decode as the key; or ``/v1/responses/{id}[/...]``, then routed by the
+  id alone) goes to that response's backend when it is known and available
+  (with shared ids, an unknown one is waited for, bounded), else by the
+  strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
+  in their first bytes only.
 - Retries: a connect failure moves on to the next backend of the walk
   (``avoid``), at most ``retries`` times; a reused keep-alive connection that
   dies before any response byte is replaced by a fresh one to the same
