@@ -53,6 +53,7 @@ from hashring.shared import Record
 
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
+from .responses import Learnt
 from .shared import PLANES, SharedTable
 
 __all__ = ["PERIOD", "Replicas", "Row"]
@@ -69,6 +70,7 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     loads: dict[str, int] = {}
     waiting: dict[str, int] = {}
     records: list[Record] = []  # TRAFFIC placements since the last write
+    responses: list[Learnt] = []  # Responses API ids learnt since the last write
 
 
 _encoder = msgspec.json.Encoder()
@@ -99,7 +101,9 @@ class Replicas:
         self._lease = 0
         self._published: Row | None = None
         self._records: list[Record] = []
-        self.on_records: Callable[[list[Record]], None] | None = None  # another replica's
+        self._responses: list[Learnt] = []
+        # another replica's placements and response ids
+        self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -125,11 +129,14 @@ class Replicas:
 
     # -- what we publish ---------------------------------------------------------
 
-    def add_records(self, records: list[Record]) -> None:
-        """Placement records of this replica's workers, for the next write
-        (the newest ``MAX_RECORDS``: while etcd is away the oldest go)."""
+    def add_records(self, records: list[Record], responses: list[Learnt]) -> None:
+        """Placement records and response ids of this replica's workers, for the
+        next write (the newest ``MAX_RECORDS`` of each: while etcd is away the
+        oldest go)."""
         self._records += records
         del self._records[:-MAX_RECORDS]
+        self._responses += responses
+        del self._responses[:-MAX_RECORDS]
 
     def local_row(self) -> Row:
         """This replica's own counts: every worker row, not the remote one."""
@@ -158,13 +165,19 @@ class Replicas:
                 row = self.local_row()
                 quiet += 1
                 records, self._records = self._records, []
-                if records or row != self._published or quiet * PERIOD >= TTL / 3:
-                    value = msgspec.structs.replace(row, records=records) if records else row
+                responses, self._responses = self._responses, []
+                news = records or responses
+                if news or row != self._published or quiet * PERIOD >= TTL / 3:
+                    value = row
+                    if news:
+                        value = msgspec.structs.replace(row, records=records, responses=responses)
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
                         self._records[:0] = records  # not written: with the next one
+                        self._responses[:0] = responses
                         del self._records[:-MAX_RECORDS]
+                        del self._responses[:-MAX_RECORDS]
                         raise
                     self._published = row
                     quiet = 0
@@ -212,8 +225,8 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        if row.records and self.on_records is not None:
-            self.on_records(row.records)
+        if (row.records or row.responses) and self.on_records is not None:
+            self.on_records(row.records, row.responses)
 
     def _write_remote(self) -> None:
         table = self.table

@@ -42,6 +42,7 @@ from . import (
     Invalid,
     NotFound,
     NotSaved,
+    ResponseStats,
     Stats,
     Totals,
 )
@@ -174,6 +175,11 @@ class RouterControl:
                 other=sum(decisions.values()) - primary - overflow - fallback,
             ),
             workers=self._workers.views() if self._workers is not None else [],
+            responses=ResponseStats(
+                **router.responses.counts(),
+                held=len(router.responses),
+                capacity=router.responses.capacity,
+            ),
         )
 
     def _get(self, name: str) -> Backend:
