@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
     from router.supervisor import Workers
 
 __all__ = ["main"]
+
+# A seeding replica waits this long for its seed to come back through the watch (etcd
+# answered the write a moment ago: milliseconds, unless it died since).
+SEED_WAIT_S = 10.0
 
 STRATEGY_ALIASES = {
     "random": "RANDOM",
@@ -446,8 +451,14 @@ async def _open_etcd(
             ],
             routing=config.routing,
         )
-        if await store.initialize(seed):
+        revision = await store.initialize(seed)
+        if revision is not None:
             get_logger("etcd").info("seeded a new fleet in etcd", prefix=config.etcd_prefix)
+            # The seed reaches this replica through the watch, as every change does: once
+            # it has, the fleet below is the whole seed, and the workers start with it.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SEED_WAIT_S):
+                    await store.applied(revision)
     await control.on_resync(store.state())
     replicas = _join_replicas(config, workers, client, lambda: store.revision)
     control.replicas = replicas

@@ -28,6 +28,7 @@ Servers the benchmarks start (also runnable alone):
 
 Library modules:
   supervisor        child processes: start, read a ready line, stop by PID; free_port
+  etcd              a real etcd on 127.0.0.1 (bench --share etcd, and the tests' etcd)
   fleet             simulated fleets and routers as children; their addresses
   peers             sglang-router and vllm-router in a venv of their own
   workloads         seeded request streams with shared prefixes, and their fleet

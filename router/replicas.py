@@ -7,8 +7,10 @@ Contract:
   within the TTL.  Its value (JSON, ``Row``) is what the replica has in flight
   per backend (every worker's own counts, never what it folded in from other
   replicas), and the etcd revision it has applied.  It is written every
-  ``PERIOD`` seconds when it changed, and at least every ``TTL / 3`` to keep
-  the lease (a keep-alive costs a request, a put the same).
+  ``PERIOD`` seconds when it changed; the lease is renewed every ``TTL / 3``
+  (a keep-alive: a put with the lease does not renew it, and without one the
+  key went every TTL, taking this replica out of the others' sums and
+  drains until its next write).
 - Every replica watches ``P replicas/`` and writes the sum of the *other*
   replicas' counts into the last row of its shared in-flight table (the
   "remote" row, ``router.shared``): its workers fold that row in as they do
@@ -156,20 +158,23 @@ class Replicas:
 
     async def _publish_loop(self) -> None:
         attempt = 0
-        quiet = 0
+        loop = asyncio.get_running_loop()
+        renewed = loop.time()
         while True:
             try:
                 if not self._lease:
                     self._lease = await self.client.lease_grant(TTL)
                     self._published = None
+                    renewed = loop.time()
+                elif loop.time() - renewed >= TTL / 3:
+                    await self.client.lease_keepalive(self._lease)
+                    renewed = loop.time()
                 row = self.local_row()
-                quiet += 1
                 records, self._records = self._records, []
                 responses, self._responses = self._responses, []
-                news = records or responses
-                if news or row != self._published or quiet * PERIOD >= TTL / 3:
+                if records or responses or row != self._published:
                     value = row
-                    if news:
+                    if records or responses:
                         value = msgspec.structs.replace(row, records=records, responses=responses)
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
@@ -180,7 +185,6 @@ class Replicas:
                         del self._responses[:-MAX_RECORDS]
                         raise
                     self._published = row
-                    quiet = 0
                 attempt = 0
             except LeaseNotFound:
                 self._lease = 0  # expired while etcd was away: a new one, our key again

@@ -8,12 +8,14 @@ Contract:
   creates the shared in-flight table (``router.shared``: one row per worker,
   one column per backend) and starts N ``python -m router.worker``
   processes, each with its channel (``router.channel``) and the table.
-- Changes: ``apply(op)`` is called after the supervisor's own router has
-  the op (``router.control.ops.apply``, the same function every worker runs);
-  it sends the op to every worker and returns once each has it in its ring,
-  so a 2xx from the admin API means every worker routes by it.  A worker
-  that dies meanwhile does not hold the change up: it restarts from the
-  fleet as it is by then.  Health transitions decided here go to the
+- Changes: ``apply(op)`` is called in the same step (no await between) as
+  the supervisor's own router takes the op (``router.control.ops.apply``, the
+  same function every worker runs), so a worker starting at any moment gets
+  each op exactly once, in its ``Init`` snapshot or as an ``Apply``.  It sends
+  the op to every worker at once; what it returns resolves once each has it
+  in its ring, so a 2xx from the admin API means every worker routes by it.
+  A worker that dies meanwhile does not hold the change up: it restarts from
+  the fleet as it is by then.  Health transitions decided here go to the
   workers the same way, without waiting.
 - Reads: ``refresh()`` asks every worker for its accounting and adds it up
   into the supervisor's router (backend counters, the recorder, idle
@@ -78,7 +80,7 @@ from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
 from .shared import PLANES, SharedLoadTracker, SharedTable
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from hashring.shared import Record
 
@@ -406,11 +408,12 @@ class Workers:
                 with contextlib.suppress(ChannelClosed):  # exiting: it restarts without
                     worker.channel.send(message)
 
-    async def apply(self, op: Op) -> None:
-        """Send ``op`` (already ``prepare``d and applied here) to every worker; wait for all."""
-        futures = self._ask(lambda seq: Apply(seq, op))
-        if futures:
-            await asyncio.gather(*futures)
+    def apply(self, op: Op) -> Awaitable[object]:
+        """Send ``op`` (already ``prepare``d and applied here) to every worker now; await
+        the result for all to have it.  Call it in the same step as the local apply: a
+        worker that starts in between would get the op twice (in its ``Init`` and here)
+        and refuse it, or, the other way round, never."""
+        return asyncio.gather(*self._ask(lambda seq: Apply(seq, op)))
 
     def _health_changed(self, name: str, healthy: bool) -> None:
         healthy_op = SetHealthy(name, healthy)

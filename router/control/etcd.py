@@ -449,15 +449,16 @@ class EtcdStore:
     async def set_routing(self, routing: RoutingConfig) -> int:
         return await self.client.put(self._routing_key, msgspec.json.encode(routing.document()))
 
-    async def initialize(self, state: State) -> bool:
+    async def initialize(self, state: State) -> int | None:
         """Seed an empty prefix (no ``P routing`` yet) with ``state``: the first
-        replica of a new fleet writes its configuration.  False if already there."""
+        replica of a new fleet writes its configuration.  The revision that did,
+        for ``applied``; None if the prefix was seeded already."""
         ops: list[Put | Delete] = [
             Put(self._routing_key, msgspec.json.encode(state.routing.document()))
         ]
         ops += [Put(self._backend_key(b.name), msgspec.json.encode(b)) for b in state.backends]
         result = await self.client.txn([Compare.create_revision(self._routing_key, 0)], ops)
-        return result.succeeded
+        return result.revision if result.succeeded else None
 
 
 def _by_name(backend: SavedBackend) -> str:

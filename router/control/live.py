@@ -224,12 +224,13 @@ class RouterControl:
         if workers is not None:
             op = workers.prepare(op)
         apply(self._router, op)
+        sent = workers.apply(op) if workers is not None else None  # no await in between
         if isinstance(op, (AddBackend, SetWeight)):
             # The ring is rebuilt in slices: answer once the newcomer gets keys.  A
             # removed backend is skipped at once and leaves the ring in the background.
             await self._router.fleet.settled()
-        if workers is not None:
-            await workers.apply(op)
+        if sent is not None:
+            await sent
 
     async def refuse_own_address(self, spec: BackendSpec) -> None:
         """Raise Invalid if ``spec``'s url reaches one of this router's listeners."""

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -22,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
 
 
-async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
+async def spawn_router(
+    *args: str, events: list[dict[str, Any]] | None = None
+) -> tuple[asyncio.subprocess.Process, int]:
     """Start ``python -m admin serve ARGS`` and return it with its port (the
-    admin API, on an ephemeral port, is up too once this returns)."""
+    admin API, on an ephemeral port, is up too once this returns); the log
+    events read until then are appended to ``events``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -48,6 +52,8 @@ async def spawn_router(*args: str) -> tuple[asyncio.subprocess.Process, int]:
             line = await proc.stderr.readline()
             assert line, "router exited before listening"
             event = json.loads(line)
+            if events is not None:
+                events.append(event)
             if event["event"] == "listening":
                 port = int(event["address"].rpartition(":")[2])
             elif event["event"] == "admin listening":

