@@ -79,8 +79,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--backend",
         action="append",
-        metavar="NAME=URL[,weight=W]",
-        help="a backend; repeat for each (replaces the config file's list)",
+        metavar="NAME=URL[,weight=W][,model=M ...]",
+        help="a backend and the models it serves (model= repeats; none: any); repeat"
+        " for each (replaces the config file's list)",
     )
     serve.add_argument(
         "--routing-config",
@@ -441,9 +442,7 @@ async def _open_etcd(
         # An empty prefix is a new fleet: this replica's configuration seeds it.
         seed = State(
             version=VERSION,
-            backends=[
-                SavedBackend(b.name, b.url, b.weight, "active", b.health) for b in config.backends
-            ],
+            backends=[SavedBackend.of(b) for b in config.backends],
             routing=config.routing,
         )
         if await store.initialize(seed):

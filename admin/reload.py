@@ -122,12 +122,14 @@ class Reloads:
             backend = fleet.backends.get(name)
             if backend is None:
                 await self._call(name, control.add_backend(spec))
-            elif backend.spec.url != spec.url:
+            elif (backend.spec.url, backend.spec.models) != (spec.url, spec.models):
                 log.warning(
-                    "backend URL not changed by a reload: remove it and add a new name",
+                    "backend URL or models not changed by a reload: remove it and add a new name",
                     backend=name,
                     url=backend.spec.url,
                     file_url=spec.url,
+                    models=list(backend.spec.models),
+                    file_models=list(spec.models),
                 )
             elif backend.weight != spec.weight:
                 patch = BackendPatch(weight=spec.weight)

@@ -111,16 +111,27 @@ class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout: Seconds | None = None
 
 
+# A model name as clients send it (``meta-llama/Llama-3.1-8B-Instruct``): no
+# whitespace, no comma (the ``--backend`` flag's separator).
+ModelName = Annotated[str, Meta(pattern=r"^[^\s,]{1,256}$")]
+MAX_MODELS = 64  # per backend
+
+
 class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Annotated[str, Meta(pattern=_NAME)]
     url: str
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
     health: HealthOverride | None = None
+    # The models it serves (the body's ``model``); empty: whatever it is asked
+    # (see router.fleet, "Model pools").
+    models: Annotated[tuple[ModelName, ...], Meta(max_length=MAX_MODELS)] = ()
 
     def __post_init__(self) -> None:
         # A ValueError here is reported by msgspec at the backend object's path
         # (``$.backends[0]``); its message names the url.
         self.address()
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"backend {self.name!r} lists a model twice")
 
     def address(self) -> tuple[str, int]:
         return backend_address(self.url)
@@ -365,12 +376,25 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def backend_flag(text: str) -> dict[str, Any]:
-    """Parse ``--backend NAME=URL[,weight=W]`` into a backend dict (validated later)."""
-    match = re.fullmatch(r"([^=]+)=([^,]+)(?:,weight=(\d+))?", text)
-    if match is None:
-        raise ConfigError(f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W]")
-    name, url, weight = match.groups()
+    """Parse ``--backend NAME=URL[,weight=W][,model=M]...`` into a backend dict
+    (validated later); ``model=`` repeats, one model each."""
+    name, _, rest = text.partition("=")
+    url, *options = rest.split(",")
     spec: dict[str, Any] = {"name": name, "url": url}
-    if weight is not None:
-        spec["weight"] = int(weight)
-    return spec
+    models: list[str] = []
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key == "weight" and value.isdigit() and "weight" not in spec:
+            spec["weight"] = int(value)
+        elif key == "model" and sep and value:
+            models.append(value)
+        else:
+            break
+    else:
+        if name and url:
+            if models:
+                spec["models"] = models
+            return spec
+    raise ConfigError(
+        f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W][,model=M ...]"
+    )

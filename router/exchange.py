@@ -29,6 +29,12 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   escapes its limits and key rule.  Every forwarded request carries our
   ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
   ``span`` is None while it is off, the only thing checked then).
+- Models (``router.fleet``, "Model pools"): where the fleet declares models,
+  an OpenAI request's ``model`` (read from the one decode of its body) picks
+  the pool it routes over, retries included; a model no backend serves is
+  answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
+  /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
+  Where it declares none, nothing of this happens (no read of ``model``).
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
@@ -47,7 +53,7 @@ from typing import TYPE_CHECKING
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 from .deadline import LazyDeadline
-from .extract import BadRequest, decode_openai, prompt_key
+from .extract import BadRequest, decode_openai, model_name, prompt_key
 from .heads import (
     CHUNKED,
     NO_BODY,
@@ -58,17 +64,24 @@ from .heads import (
     read_response,
     upstream_head,
 )
-from .wire import CHUNKED_END, CONTINUE_100, error_response
+from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 if TYPE_CHECKING:
+    from msgspec import Raw
+
     from .balancer import Choice
     from .client import ClientConnection
+    from .fleet import ModelPool
+    from .keyworker import Keyed
     from .tracing import Span
     from .upstream import UpstreamConnection
 
 __all__ = ["Exchange"]
+
+MODELS_PATH = b"/v1/models"
+OWNED_BY = "prefix-router"
 
 
 class Exchange(LazyDeadline):
@@ -82,6 +95,7 @@ class Exchange(LazyDeadline):
         "_hasher",
         "_head_sent",
         "_last_read",
+        "_listing",
         "_out",
         "_read_timeout",
         "_replayable",
@@ -101,6 +115,7 @@ class Exchange(LazyDeadline):
         "key_hash",
         "kind",
         "method",
+        "model",
         "path",
         "request_complete",
         "request_id",
@@ -140,6 +155,8 @@ class Exchange(LazyDeadline):
         self.bytes_in = 0
         self.bytes_out = 0
         self.key_hash: int | None = None
+        self.model: str | None = None  # the body's, where the fleet declares models
+        self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
         self.request_id = b""
         self.choice: Choice | None = None
@@ -192,6 +209,8 @@ class Exchange(LazyDeadline):
                 return
             self.tenant = request.tenant is not None and seed != 0
             self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
+        elif router.fleet.pools and self.method == b"GET" and _lists_models(self.path):
+            self._listing = True  # answered at the request's end: keep-alive stays
         else:
             self._route()
         if request.expect_continue and not request.bodiless and not self.http10 and not self.done:
@@ -221,7 +240,9 @@ class Exchange(LazyDeadline):
         self.request_complete = True
         if self.done:
             return
-        if self.kind is Kind.OPENAI:
+        if self._listing:
+            self._list_models()
+        elif self.kind is Kind.OPENAI:
             self._route_openai()
         elif self.choice is None:
             assert self._hasher is not None
@@ -251,9 +272,9 @@ class Exchange(LazyDeadline):
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
-        self._route_key(key, request.prompt_cache_key)
+        self._route_key(key, request.prompt_cache_key, request.model)
 
-    def _keyed(self, future: asyncio.Future[tuple[bytes, str | None]]) -> None:
+    def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
         if self.done:  # the client left meanwhile
             return
@@ -264,11 +285,17 @@ class Exchange(LazyDeadline):
             # Ours, not the backend's nor the client's: retry later.
             self._fail(503, "the router could not read this request body now; retry")
         else:
-            key, prompt_cache_key = future.result()
-            self._route_key(key, prompt_cache_key)
+            self._route_key(*future.result())
 
-    def _route_key(self, key: bytes, prompt_cache_key: str | None) -> None:
-        """Salt an OpenAI request's key with its tenant and route it."""
+    def _route_key(self, key: bytes, prompt_cache_key: str | None, model: bytes | Raw) -> None:
+        """Salt an OpenAI request's key with its tenant and route it (to its
+        model's pool where the fleet declares models: ``model`` is raw JSON)."""
+        if self._router.fleet.pools:
+            try:
+                self.model = model_name(model)
+            except BadRequest as exc:
+                self._fail(400, str(exc), param=exc.param)
+                return
         if prompt_cache_key is not None:
             seed = self._seed(prompt_cache_key, "prompt_cache_key")
         else:
@@ -298,15 +325,22 @@ class Exchange(LazyDeadline):
     # -- routing and connecting ------------------------------------------------
 
     def _route(self) -> None:
-        choice = self._router.balancer.choose(self.key_hash, self._tried)
+        router = self._router
+        model = self.model
+        members = None if model is None else router.fleet.members_for(model)
+        if model is not None and members is None:
+            self._fail(404, f"The model `{model}` does not exist.", code="model_not_found")
+            return
+        choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
+            serving = "" if model is None else f" for model `{model}`"
             if self._tried:
-                self._fail(502, "no backend could be reached")
+                self._fail(502, f"no backend{serving} could be reached")
             else:
-                self._fail(503, "no backend is available")
+                self._fail(503, f"no backend{serving} is available")
             return
         self.choice = choice
-        conn = self._router.pools[choice.backend.name].take()
+        conn = router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
         else:
@@ -536,7 +570,37 @@ class Exchange(LazyDeadline):
 
     # -- endings: every path comes through _finish exactly once ---------------------
 
-    def _fail(self, status: int, message: str, param: str | None = None) -> None:
+    def _list_models(self) -> None:
+        """``GET /v1/models`` (the declared models) or ``/v1/models/{id}`` (one)."""
+        fleet = self._router.fleet
+        name = self.path[len(MODELS_PATH) + 1 :].decode("utf-8", "replace")
+        if not name:
+            self._reply({"object": "list", "data": [_model(pool) for pool in fleet.models()]})
+        elif name in fleet.pools:
+            self._reply(_model(fleet.pools[name]))
+        else:
+            self._fail(404, f"The model `{name}` does not exist.", code="model_not_found")
+
+    def _reply(self, body: object) -> None:
+        """Answer 200 with ``body`` as JSON, from the router itself."""
+        self.status = 200
+        keep_alive = self.client_keep_alive and self.request_complete
+        self.client_keep_alive = keep_alive
+        router = self._router
+        self._conn.write(
+            json_response(
+                200,
+                body,
+                close=not keep_alive,
+                date=router.date.value,
+                request_id=self.request_id,
+            )
+        )
+        self._finish(upstream_reusable=False)
+
+    def _fail(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         """Answer with a JSON error; only possible before the response head left."""
         if self._head_sent:
             self._truncate()
@@ -551,6 +615,7 @@ class Exchange(LazyDeadline):
                 status,
                 message,
                 param=param,
+                code=code,
                 close=not keep_alive,
                 date=self._router.date.value,
                 request_id=self.request_id,
@@ -633,3 +698,12 @@ class Exchange(LazyDeadline):
         if self.upstream is not None:
             self._last_read = self._router.loop.time()
             self.upstream.transport.resume_reading()
+
+
+def _lists_models(path: bytes) -> bool:
+    return path == MODELS_PATH or path.startswith(b"/v1/models/")
+
+
+def _model(pool: ModelPool) -> dict[str, object]:
+    """A model as OpenAI's ``GET /v1/models`` lists it."""
+    return {"id": pool.model, "object": "model", "created": pool.created, "owned_by": OWNED_BY}

@@ -62,6 +62,10 @@ Contract (the README's "Routing key" section says the same for users):
   tools past the prefix, every other field) is only checked to be JSON
   syntax: the backend validates it.  Strings routing does not decode are not
   checked for valid UTF-8.
+- ``model`` is kept as raw JSON (``Raw``), unchecked: ``model_name`` reads it
+  (a string, or absent/null) only where the fleet declares models, so a fleet
+  that does not pays no check and forwards any ``model`` as before.  Either
+  way the body is decoded once.
 - ``decode_openai(body, limit)`` sizes its reading for ``limit``, the
   ``PrefixLength`` the key will use (default 4,096, the default
   PrefixLength): the element counts above, and so the extent of the type
@@ -97,6 +101,7 @@ __all__ = [
     "BoundedRequest",
     "OpenAIRequest",
     "decode_openai",
+    "model_name",
     "prompt_key",
     "prompt_text",
 ]
@@ -142,6 +147,7 @@ class OpenAIRequest(msgspec.Struct):
     tools: list[msgspec.Raw] | None = None
     prompt_cache_key: str | None = None
     stream: bool | None = None
+    model: Raw = _NULL  # read only where the fleet declares models (``model_name``)
 
 
 _decoder = msgspec.json.Decoder(OpenAIRequest)
@@ -219,6 +225,7 @@ class _Reader:
                 ("tools", tools | None, None),
                 ("prompt_cache_key", str | None, None),
                 ("stream", bool | None, None),
+                ("model", Raw, _NULL),
             ],
             gc=False,
         )
@@ -268,7 +275,7 @@ def _full(head: Any) -> bool:
 class BoundedRequest:
     """An OpenAI body read in one bounded pass (see the module contract)."""
 
-    __slots__ = ("_body", "_envelope", "_reader", "prompt_cache_key", "stream")
+    __slots__ = ("_body", "_envelope", "_reader", "model", "prompt_cache_key", "stream")
 
     def __init__(self, reader: _Reader, body: bytes | bytearray | memoryview, envelope: Any):
         self._reader = reader
@@ -276,6 +283,7 @@ class BoundedRequest:
         self._envelope = envelope
         self.prompt_cache_key: str | None = envelope.prompt_cache_key
         self.stream: bool | None = envelope.stream
+        self.model: Raw = envelope.model
 
     def envelope_for(self, limit: int) -> Any:
         """Pass one's result for ``limit``: read again if it was sized for a smaller
@@ -594,3 +602,16 @@ def prompt_key(request: OpenAIRequest | BoundedRequest, limit: int) -> bytes:
         except (TypeError, OverflowError):
             raise BadRequest("prompt token ids must be non-negative integers", "prompt") from None
     return prompt_text(request, limit).encode("utf-8", "surrogatepass")
+
+
+def model_name(raw: bytes | Raw) -> str | None:
+    """The ``model`` of a body (its raw JSON as decoded): None when absent or null."""
+    try:
+        return _model_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, "$.model") from None
+    except msgspec.DecodeError as exc:
+        raise _malformed(exc, " - at `$.model`") from None
+
+
+_model_decoder = msgspec.json.Decoder(str | None)

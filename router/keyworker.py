@@ -12,13 +12,14 @@ Contract:
   started on the first large body, restarted on the next one after it dies.
   It reads frames from stdin and answers each on stdout, in order:
   request ``<II`` (PrefixLength, body length) + the body; answer ``<I``
-  (length) + msgpack ``["ok", key, prompt_cache_key]`` or ``["error",
-  message, param]``: exactly what ``decode_openai`` + ``prompt_key`` give on
-  the loop (the same module does the work).
+  (length) + msgpack ``["ok", key, prompt_cache_key, model]`` (``model``: the
+  raw JSON of the body's field) or ``["error", message, param, null]``:
+  exactly what ``decode_openai`` + ``prompt_key`` give on the loop (the same
+  module does the work).
 - The loop never copies or joins the body: its pieces are written to the
   pipe as they are (uvloop keeps references, no copy), and reading the
   small answers is all the loop does.
-- ``key(pieces, size, limit)`` returns a future: ``(key, prompt_cache_key)``
+- ``key(pieces, size, limit)`` returns a future: ``(key, prompt_cache_key, model)``
   or ``BadRequest``; ``WorkerLost`` when the child died or could not start
   (the exchange answers 503 and blames no backend).  At most
   ``MAX_PENDING_BYTES`` wait at once; past that ``WorkerBusy`` at once.
@@ -41,9 +42,13 @@ import msgspec
 from .extract import BadRequest, decode_openai, prompt_key
 from .log import get_logger
 
-__all__ = ["MAX_PENDING_BYTES", "KeyWorker", "WorkerBusy", "WorkerLost"]
+__all__ = ["MAX_PENDING_BYTES", "KeyWorker", "Keyed", "WorkerBusy", "WorkerLost"]
 
 log = get_logger("keyworker")
+
+# A keyed body: its key, its prompt_cache_key and its ``model`` as raw JSON
+# (read only where the fleet declares models).
+Keyed = tuple[bytes, str | None, bytes]
 
 _REQUEST = struct.Struct("<II")
 _ANSWER = struct.Struct("<I")
@@ -51,7 +56,7 @@ MAX_PENDING_BYTES = 256 * 1024 * 1024  # bodies waiting for a key at once
 CLOSE_TIMEOUT = 2.0
 
 _encode = msgspec.msgpack.encode
-_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any]).decode
+_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any, Any]).decode
 
 
 class WorkerLost(Exception):
@@ -71,8 +76,8 @@ def answer(body: bytes, limit: int) -> bytes:
         request = decode_openai(body, limit)
         key = prompt_key(request, limit)
     except BadRequest as exc:
-        return _encode(("error", str(exc), exc.param))
-    return _encode(("ok", key, request.prompt_cache_key))
+        return _encode(("error", str(exc), exc.param, None))
+    return _encode(("ok", key, request.prompt_cache_key, bytes(request.model)))
 
 
 def main() -> None:
@@ -125,13 +130,11 @@ class KeyWorker:
         self._waiting: list[list[bytes]] = []  # frames written once the child is up
         self._exited = asyncio.Event()
         # (future, body size) per frame written, in order
-        self._pending: deque[tuple[asyncio.Future[tuple[bytes, str | None]], int]] = deque()
+        self._pending: deque[tuple[asyncio.Future[Keyed], int]] = deque()
         self._pending_bytes = 0
 
-    def key(
-        self, pieces: list[bytes], size: int, limit: int
-    ) -> asyncio.Future[tuple[bytes, str | None]]:
-        future: asyncio.Future[tuple[bytes, str | None]] = self._loop.create_future()
+    def key(self, pieces: list[bytes], size: int, limit: int) -> asyncio.Future[Keyed]:
+        future: asyncio.Future[Keyed] = self._loop.create_future()
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             future.set_exception(WorkerBusy())
             return future
@@ -185,14 +188,14 @@ class KeyWorker:
             end = _ANSWER.size + length
             if len(buffer) < end:
                 return
-            status, first, second = _decode(bytes(buffer[_ANSWER.size : end]))
+            status, first, second, third = _decode(bytes(buffer[_ANSWER.size : end]))
             del buffer[:end]
             future, size = self._pending.popleft()
             self._pending_bytes -= size
             if future.done():
                 continue  # its caller stopped caring
             if status == "ok":
-                future.set_result((first, second))
+                future.set_result((first, second, third))
             else:
                 future.set_exception(BadRequest(first, second))
 

@@ -162,12 +162,10 @@ class _Worker:
         supervisor: once a change is acknowledged by every worker, each one's
         earlier placements have reached the supervisor (and, relayed in order,
         every worker that answers the next change)."""
-        placements = self.router.balancer.placement_log
-        if placements is not None:
-            records = placements.publish()
-            if records:
-                with contextlib.suppress(ChannelClosed):  # gone: _receive stops us
-                    self.channel.send(Records(records))
+        records = self.router.balancer.publish_records()
+        if records:
+            with contextlib.suppress(ChannelClosed):  # gone: _receive stops us
+                self.channel.send(Records(records))
 
     def _assign(self, name: str, slot: int) -> None:
         for tracker in self.trackers:
@@ -221,9 +219,7 @@ class _Worker:
                     self._flush()
                     channel.send(Applied(message.seq))
                 elif isinstance(message, Records):
-                    placements = router.balancer.placement_log
-                    if placements is not None:
-                        placements.apply(router.fleet.ring, message.records)
+                    router.balancer.apply_records(message.records)
                 elif isinstance(message, Query):
                     # Fold now: whoever reads the answer has every worker's counts
                     # as of this moment (a test can rely on it; the timer bounds the rest).

@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..fleet import AdminState, Backend
 from ..log import get_logger
@@ -70,8 +72,7 @@ def snapshot(router: Router) -> State:
     return State(
         version=1,
         backends=[
-            SavedBackend(b.name, b.url, b.weight, b.state.value, b.spec.health)
-            for b in router.fleet.backends.values()
+            SavedBackend.of(b.spec, b.state.value, b.weight) for b in router.fleet.backends.values()
         ],
         routing=router.balancer.config,
     )
@@ -262,7 +263,7 @@ class RouterControl:
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
-            saved = SavedBackend(spec.name, spec.url, spec.weight, "active", spec.health)
+            saved = SavedBackend.of(spec)
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
@@ -277,7 +278,7 @@ class RouterControl:
             weight = backend.weight if patch.weight is None else patch.weight
             state = backend.state.value if patch.state is None else patch.state
             backends = [
-                SavedBackend(s.name, s.url, weight, state, s.health) if s.name == name else s
+                msgspec.structs.replace(s, weight=weight, state=state) if s.name == name else s
                 for s in snapshot(self._router).backends
             ]
             await self._persist(self._state_with(backends=backends))
@@ -308,9 +309,7 @@ class RouterControl:
             drain = self._drains.get(name)
             if drain is None:
                 backends = [
-                    SavedBackend(s.name, s.url, s.weight, "draining", s.health)
-                    if s.name == name
-                    else s
+                    msgspec.structs.replace(s, state="draining") if s.name == name else s
                     for s in snapshot(self._router).backends
                 ]
                 await self._persist(self._state_with(backends=backends))
