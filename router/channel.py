@@ -106,6 +106,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     no_backend: int
     refused: dict[int, int]
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
+    models: dict[str, int] = {}  # requests per model pool (Recorder.models)
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):

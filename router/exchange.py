@@ -117,6 +117,7 @@ class Exchange(LazyDeadline):
         "method",
         "model",
         "path",
+        "pool",
         "request_complete",
         "request_id",
         "reset_client",
@@ -156,6 +157,7 @@ class Exchange(LazyDeadline):
         self.bytes_out = 0
         self.key_hash: int | None = None
         self.model: str | None = None  # the body's, where the fleet declares models
+        self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
         self.request_id = b""
@@ -328,9 +330,11 @@ class Exchange(LazyDeadline):
         router = self._router
         model = self.model
         members = None if model is None else router.fleet.members_for(model)
-        if model is not None and members is None:
-            self._fail(404, f"The model `{model}` does not exist.", code="model_not_found")
-            return
+        if model is not None:
+            if members is None:
+                self._fail(404, f"The model `{model}` does not exist.", code="model_not_found")
+                return
+            self.pool = members.model
         choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
             serving = "" if model is None else f" for model `{model}`"

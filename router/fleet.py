@@ -96,10 +96,18 @@ class ModelPool:
     ``any_model``).  Rebuilt by the fleet on every change; never changed.
     """
 
-    __slots__ = ("available", "created", "cum_weights", "model", "ring")
+    __slots__ = ("available", "created", "cum_weights", "members", "model", "ring")
 
-    def __init__(self, model: str, ring: Ring, available: tuple[Backend, ...], created: int):
+    def __init__(
+        self,
+        model: str,
+        members: tuple[str, ...],
+        ring: Ring,
+        available: tuple[Backend, ...],
+        created: int,
+    ):
         self.model = model
+        self.members = members  # every backend serving it, available or not, by name
         self.ring = ring
         self.available = available
         self.cum_weights = _cum_weights(available)
@@ -255,7 +263,7 @@ class Fleet:
                 ring = Ring(vnodes=self.ring.vnodes)
             pool_available = tuple(b for b in available if b.name in members)
             created = self._created.setdefault(model, now)
-            pools[model] = ModelPool(model, ring, pool_available, created)
+            pools[model] = ModelPool(model, tuple(sorted(members)), ring, pool_available, created)
         self.any_model = pools.pop(ANY_MODEL, None)
         self.pools = pools
 

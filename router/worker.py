@@ -127,6 +127,7 @@ def report(router: Router, seq: int) -> Report:
         no_backend=recorder.no_backend,
         refused=dict(recorder.refused),
         tracing=router.tracer.counts() if router.tracer is not None else {},
+        models=dict(recorder.models),
     )
 
 

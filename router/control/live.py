@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
-from ..fleet import AdminState, Backend
+from ..fleet import ANY_MODEL, AdminState, Backend
 from ..log import get_logger
 from ..metrics import percentile
 from ..selfaddr import Listener, own_listener
@@ -42,6 +42,7 @@ from . import (
     Decisions,
     DrainView,
     Invalid,
+    ModelView,
     NotFound,
     NotSaved,
     Stats,
@@ -175,7 +176,21 @@ class RouterControl:
                 other=sum(decisions.values()) - primary - overflow - fallback,
             ),
             workers=self._workers.views() if self._workers is not None else [],
+            models=self._models(),
         )
+
+    def _models(self) -> list[ModelView]:
+        fleet = self._router.fleet
+        counts = self._router.recorder.models
+        pools = fleet.models() + ([fleet.any_model] if fleet.any_model is not None else [])
+        return [
+            ModelView(
+                pool.model if pool.model != ANY_MODEL else None,
+                list(pool.members),
+                counts[pool.model],
+            )
+            for pool in pools
+        ]
 
     def _get(self, name: str) -> Backend:
         backend = self._router.fleet.backends.get(name)
@@ -209,6 +224,7 @@ class RouterControl:
             num_requests_running=scraped.running if scraped else None,
             num_requests_waiting=scraped.waiting if scraped else None,
             kv_cache_usage=scraped.kv_usage if scraped else None,
+            models=list(backend.spec.models),
         )
 
     # -- changes -------------------------------------------------------------------
