@@ -10,6 +10,8 @@ does), with the official ``openai`` client.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import aiohttp
 import openai
@@ -21,7 +23,7 @@ from router.balancer import Balancer
 from router.config import BackendSpec, backend_flag, build_config, parse_routing
 from router.fleet import ANY_MODEL, Fleet
 from router.state import SavedBackend
-from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet, sagemaker
 
 pytestmark = pytest.mark.timeout(60)
@@ -178,6 +180,20 @@ def test_models_come_from_the_flag_the_file_and_the_state_file_alike() -> None:
         build_config({"backends": [backend_flag("g=http://h:1,model=x,model=x")]})
     with pytest.raises(ValueError, match="must look like"):
         backend_flag("g=http://h:1,models=x")
+
+
+def test_the_benchmark_runs_and_prints_its_tables() -> None:
+    """``python -m loadtests.bench_models``, tiny: it runs and prints both tables (no timing)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtests.bench_models", "--pairs", "1", "--requests", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| 32 | TRAFFIC |" in done.stdout
+    assert "| 32 |" in done.stdout.split("filtered walk")[1]
 
 
 # -- the daemon ------------------------------------------------------------------------
