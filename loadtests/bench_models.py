@@ -10,7 +10,9 @@ models declared also ``model_name``, ``Fleet.members_for``; then
 (each backend serves one; requests spread evenly over the models),
 BalanceMode IN_FLIGHT and TRAFFIC.  The two run alternated in ``--pairs``
 pairs (order flipped every pair), timed in the thread's CPU time; medians and
-their ratio.
+their ratio.  The "pick" columns time the routing step alone, on bodies decoded
+and keyed beforehand (``model_name`` and ``members_for`` included): what pools
+add, without the decode's noise around it.
 
 Table 2, the choice this design made: finding a key's first backend within
 its model's backends, by the pool's own ring (``Ring.primary``: what
@@ -78,6 +80,28 @@ def decide(made: Balancer, items: list[bytes]) -> float:
     return (time.thread_time_ns() - start) / len(items)
 
 
+def pick(made: Balancer, prepared: list[tuple[int, bytes]]) -> float:
+    """CPU ns per routing step: ``decide`` after the key's hash."""
+    fleet = made.fleet
+    start = time.thread_time_ns()
+    for key_hash, raw in prepared:
+        model = model_name(raw) if fleet.pools else None
+        members = None if model is None else fleet.members_for(model)
+        choice = made.choose(key_hash, frozenset(), members)
+        assert choice is not None
+        choice.release()
+    return (time.thread_time_ns() - start) / len(prepared)
+
+
+def prepare(items: list[bytes]) -> list[tuple[int, bytes]]:
+    out = []
+    for body in items:
+        request = decode_openai(body, PREFIX_LENGTH)
+        key = prompt_key(request, PREFIX_LENGTH)
+        out.append((hash_key(key, tenant_seed(request.prompt_cache_key)), bytes(request.model)))
+    return out
+
+
 def with_models(items: list[bytes], pools: int) -> list[bytes]:
     """The same bodies, each naming one of ``pools`` models in turn."""
     return [
@@ -118,23 +142,32 @@ def main() -> None:
         f"# model pools: Python {sys.version.split()[0]}, {args.requests} chat bodies, "
         f"{MEMBERS} backends, CPU ns per decision, median of {args.pairs} alternated pairs"
     )
-    print("| models | BalanceMode | no model declared ns | models declared ns | ratio |")
-    print("|---:|---|---:|---:|---:|")
+    print(
+        "| models | BalanceMode | decision, no model declared ns | models declared ns | ratio"
+        " | pick, no model ns | models ns | ratio |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    plain_keys = prepare(items)
     for pools in POOLS:
         named = with_models(items, pools)
+        named_keys = prepare(named)
         for mode in ("IN_FLIGHT", "TRAFFIC"):
             plain, pooled = chooser(0, mode), chooser(pools, mode)
             decide(plain, items), decide(pooled, named)  # warm: placements, caches
-            before: list[float] = []
-            after: list[float] = []
+            times: dict[str, list[float]] = {"b": [], "a": [], "pb": [], "pa": []}
             for pair in range(args.pairs):
                 for declared in (False, True) if pair % 2 else (True, False):
                     if declared:
-                        after.append(decide(pooled, named))
+                        times["a"].append(decide(pooled, named))
+                        times["pa"].append(pick(pooled, named_keys))
                     else:
-                        before.append(decide(plain, items))
-            b, a = statistics.median(before), statistics.median(after)
-            print(f"| {pools} | {mode} | {b:,.0f} | {a:,.0f} | {a / b:.3f} |")
+                        times["b"].append(decide(plain, items))
+                        times["pb"].append(pick(plain, plain_keys))
+            b, a, pb, pa = (statistics.median(times[k]) for k in ("b", "a", "pb", "pa"))
+            print(
+                f"| {pools} | {mode} | {b:,.0f} | {a:,.0f} | {a / b:.3f}"
+                f" | {pb:,.0f} | {pa:,.0f} | {pa / pb:.3f} |"
+            )
 
     print()
     print("| models | pool ring primary ns/key | filtered walk of the fleet ring ns/key | ratio |")
