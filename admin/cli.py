@@ -160,6 +160,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--discover-interval", type=float, metavar="S", help="between two DNS lookups (5)"
     )
     serve.add_argument(
+        "--discover-model",
+        action="append",
+        metavar="MODEL",
+        help="a model every discovered backend serves; repeat for each (none: any model)",
+    )
+    serve.add_argument(
+        "--k8s-model-label",
+        metavar="KEY",
+        help="the EndpointSlice label whose value is its backends' model",
+    )
+    serve.add_argument(
         "--otel-endpoint",
         metavar="URL",
         help="trace requests: OTLP/HTTP protobuf spans POSTed to URL/v1/traces (off)",
@@ -194,6 +205,8 @@ DISCOVER_FLAGS = (
     ("k8s_port_name", "port_name"),
     ("kubeconfig", "kubeconfig"),
     ("discover_interval", "interval"),
+    ("discover_model", "models"),
+    ("k8s_model_label", "model_label"),
 )
 
 
@@ -500,12 +513,14 @@ async def _open_discovery(
             service=discover.service,
             selector=discover.selector,
             port_name=discover.port_name,
+            models=discover.models,
+            model_label=discover.model_label,
         )
     else:
         from router.discovery.dns import DnsSource, parse_target
 
         name, port = parse_target(discover.source)
-        source = DnsSource(name, port, interval=discover.interval)
+        source = DnsSource(name, port, interval=discover.interval, models=discover.models)
     reconciler = Reconciler(
         control,
         drain_timeout=discover.drain_timeout,

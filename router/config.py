@@ -234,6 +234,11 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     interval: Seconds = 5.0  # dns: between two lookups
     drain_timeout: Seconds = 30.0  # a removed endpoint's drain (as DELETE ?timeout=)
     unhealthy_after: Seconds = 10.0  # source failing this long: /readyz 503 (routing goes on)
+    # The models every discovered backend serves (BackendSpec.models); empty: any.
+    models: Annotated[tuple[ModelName, ...], Meta(max_length=MAX_MODELS)] = ()
+    # k8s: the EndpointSlice label whose value is its endpoints' model (a Service's
+    # labels are copied to its slices); a slice without it serves ``models``.
+    model_label: str | None = None
 
     def __post_init__(self) -> None:
         if self.source == "k8s":
@@ -242,7 +247,14 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         elif self.source.startswith("dns:"):
             k8s = [
                 field
-                for field in ("namespace", "service", "selector", "port_name", "kubeconfig")
+                for field in (
+                    "namespace",
+                    "service",
+                    "selector",
+                    "port_name",
+                    "kubeconfig",
+                    "model_label",
+                )
                 if getattr(self, field) is not None
             ]
             if k8s:
