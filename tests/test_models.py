@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -22,7 +23,7 @@ from loadtests.simserver import SimServer
 from router.balancer import Balancer
 from router.config import BackendSpec, backend_flag, build_config, parse_routing
 from router.fleet import ANY_MODEL, Fleet
-from router.state import SavedBackend
+from router.state import SavedBackend, State, StateFile
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet, sagemaker
 
@@ -167,7 +168,7 @@ def test_any_model_pool_has_its_own_placement() -> None:
 # -- configuration -------------------------------------------------------------------
 
 
-def test_models_come_from_the_flag_the_file_and_the_state_file_alike() -> None:
+def test_models_come_from_the_flag_the_file_and_the_state_file_alike(tmp_path: Path) -> None:
     flag = backend_flag("gpu-0=http://10.0.0.1:8000,weight=2,model=meta/llama-3,model=m2")
     config = build_config(
         {"backends": [flag, {"name": "gpu-1", "url": "http://10.0.0.2:8000", "models": ["m2"]}]}
@@ -176,6 +177,11 @@ def test_models_come_from_the_flag_the_file_and_the_state_file_alike() -> None:
     assert config.backends[0].weight == 2
     saved = SavedBackend.of(config.backends[0], "draining")
     assert saved.spec() == config.backends[0]
+    state_file = StateFile(tmp_path / "state.json")
+    state_file.save(State(version=1, backends=[saved], routing=config.routing))
+    loaded = state_file.load()
+    assert loaded is not None
+    assert loaded.backends == [saved]
     with pytest.raises(ValueError, match="lists a model twice"):
         build_config({"backends": [backend_flag("g=http://h:1,model=x,model=x")]})
     with pytest.raises(ValueError, match="must look like"):
