@@ -113,7 +113,8 @@ class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 # A model name as clients send it (``meta-llama/Llama-3.1-8B-Instruct``): no
 # whitespace, no comma (the ``--backend`` flag's separator).
-ModelName = Annotated[str, Meta(pattern=r"^[^\s,]{1,256}$")]
+MAX_MODEL_NAME = 256
+ModelName = Annotated[str, Meta(pattern=rf"^[^\s,]{{1,{MAX_MODEL_NAME}}}$")]
 MAX_MODELS = 64  # per backend
 
 

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
 from .extract import BadRequest, decode_openai, model_name, prompt_key
 from .heads import (
@@ -332,12 +333,12 @@ class Exchange(LazyDeadline):
         members = None if model is None else router.fleet.members_for(model)
         if model is not None:
             if members is None:
-                self._fail(404, f"The model `{model}` does not exist.", code="model_not_found")
+                self._unknown_model(model)
                 return
             self.pool = members.model
         choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
-            serving = "" if model is None else f" for model `{model}`"
+            serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
                 self._fail(502, f"no backend{serving} could be reached")
             else:
@@ -583,7 +584,10 @@ class Exchange(LazyDeadline):
         elif name in fleet.pools:
             self._reply(_model(fleet.pools[name]))
         else:
-            self._fail(404, f"The model `{name}` does not exist.", code="model_not_found")
+            self._unknown_model(name)
+
+    def _unknown_model(self, model: str) -> None:
+        self._fail(404, f"The model `{_shown(model)}` does not exist.", code="model_not_found")
 
     def _reply(self, body: object) -> None:
         """Answer 200 with ``body`` as JSON, from the router itself."""
@@ -711,3 +715,8 @@ def _lists_models(path: bytes) -> bool:
 def _model(pool: ModelPool) -> dict[str, object]:
     """A model as OpenAI's ``GET /v1/models`` lists it."""
     return {"id": pool.model, "object": "model", "created": pool.created, "owned_by": OWNED_BY}
+
+
+def _shown(model: str) -> str:
+    """A client's model name as an answer quotes it: at most a model name's length."""
+    return model if len(model) <= MAX_MODEL_NAME else model[:MAX_MODEL_NAME] + "..."

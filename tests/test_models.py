@@ -25,7 +25,7 @@ from router.config import BackendSpec, backend_flag, build_config, parse_routing
 from router.fleet import ANY_MODEL, Fleet
 from router.state import SavedBackend, State, StateFile
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
-from tests.harness.routers import SimFleet, sagemaker
+from tests.harness.routers import SimFleet, StartRouter, sagemaker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,6 +200,37 @@ def test_the_benchmark_runs_and_prints_its_tables() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 32 | TRAFFIC |" in done.stdout
     assert "| 32 |" in done.stdout.split("filtered walk")[1]
+
+
+async def test_what_the_router_answers_itself_about_models(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(1, name="a", model="model-a", strict_model=True)
+    router = await start_router([{"name": "a-0", "url": sims[0].url, "models": ["model-a"]}])
+    base = f"http://127.0.0.1:{router.port}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{base}/v1/chat/completions", json={**chat, "model": "m" * 5000}
+        ) as r:
+            error = (await r.json())["error"]
+        assert r.status == 404
+        assert error["code"] == "model_not_found"
+        assert error["type"] == "invalid_request_error"
+        assert len(error["message"]) < 300  # the name quoted, cut at a model name's length
+        async with http.post(f"{base}/v1/chat/completions", json={**chat, "model": 7}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "model"
+        async with http.post(f"{base}/v1/chat/completions", json=chat) as r:
+            assert r.status == 200  # no model: the whole fleet, the backend's default
+        async with http.get(f"{base}/v1/models/model-b") as r:
+            assert r.status == 404
+            assert "`model-b`" in (await r.json())["error"]["message"]
+        async with http.get(f"{base}/v1/models") as r:
+            assert r.headers.get("Connection") != "close"  # answered at the request's end
+            listed = await r.json()
+        assert [m["id"] for m in listed["data"]] == ["model-a"]
+        assert listed["data"][0]["owned_by"] == "prefix-router"
 
 
 # -- the daemon ------------------------------------------------------------------------
