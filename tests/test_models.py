@@ -231,6 +231,9 @@ async def test_what_the_router_answers_itself_about_models(
             listed = await r.json()
         assert [m["id"] for m in listed["data"]] == ["model-a"]
         assert listed["data"][0]["owned_by"] == "prefix-router"
+        async with http.post(f"{base}/v1/chat/completions", json={**chat, "model": "model-a"}) as r:
+            assert r.status == 200
+    assert b'prefix_router_model_requests_total{model="model-a"} 1.0' in router.collector.render()
 
 
 # -- the daemon ------------------------------------------------------------------------
