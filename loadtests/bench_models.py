@@ -1,11 +1,11 @@
 """What model pools cost per routing decision, and a pool's ring against a filtered walk.
 
-    python -m loadtests.bench_models [--pairs 15] [--requests 2000]
+    python -m loadtests.bench_models [--pairs 15] [--requests 2000] [--members 64]
 
 Table 1, the whole decision as the data plane makes it for an OpenAI chat body
 with a 4 KiB prompt (``decode_openai``, ``prompt_key``, ``hash_key``; with
 models declared also ``model_name``, ``Fleet.members_for``; then
-``Balancer.choose`` + ``Choice.release``), on 64 backends: no model declared
+``Balancer.choose`` + ``Choice.release``), on 64 backends (``--members``): no model declared
 (the fleet as before) against the same 64 backends split into ``P`` models
 (each backend serves one; requests spread evenly over the models),
 BalanceMode IN_FLIGHT and TRAFFIC.  The two run alternated in ``--pairs``
@@ -38,30 +38,29 @@ from router.fleet import Fleet
 
 from .bench_decision import PREFIX_LENGTH, bodies
 
-MEMBERS = 64
 POOLS = (2, 8, 32)
 
 
-def specs(pools: int) -> list[BackendSpec]:
-    """64 backends; with ``pools``, backend i serves ``model-{i % pools}``."""
+def specs(members: int, pools: int) -> list[BackendSpec]:
+    """``members`` backends; with ``pools``, backend i serves ``model-{i % pools}``."""
     return [
         BackendSpec(
             f"instance-{i}",
             f"http://127.0.0.1:{10000 + i}",
             models=(f"model-{i % pools}",) if pools else (),
         )
-        for i in range(MEMBERS)
+        for i in range(members)
     ]
 
 
-def chooser(pools: int, mode: str) -> Balancer:
+def chooser(members: int, pools: int, mode: str) -> Balancer:
     routing = parse_routing(
         {
             "RoutingStrategy": "PREFIX_AWARE",
             "PrefixAwareRoutingConfig": {"PrefixLength": PREFIX_LENGTH, "BalanceMode": mode},
         }
     )
-    return Balancer(Fleet(specs(pools)), routing, seed=1)
+    return Balancer(Fleet(specs(members, pools)), routing, seed=1)
 
 
 def decide(made: Balancer, items: list[bytes]) -> float:
@@ -136,11 +135,13 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=15)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--members", type=int, default=64, help="backends (at least 32)")
     args = parser.parse_args()
+    members = args.members
     items = bodies(args.requests, random.Random(1))
     print(
         f"# model pools: Python {sys.version.split()[0]}, {args.requests} chat bodies, "
-        f"{MEMBERS} backends, CPU ns per decision, median of {args.pairs} alternated pairs"
+        f"{members} backends, CPU ns per decision, median of {args.pairs} alternated pairs"
     )
     print(
         "| models | BalanceMode | decision, no model declared ns | models declared ns | ratio"
@@ -152,7 +153,7 @@ def main() -> None:
         named = with_models(items, pools)
         named_keys = prepare(named)
         for mode in ("IN_FLIGHT", "TRAFFIC"):
-            plain, pooled = chooser(0, mode), chooser(pools, mode)
+            plain, pooled = chooser(members, 0, mode), chooser(members, pools, mode)
             decide(plain, items), decide(pooled, named)  # warm: placements, caches
             times: dict[str, list[float]] = {"b": [], "a": [], "pb": [], "pa": []}
             for pair in range(args.pairs):
@@ -175,7 +176,7 @@ def main() -> None:
     rng = random.Random(2)
     hashes = [rng.getrandbits(64) for _ in range(args.requests)]
     for pools in POOLS:
-        fleet = Fleet(specs(pools))
+        fleet = Fleet(specs(members, pools))
         pool = fleet.pools["model-0"]
         own = per_key(pool.ring.primary, hashes, args.pairs)
         walk = per_key(filtered(fleet.ring, frozenset(pool.members)), hashes, args.pairs)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 
 from hashring import DEFAULT_VNODES, LoadTracker, Ring
 from hashring.ring import check_weight
@@ -129,6 +129,20 @@ def _cum_weights(available: tuple[Backend, ...]) -> list[int]:
 _RingBuild = Generator[None, None, tuple[Ring, dict[str, Ring]]]
 
 
+def _membership(weights: Mapping[str, int]) -> frozenset[tuple[str, int]]:
+    return frozenset(weights.items())
+
+
+def _run(steps: _RingBuild) -> tuple[Ring, dict[str, Ring]]:
+    """A ring build run to its end at once (no loop to slice it on)."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        result: tuple[Ring, dict[str, Ring]] = done.value
+        return result
+
+
 class Fleet:
     """The backends, the published ring, and the rebuild that follows changes.
 
@@ -187,10 +201,8 @@ class Fleet:
         self._applied = 0  # of those, how many the published ring has
         self._building = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._pool_rings = {
-            model: self.ring.with_weights(members)
-            for model, members in self._pool_weights().items()
-        }
+        self._pool_rings: dict[str, Ring] = {}
+        self._pool_rings = _run(self._build(weights, self._pool_weights(), self.ring))[1]
         self._refresh()
 
     # -- changes ---------------------------------------------------------------
@@ -311,26 +323,30 @@ class Fleet:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (start-up, tools): build it now
-            try:
-                while True:
-                    next(steps)
-            except StopIteration as done:
-                ring, rings = done.value
-                self._publish(ring, rings, goal)
+            self._publish(*_run(steps), goal)
             return
         self._building = True
         loop.call_soon(self._slice, loop, steps, goal)
 
-    def _build(self, weights: dict[str, int], pools: dict[str, dict[str, int]]) -> _RingBuild:
-        """The fleet's ring, then each pool's that changed (reusing its point hashes)."""
-        ring = yield from self.ring.steps_to(weights)
+    def _build(
+        self, weights: dict[str, int], pools: dict[str, dict[str, int]], ring: Ring | None = None
+    ) -> _RingBuild:
+        """The fleet's ring, then each pool's ring.  A ring is a function of its
+        members and weights, so pools with the same ones share one (a backend's
+        LoRA adapters, a fleet where every backend serves one model: the fleet's
+        ring), an unchanged pool keeps its own, and a new one reuses the point
+        hashes of the fleet's.  ``ring``: the fleet's, already built."""
+        if ring is None:
+            ring = yield from self.ring.steps_to(weights)
+        known = {_membership(old.weights): old for old in self._pool_rings.values()}
+        known[_membership(weights)] = ring
         rings: dict[str, Ring] = {}
         for model, members in pools.items():
-            old = self._pool_rings.get(model)
-            if old is not None and old.weights == members:
-                rings[model] = old
-            else:
-                rings[model] = yield from ring.steps_to(members)
+            key = _membership(members)
+            pool_ring = known.get(key)
+            if pool_ring is None:
+                pool_ring = known[key] = yield from ring.steps_to(members)
+            rings[model] = pool_ring
         return ring, rings
 
     def _slice(self, loop: asyncio.AbstractEventLoop, steps: _RingBuild, goal: int) -> None:

@@ -76,6 +76,10 @@ def test_a_pool_is_its_backends_and_those_that_declare_none() -> None:
     assert set(routed(balancer(fleet), "model-b")) == {"ab", "any"}
     assert set(routed(balancer(fleet), "model-c")) == {"any"}
 
+    # A ring is a function of its members: pools with the same ones share it.
+    shared = Fleet([spec("x0", "base", "lora-1"), spec("x1", "base", "lora-1")])
+    assert shared.pools["base"].ring is shared.pools["lora-1"].ring is shared.ring
+
     strict = Fleet([spec("a0", "model-a"), spec("b0", "model-b")])
     assert strict.any_model is None
     assert strict.members_for("model-c") is None  # unknown: 404
@@ -190,8 +194,9 @@ def test_models_come_from_the_flag_the_file_and_the_state_file_alike(tmp_path: P
 
 def test_the_benchmark_runs_and_prints_its_tables() -> None:
     """``python -m loadtests.bench_models``, tiny: it runs and prints both tables (no timing)."""
+    tiny = ["--pairs", "1", "--requests", "20", "--members", "32"]
     done = subprocess.run(
-        [sys.executable, "-m", "loadtests.bench_models", "--pairs", "1", "--requests", "20"],
+        [sys.executable, "-m", "loadtests.bench_models", *tiny],
         cwd=ROOT,
         capture_output=True,
         text=True,
