@@ -20,8 +20,10 @@ Contract:
 - TRAFFIC placement: the row also carries the placement records this
   replica's workers made since its last write (``hashring.shared.Record``,
   passed in with ``add_records``); the other replicas hand them to their
-  workers (``on_records``).  A row with records is written even if its
-  counts did not change.  Cost: a record per routed request (~60 bytes of
+  workers (``on_records``).  Records of model pools (``Record.pool`` set)
+  travel apart from the fleet's (``pool_records``), so a replica of a version
+  without pools still reads the rest of the row.  A row with records is
+  written even if its counts did not change.  Cost: a record per routed request (~60 bytes of
   JSON), batched into the 10 writes a second a replica makes anyway, so the
   etcd traffic grows with the request rate, not the write rate.  A record
   lost (a watch re-listed after a compaction) only delays agreement: the
@@ -64,11 +66,27 @@ TTL = 3
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
 
 
+# A whole fleet's placement record as rows carry it: ``Record`` without its pool,
+# the shape every version reads; the records of model pools go beside them.
+FleetRecord = tuple[tuple[float, int], int, str | None, str | None]
+
+
 class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     applied: int  # the last etcd revision this replica applied
     loads: dict[str, int] = {}
     waiting: dict[str, int] = {}
-    records: list[Record] = []  # TRAFFIC placements since the last write
+    records: list[FleetRecord] = []  # TRAFFIC placements since the last write
+    pool_records: list[Record] = []  # ... of model pools (``Record.pool`` set)
+
+    def with_records(self, records: list[Record]) -> Row:
+        """This row carrying ``records``: the fleet's in ``records``, the pools' apart."""
+        fleet = [record[:4] for record in records if record.pool is None]
+        pools = [record for record in records if record.pool is not None]
+        return msgspec.structs.replace(self, records=fleet, pool_records=pools)
+
+    def placements(self) -> list[Record]:
+        """The records this row carries, as ``with_records`` was given them."""
+        return [Record(*record) for record in self.records] + self.pool_records
 
 
 _encoder = msgspec.json.Encoder()
@@ -159,7 +177,7 @@ class Replicas:
                 quiet += 1
                 records, self._records = self._records, []
                 if records or row != self._published or quiet * PERIOD >= TTL / 3:
-                    value = msgspec.structs.replace(row, records=records) if records else row
+                    value = row.with_records(records) if records else row
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
@@ -212,8 +230,8 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        if row.records and self.on_records is not None:
-            self.on_records(row.records)
+        if (row.records or row.pool_records) and self.on_records is not None:
+            self.on_records(row.placements())
 
     def _write_remote(self) -> None:
         table = self.table

@@ -15,14 +15,17 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
 from hashring import hash_key
+from hashring.shared import Record
 from loadtests.simserver import SimServer
 from router.balancer import Balancer
 from router.config import BackendSpec, backend_flag, build_config, parse_routing
 from router.fleet import ANY_MODEL, Fleet
+from router.replicas import Row
 from router.state import SavedBackend, State, StateFile
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter, sagemaker
@@ -159,6 +162,20 @@ def test_traffic_placements_are_per_pool_and_shared_between_processes() -> None:
     two.apply_records(records)
     assert routed(two, "model-a", [key]) == [other]
     assert routed(one, "model-a", [key]) == [other]
+
+
+def test_replica_rows_carry_pool_records_beside_the_fleets_in_the_older_shape() -> None:
+    fleet_record = Record((1.5, 2), 7, "a0", "a0")
+    pool_record = Record((1.5, 2), 7, "b0", "b0", "model-b")
+    row = Row(applied=3).with_records([fleet_record, pool_record])
+    encoded = msgspec.json.encode(row)
+
+    class OlderRow(msgspec.Struct):  # a replica of the version before model pools
+        applied: int
+        records: list[tuple[tuple[float, int], int, str | None, str | None]] = []
+
+    assert msgspec.json.decode(encoded, type=OlderRow).records == [((1.5, 2), 7, "a0", "a0")]
+    assert msgspec.json.decode(encoded, type=Row).placements() == [fleet_record, pool_record]
 
 
 def test_any_model_pool_has_its_own_placement() -> None:
