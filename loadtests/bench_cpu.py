@@ -1,6 +1,7 @@
 """CPU per request of the router on workload (a), for comparing two trees quickly.
 
     python -m loadtests.bench_cpu [--tree PATH] [--seconds 8] [--profile OUT]
+    python -m loadtests.bench_cpu --otel [--rounds 5]
 
 Runs a ``Router`` from ``--tree`` (a checkout; default this one) in this
 process on uvloop, in front of ``loadtests.fastbackend`` (2 instances, another
@@ -10,6 +11,12 @@ core, so its CPU time over the run divided by the requests served is its cost
 per request.  Alternate two trees several times and compare medians: one run
 moves by ±10 % on a shared machine.  ``--profile OUT`` writes a cProfile dump
 (the profiler roughly doubles the figure).
+
+``--otel`` measures what tracing costs: ``--rounds`` pairs of runs, tracing
+off then on (every request sampled, spans exported to the first backend's
+``/v1/traces`` sink, in the backend process), and prints each run, the medians
+and the ratio on/off.  Tracing's exporter runs in the router's process, so its
+CPU is in the figure.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +40,8 @@ def _use_tree(tree: Path) -> None:
     sys.path.insert(0, str(tree))
 
 
-async def run(seconds: float, profile: Path | None, body: bytes) -> str:
+async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = False) -> float:
+    """One wrk run against a fresh router; prints it and returns its CPU µs per request."""
     from router.app import Router
     from router.config import build_config
 
@@ -58,6 +67,8 @@ async def run(seconds: float, profile: Path | None, body: bytes) -> str:
             "backends": [{"name": f"fb-{i}", "url": url} for i, url in enumerate(urls)],
             "health": {"active": False},
         }
+        if otel:
+            config["otel"] = {"endpoint": urls[0], "sample": 1.0}
         router = Router(build_config(config))
         await router.start()
         with tempfile.TemporaryDirectory() as scratch:
@@ -82,10 +93,15 @@ async def run(seconds: float, profile: Path | None, body: bytes) -> str:
                 profiler.disable()
                 profiler.dump_stats(str(profile))
             cpu = time.process_time() - started
+        tracer = getattr(router, "tracer", None)  # --tree: a build before tracing has none
+        spans = tracer.counts() if tracer is not None else None
         await router.shutdown(grace=1)
         served = next(line for line in out.decode().splitlines() if "requests in" in line)
         requests = int(served.split()[0])
-        return f"{requests:,} requests, router CPU {cpu:.2f} s: {cpu / requests * 1e6:.1f} us/req"
+        per_request = cpu / requests * 1e6
+        tracing = f"tracing on {spans} " if spans is not None else ""
+        print(f"{tracing}{requests:,} requests, router CPU {cpu:.2f} s: {per_request:.1f} us/req")
+        return per_request
     finally:
         for child in children:
             await child.stop()
@@ -96,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", type=Path, default=ROOT, help="checkout to import router from")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile dump here")
+    parser.add_argument("--otel", action="store_true", help="compare tracing off and on")
+    parser.add_argument("--rounds", type=int, default=5, help="with --otel: off/on pairs")
     args = parser.parse_args(argv)
     _use_tree(args.tree.resolve())
     from .proxybench.workloads import build_requests
@@ -103,7 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     _, body = build_requests("a", 1)[0]
     import uvloop
 
-    print(uvloop.run(run(args.seconds, args.profile, body)))
+    if not args.otel:
+        uvloop.run(run(args.seconds, args.profile, body))
+        return 0
+    off, on = [], []
+    for _ in range(args.rounds):
+        off.append(uvloop.run(run(args.seconds, None, body)))
+        on.append(uvloop.run(run(args.seconds, None, body, otel=True)))
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"median of {args.rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
+    print(f"tracing on: +{b - a:.1f} us/req, ratio on/off {b / a:.2f}")
     return 0
 
 

@@ -20,6 +20,8 @@ Contract:
   chunk FIRST_MS later, as after a prefill (a proxy that holds small segments,
   Nagle, then shows a stall on keep-alive connections).
   ``POST /invocations``: the body is counted, never held; a small JSON answer.
+  ``POST /v1/traces``: an OTLP/HTTP collector that keeps nothing (200, empty
+  ExportTraceServiceResponse), so a traced router's exporter has a sink.
   ``POST /tokenize``, ``/v1/chat/completions/render``, ``/v1/completions/render``:
   vLLM's shapes with "token ids" read as little-endian uint32 from the body
   bytes (vllm-router's cache_aware policy asks every worker for them); answers
@@ -56,12 +58,20 @@ _CHAT_PATHS = (b"/v1/chat/completions", b"/v1/completions")
 _RENDER_PATHS = (b"/tokenize", b"/v1/chat/completions/render", b"/v1/completions/render")
 
 
-def _response(status: bytes, backend: bytes, body: bytes, close: bool = False) -> bytes:
+def _response(
+    status: bytes,
+    backend: bytes,
+    body: bytes,
+    close: bool = False,
+    content_type: bytes = b"application/json",
+) -> bytes:
     return b"".join(
         (
             b"HTTP/1.1 ",
             status,
-            b"\r\ncontent-type: application/json\r\ncontent-length: ",
+            b"\r\ncontent-type: ",
+            content_type,
+            b"\r\ncontent-length: ",
             str(len(body)).encode(),
             b"\r\nx-backend: ",
             backend,
@@ -107,6 +117,10 @@ class Instance:
             for key, body in (("chat", chat_body), ("invocation", invocation), ("models", models))
         }
         self.health = (_response(b"200 OK", b, b""), _response(b"200 OK", b, b"", close=True))
+        self.traces = (
+            _response(b"200 OK", b, b"", content_type=b"application/x-protobuf"),
+            _response(b"200 OK", b, b"", close=True, content_type=b"application/x-protobuf"),
+        )
         missing = json.dumps({"detail": "Not Found"}).encode()
         self.missing = (
             _response(b"404 Not Found", b, missing),
@@ -244,6 +258,8 @@ class Connection(asyncio.Protocol):
                 transport.write(inst.ok["chat"][close])
             elif path == b"/invocations":
                 transport.write(inst.ok["invocation"][close])
+            elif path == b"/v1/traces":
+                transport.write(inst.traces[close])
             else:
                 transport.write(inst.missing[close])
         elif path == b"/health":

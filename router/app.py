@@ -12,9 +12,9 @@ Contract:
 - Exchanges reach back only through the small surface below
   (``next_request_id``, ``backend_failed``, ``backend_answered``,
   ``exchange_started``/``exchange_finished``, ``request_refused`` and the
-  shared objects, ``tracer`` included: None unless ``otel.endpoint`` is
-  set); membership changes go through ``add_backend`` / ``remove_backend``
-  so that pools follow the fleet.  Both
+  shared objects: ``responses`` (``router.responses``), and ``tracer``,
+  None unless ``otel.endpoint`` is set); membership changes go through
+  ``add_backend`` / ``remove_backend`` so that pools follow the fleet.  Both
   change the fleet at once; the ring follows in the background (``await
   router.fleet.settled()`` for it), so neither blocks the loop.
 """
@@ -38,6 +38,7 @@ from .health import HealthMonitor
 from .keyworker import KeyWorker
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
+from .responses import ResponseIds
 from .selfaddr import Listener
 from .upstream import Pool
 from .wire import DateHeader
@@ -62,6 +63,7 @@ class Router:
         )
         self.fleet = Fleet(config.backends, vnodes=config.vnodes)
         self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
+        self.responses = ResponseIds(config.limits.response_ids)
         self.pools: dict[str, Pool] = {}
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
@@ -233,6 +235,7 @@ class Router:
         for pool in self.pools.values():
             pool.keepalive = timeouts.upstream_keepalive
             pool.max_idle = limits.max_idle_upstream
+        self.responses.resize(limits.response_ids)
 
     # -- used by exchanges -----------------------------------------------------
 

@@ -10,6 +10,9 @@ Contract:
   preference list, see ``hashring.bounded``).  Requests without a key
   (passthrough GETs) go least-outstanding whatever the strategy.
 - ``avoid`` names backends this request already tried (retries).
+- ``pin`` takes a named backend, bypassing the strategy (a Responses API
+  follow-up goes where its state is, ``router.responses``); it still counts
+  in flight like any other request.
 - BalanceMode TRAFFIC keeps a key -> home table (``hashring.Placement``).  With
   ``share_placement(stamp)`` (several workers or replicas), every decision is
   also recorded in a ``hashring.shared.PlacementLog`` (``placement_log``) that
@@ -54,7 +57,8 @@ class Choice:
     """A routing decision and its lease.
 
     ``decision`` is one of primary, overflow, fallback (PREFIX_AWARE), random,
-    least_outstanding or passthrough; ``position`` is the place in the walk.
+    least_outstanding, passthrough or response_id (``pin``); ``position`` is
+    the place in the walk.
     """
 
     __slots__ = ("backend", "decision", "lease", "position", "waiting")
@@ -243,6 +247,18 @@ class Balancer:
             if picked is None:
                 return None
             backend, decision, position = picked
+        return self._lease(backend, decision, position)
+
+    def pin(self, name: str) -> Choice | None:
+        """Route to ``name`` whatever the strategy (it holds the request's state), if
+        it is available; None if it is down, draining or gone."""
+        fleet = self.fleet
+        backend = fleet.backends.get(name)
+        if backend is None or name in fleet.unavailable:
+            return None
+        return self._lease(backend, "response_id", 0)
+
+    def _lease(self, backend: Backend, decision: str, position: int) -> Choice:
         backend.requests += 1
         fleet = self.fleet
         waiting = fleet.waiting.acquire(backend.name) if self._prefill_scope else None

@@ -13,9 +13,11 @@ Contract:
   (passive health: the supervisor owns health and decides); ``Idle`` when
   its own count for a draining backend reaches zero.
 - Both ways: ``Records``, TRAFFIC placement decisions
-  (``hashring.shared.PlacementLog``): a worker sends its own every
-  ``PUBLISH_SECONDS`` when it made any; the supervisor passes them on to
-  every other worker (and to the other replicas, ``router.replicas``).
+  (``hashring.shared.PlacementLog``) and Responses API ids learnt
+  (``router.responses``): a worker sends its own every ``PUBLISH_SECONDS``
+  when it made any (ids also at the end of the loop iteration that learnt
+  them); the supervisor passes them on to every other worker (and to the
+  other replicas, ``router.replicas``).
 - Messages are answered in order, so a sequence number is enough to pair
   them.  ``send`` never awaits: the socket buffers, and the supervisor
   never sends more than the ops an operator makes.
@@ -32,6 +34,7 @@ from hashring.shared import Record
 
 from .config import Config
 from .control.ops import Op
+from .responses import Learnt
 
 __all__ = [
     "Applied",
@@ -63,6 +66,7 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     port: int  # the client port every worker binds with SO_REUSEPORT
     table_rows: int
     table_slots: int
+    responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -107,6 +111,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     refused: dict[int, int]
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
     models: dict[str, int] = {}  # requests per model pool (Recorder.models)
+    responses: dict[str, int] = {}  # ResponseIds.counts()
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):
@@ -124,6 +129,7 @@ class Idle(msgspec.Struct, tag=True, frozen=True):
 
 class Records(msgspec.Struct, tag=True, frozen=True):
     records: list[Record]
+    responses: list[Learnt] = []  # (response id, backend) learnt since the last message
 
 
 Message = Init | Ready | Apply | Applied | Query | Report | Failed | Recovered | Idle | Records

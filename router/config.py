@@ -203,6 +203,9 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # the JSON syntax pass over the whole body would hold the loop. 0: never.
     key_offload_bytes: Annotated[int, Meta(ge=0, le=1 << 30)] = 1024 * 1024
     max_idle_upstream: Annotated[int, Meta(ge=0, le=10_000)] = 64  # pooled per backend
+    # Responses API ids remembered with their backend (router/responses.py), ~180
+    # bytes each; 0: follow-ups are routed as any other request.
+    response_ids: Annotated[int, Meta(ge=0, le=10_000_000)] = 100_000
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

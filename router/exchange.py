@@ -10,6 +10,13 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
 - ``Balancer.choose`` takes the lease in the same step as the pick; the
   lease is released exactly once, in ``_finish``, which every ending path
   (complete, error, timeout, client gone) goes through once.
+- Responses API follow-ups (``router.responses``): a request naming a
+  response id (``previous_response_id`` of ``POST /v1/responses``, from the
+  same decode as the key; or ``/v1/responses/{id}[/...]``, then routed by the
+  id alone) goes to that response's backend when it is known and available
+  (with shared ids, an unknown one is waited for, bounded), else by the
+  strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
+  in their first bytes only.
 - Retries: a connect failure moves on to the next backend of the walk
   (``avoid``), at most ``retries`` times; a reused keep-alive connection that
   dies before any response byte is replaced by a fresh one to the same
@@ -65,6 +72,7 @@ from .heads import (
     read_response,
     upstream_head,
 )
+from .responses import IdScanner, response_id_of
 from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
@@ -95,13 +103,16 @@ class Exchange(LazyDeadline):
         "_framing",
         "_hasher",
         "_head_sent",
+        "_id_wait",
         "_last_read",
         "_listing",
         "_out",
         "_read_timeout",
         "_replayable",
         "_request",
+        "_response_id",
         "_router",
+        "_scan",
         "_stale_retried",
         "_tried",
         "_upstream_bytes",
@@ -184,6 +195,9 @@ class Exchange(LazyDeadline):
         self._stale_retried = False
         self._upstream_framed = False  # the backend's response has a length or chunks
         self._client_paused = False  # the client's write buffer is full: the backend is not read
+        self._response_id: str | None = None  # a Responses API id: route to its backend
+        self._id_wait: asyncio.TimerHandle | None = None  # waiting for that id to be shared
+        self._scan: IdScanner | None = None  # reading a new response's id (router.responses)
 
     # -- request side (driven by ClientConnection) ------------------------------
 
@@ -201,6 +215,11 @@ class Exchange(LazyDeadline):
         if request.refusal is not None:
             self._fail(*request.refusal)
             return
+        if router.responses.enabled and self.path.startswith(b"/v1/responses/"):
+            # GET/DELETE /v1/responses/{id}, POST .../cancel: by the id alone
+            self._response_id = response_id_of(self.path)
+            if self._response_id is not None:
+                self.kind = Kind.PASSTHROUGH
         if self.kind is Kind.OPENAI:
             if (request.content_length or 0) > router.config.limits.max_body_bytes:
                 limit = router.config.limits.max_body_bytes
@@ -247,15 +266,14 @@ class Exchange(LazyDeadline):
             self._list_models()
         elif self.kind is Kind.OPENAI:
             self._route_openai()
-        elif self.choice is None:
-            assert self._hasher is not None
+        elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
             self._route()
         elif self.upstream is not None:
             if self._request.chunked:
                 self.upstream.transport.write(CHUNKED_END)
             self._last_read = self._router.loop.time()
-        # else: still connecting; _attach sends everything, end included
+        # else: still connecting or waiting for an id; _attach sends everything, end included
 
     def _route_openai(self) -> None:
         router = self._router
@@ -275,7 +293,7 @@ class Exchange(LazyDeadline):
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
-        self._route_key(key, request.prompt_cache_key, request.model)
+        self._route_key(key, request.prompt_cache_key, request.previous_response_id, request.model)
 
     def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
@@ -290,8 +308,15 @@ class Exchange(LazyDeadline):
         else:
             self._route_key(*future.result())
 
-    def _route_key(self, key: bytes, prompt_cache_key: str | None, model: bytes | Raw) -> None:
-        """Salt an OpenAI request's key with its tenant and route it (to its
+    def _route_key(
+        self,
+        key: bytes,
+        prompt_cache_key: str | None,
+        previous_response_id: str | None,
+        model: bytes | Raw,
+    ) -> None:
+        """Salt an OpenAI request's key with its tenant and route it (a Responses
+        API follow-up to its previous response's backend, if known; to its
         model's pool where the fleet declares models: ``model`` is raw JSON)."""
         if self._router.fleet.pools:
             try:
@@ -309,6 +334,8 @@ class Exchange(LazyDeadline):
         self.key_hash = hash_key(key, seed)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
+        if previous_response_id is not None and self.path == b"/v1/responses":
+            self._response_id = previous_response_id
         self._route()
 
     def _seed(self, tenant_key: str | bytes | None, field: str | None = None) -> int | None:
@@ -336,7 +363,17 @@ class Exchange(LazyDeadline):
                 self._unknown_model(model)
                 return
             self.pool = members.model
-        choice = router.balancer.choose(self.key_hash, self._tried, members)
+        choice = None
+        response_id = self._response_id
+        if response_id is not None and not self._tried:
+            name = router.responses.backend_of(response_id)
+            if name is None and self._wait_for(response_id):
+                return  # routed when the id arrives or the wait ends
+            if members is not None and name not in members.ring:
+                name = None  # held by a backend of another model: this one's pool decides
+            choice = self._follow(name)
+        if choice is None:
+            choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
             serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
@@ -350,6 +387,43 @@ class Exchange(LazyDeadline):
             self._attach(conn)
         else:
             self._connect()
+
+    def _wait_for(self, response_id: str) -> bool:
+        """Wait (once, bounded) for an id another process may be sharing right now;
+        False: a miss, counted."""
+        responses = self._router.responses
+        if self._id_wait is not None or not responses.wait_s:
+            responses.misses += 1
+            return False
+        responses.wait(response_id, self._id_shared)
+        self._id_wait = self._router.loop.call_later(responses.wait_s, self._id_shared)
+        return True
+
+    def _id_shared(self) -> None:
+        """The awaited id arrived, or the wait is over: route now."""
+        self._stop_waiting()
+        if not self.done:
+            self._route()
+
+    def _stop_waiting(self) -> None:
+        timer = self._id_wait
+        if timer is not None and not timer.cancelled():
+            timer.cancel()
+            assert self._response_id is not None
+            self._router.responses.unwait(self._response_id, self._id_shared)
+
+    def _follow(self, name: str | None) -> Choice | None:
+        """The backend that holds the response, if known and available (counted)."""
+        if name is None:
+            return None
+        router = self._router
+        responses = router.responses
+        choice = router.balancer.pin(name)
+        if choice is None:
+            responses.fallbacks += 1
+        else:
+            responses.hits += 1
+        return choice
 
     def _connect(self) -> None:
         assert self.choice is not None
@@ -461,6 +535,13 @@ class Exchange(LazyDeadline):
             return
         self._framing = response.framing
         self._upstream_framed = response.framed
+        if (
+            status < 300
+            and self.kind is Kind.OPENAI
+            and self.path == b"/v1/responses"
+            and self._router.responses.enabled
+        ):
+            self._scan = IdScanner()
         self.client_keep_alive = response.keep_alive
         self._head_sent = True
         self._out.append(response.head)
@@ -481,14 +562,31 @@ class Exchange(LazyDeadline):
             assert self.choice is not None
             self.choice.first_byte()  # ConcurrencyScope PREFILL lets go of its lease
         self.bytes_out += len(data)
+        if self._scan is not None:
+            self._learn(self._scan, data)
         if self._framing == CHUNKED:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
             self._out.append(data)
 
+    def _learn(self, scan: IdScanner, data: bytes) -> None:
+        found = scan.feed(data)
+        if found is None:
+            return
+        self._scan = None
+        responses = self._router.responses
+        if found:
+            assert self.choice is not None
+            responses.learn(found, self.choice.backend.name)
+        else:
+            responses.unread += 1
+
     def response_end(self, keep_alive: bool) -> None:
         if self.done:
             return
+        if self._scan is not None:  # ended before the id could be read
+            self._scan = None
+            self._router.responses.unread += 1
         if self._framing == CHUNKED:
             self._out.append(CHUNKED_END)
         assert self.choice is not None
@@ -677,6 +775,8 @@ class Exchange(LazyDeadline):
         router = self._router
         self.ended = perf_counter()
         self._disarm()
+        if self._id_wait is not None:
+            self._stop_waiting()
         if self.choice is not None:
             self.choice.release()
         upstream, self.upstream = self.upstream, None

@@ -53,7 +53,8 @@ Contract (the README's "Routing key" section says the same for users):
 - Type checks: the fields routing reads are checked, with OpenAI-style errors
   naming the field (``param`` such as ``messages[0].content``): the
   top-level types of ``messages``, ``input``, ``prompt``, ``instructions``,
-  ``tools``, ``prompt_cache_key``, ``stream``; each message and part the key
+  ``tools``, ``prompt_cache_key``, ``stream``, ``previous_response_id`` (not
+  part of the key: ``router.responses`` routes by it); each message and part the key
   reads (role, content, part type and text); the first ``ceil(PrefixLength /
   2)`` messages are objects with a string role; the first ``PrefixLength //
   4`` prompt elements are ints, strings or arrays (ints in ``prompt[0]``);
@@ -147,6 +148,7 @@ class OpenAIRequest(msgspec.Struct):
     tools: list[msgspec.Raw] | None = None
     prompt_cache_key: str | None = None
     stream: bool | None = None
+    previous_response_id: str | None = None  # Responses API follow-ups (router.responses)
     model: Raw = _NULL  # read only where the fleet declares models (``model_name``)
 
 
@@ -225,6 +227,7 @@ class _Reader:
                 ("tools", tools | None, None),
                 ("prompt_cache_key", str | None, None),
                 ("stream", bool | None, None),
+                ("previous_response_id", str | None, None),
                 ("model", Raw, _NULL),
             ],
             gc=False,
@@ -275,7 +278,15 @@ def _full(head: Any) -> bool:
 class BoundedRequest:
     """An OpenAI body read in one bounded pass (see the module contract)."""
 
-    __slots__ = ("_body", "_envelope", "_reader", "model", "prompt_cache_key", "stream")
+    __slots__ = (
+        "_body",
+        "_envelope",
+        "_reader",
+        "model",
+        "previous_response_id",
+        "prompt_cache_key",
+        "stream",
+    )
 
     def __init__(self, reader: _Reader, body: bytes | bytearray | memoryview, envelope: Any):
         self._reader = reader
@@ -283,6 +294,7 @@ class BoundedRequest:
         self._envelope = envelope
         self.prompt_cache_key: str | None = envelope.prompt_cache_key
         self.stream: bool | None = envelope.stream
+        self.previous_response_id: str | None = envelope.previous_response_id
         self.model: Raw = envelope.model
 
     def envelope_for(self, limit: int) -> Any:

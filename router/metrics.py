@@ -251,6 +251,31 @@ class RouterCollector:
         yield GaugeMetricFamily(
             "prefix_router_ring_members", "Backends on the hash ring.", value=len(fleet.ring)
         )
+        responses = router.responses
+        counts = responses.counts()
+        follow_ups = CounterMetricFamily(
+            "prefix_router_response_follow_ups",
+            "Requests naming a Responses API id: hit (sent to the backend that made it),"
+            " miss (unknown id) or fallback (its backend unavailable); the last two are"
+            " routed by the strategy.",
+            labels=["result"],
+        )
+        for result, name in (("hit", "hits"), ("miss", "misses"), ("fallback", "fallbacks")):
+            follow_ups.add_metric([result], counts[name])
+        yield follow_ups
+        yield CounterMetricFamily(
+            "prefix_router_response_ids_learnt",
+            "Response ids read from /v1/responses answers.",
+            value=counts["learnt"],
+        )
+        yield CounterMetricFamily(
+            "prefix_router_response_ids_unread",
+            "/v1/responses answers whose id could not be read in their first bytes.",
+            value=counts["unread"],
+        )
+        yield GaugeMetricFamily(
+            "prefix_router_response_ids", "Response ids remembered.", value=len(responses)
+        )
         yield CounterMetricFamily(
             "prefix_router_no_backend",
             "Requests answered 502/503 because no backend could take them.",

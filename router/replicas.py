@@ -55,6 +55,7 @@ from hashring.shared import Record
 
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
+from .responses import Learnt
 from .shared import PLANES, SharedTable
 
 __all__ = ["PERIOD", "Replicas", "Row"]
@@ -76,13 +77,15 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     loads: dict[str, int] = {}
     waiting: dict[str, int] = {}
     records: list[FleetRecord] = []  # TRAFFIC placements since the last write
-    pool_records: list[Record] = []  # ... of model pools (``Record.pool`` set)
+    responses: list[Learnt] = []  # Responses API ids learnt since the last write
+    pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
 
-    def with_records(self, records: list[Record]) -> Row:
-        """This row carrying ``records``: the fleet's in ``records``, the pools' apart."""
+    def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
+        """This row carrying ``records`` (the fleet's in ``records``, the pools' apart)
+        and ``responses``."""
         fleet = [record[:4] for record in records if record.pool is None]
         pools = [record for record in records if record.pool is not None]
-        return msgspec.structs.replace(self, records=fleet, pool_records=pools)
+        return msgspec.structs.replace(self, records=fleet, pool_records=pools, responses=responses)
 
     def placements(self) -> list[Record]:
         """The records this row carries, as ``with_records`` was given them."""
@@ -117,7 +120,9 @@ class Replicas:
         self._lease = 0
         self._published: Row | None = None
         self._records: list[Record] = []
-        self.on_records: Callable[[list[Record]], None] | None = None  # another replica's
+        self._responses: list[Learnt] = []
+        # another replica's placements and response ids
+        self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -143,11 +148,14 @@ class Replicas:
 
     # -- what we publish ---------------------------------------------------------
 
-    def add_records(self, records: list[Record]) -> None:
-        """Placement records of this replica's workers, for the next write
-        (the newest ``MAX_RECORDS``: while etcd is away the oldest go)."""
+    def add_records(self, records: list[Record], responses: list[Learnt]) -> None:
+        """Placement records and response ids of this replica's workers, for the
+        next write (the newest ``MAX_RECORDS`` of each: while etcd is away the
+        oldest go)."""
         self._records += records
         del self._records[:-MAX_RECORDS]
+        self._responses += responses
+        del self._responses[:-MAX_RECORDS]
 
     def local_row(self) -> Row:
         """This replica's own counts: every worker row, not the remote one."""
@@ -176,13 +184,17 @@ class Replicas:
                 row = self.local_row()
                 quiet += 1
                 records, self._records = self._records, []
-                if records or row != self._published or quiet * PERIOD >= TTL / 3:
-                    value = row.with_records(records) if records else row
+                responses, self._responses = self._responses, []
+                news = records or responses
+                if news or row != self._published or quiet * PERIOD >= TTL / 3:
+                    value = row.with_records(records, responses) if news else row
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
                         self._records[:0] = records  # not written: with the next one
+                        self._responses[:0] = responses
                         del self._records[:-MAX_RECORDS]
+                        del self._responses[:-MAX_RECORDS]
                         raise
                     self._published = row
                     quiet = 0
@@ -230,8 +242,8 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        if (row.records or row.pool_records) and self.on_records is not None:
-            self.on_records(row.placements())
+        if (row.records or row.pool_records or row.responses) and self.on_records is not None:
+            self.on_records(row.placements(), row.responses)
 
     def _write_remote(self) -> None:
         table = self.table

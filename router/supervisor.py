@@ -28,9 +28,11 @@ Contract:
 - ``stop()`` sends SIGTERM to every worker (each drains, as a single router
   does, for up to ``shutdown_grace``), waits for them, and kills one that is
   still there a grace period later.
-- TRAFFIC placement (``Records``): what one worker decided is passed on to
-  every other worker as it arrives, and to ``on_records`` (the other
-  replicas); ``relay`` passes the other replicas' records to every worker.
+- TRAFFIC placement and Responses API ids (``Records``): what one worker
+  decided or learnt is passed on to every other worker as it arrives, and to
+  ``on_records`` (the other replicas); ``relay`` passes the other replicas'
+  records to every worker.  The supervisor's router keeps every response id
+  it passes on, so that a worker that (re)starts gets them in its ``Init``.
   Each worker stamps its placements with ``stamp_base + index``.  A worker
   that restarts starts with an empty table and learns the fleet's homes
   from the records that follow (a key it places meanwhile is re-homed when
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from hashring.shared import Record
 
     from .app import Router
+    from .responses import Learnt
 
 __all__ = ["Workers", "reserve"]
 
@@ -176,7 +179,8 @@ class Workers:
 
             router.collector.registry.register(TracerCollector(lambda: self.tracing))
         self.on_idle: Callable[[str], None] | None = None  # a draining backend's count hit zero
-        self.on_records: Callable[[list[Record]], None] | None = None  # the workers' placements
+        # the workers' placements and response ids, for the other replicas
+        self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
         router.health.on_transition = self._health_changed
 
     # -- lifecycle ------------------------------------------------------------------
@@ -256,6 +260,7 @@ class Workers:
             port=self.port,
             table_rows=self.table.rows,
             table_slots=SLOTS,
+            responses=router.responses.snapshot(),
         )
 
     async def _spawn(self, worker: _Worker) -> None:
@@ -332,8 +337,9 @@ class Workers:
                 router.health.answered(backend)
         elif isinstance(message, Records):
             self._send_all(message, but=worker)
+            router.responses.apply(message.responses)
             if self.on_records is not None:
-                self.on_records(message.records)
+                self.on_records(message.records, message.responses)
         elif (
             isinstance(message, Idle)
             and self.on_idle is not None
@@ -341,9 +347,10 @@ class Workers:
         ):
             self.on_idle(message.name)
 
-    def relay(self, records: list[Record]) -> None:
-        """Pass another replica's placement records to every worker."""
-        self._send_all(Records(records))
+    def relay(self, records: list[Record], responses: list[Learnt]) -> None:
+        """Pass another replica's placement records and response ids to every worker."""
+        self.router.responses.apply(responses)
+        self._send_all(Records(records, responses))
 
     # -- changes --------------------------------------------------------------------
 
@@ -459,6 +466,11 @@ class Workers:
             backend.fallback, backend.errors = fallback, errors
         router.recorder = recorder
         router.reported_idle = dict(idle)
+        responses = router.responses
+        responses.hits = responses.misses = responses.fallbacks = 0
+        responses.learnt = responses.unread = 0
+        for report in reports:
+            responses.add_counts(report.responses)
         self.tracing = dict(tracing)
 
 

@@ -19,7 +19,10 @@ Contract:
   ``PUBLISH_SECONDS`` when it made any (``Records``) and folds in what the
   supervisor passes on from the other workers and replicas.  A new key is
   placed here at once, with no round trip; replicas converge on the earliest
-  placement (``hashring.shared.PlacementLog``).
+  placement (``hashring.shared.PlacementLog``).  Responses API ids learnt here
+  (``router.responses``) go in the same messages, sent at the end of the loop
+  iteration that learnt them; the ids the fleet knew when the worker started
+  come in ``Init``.
 - Health belongs to the supervisor: this process runs no checks, it reports
   passive failures (and the first good answer after one) and applies the
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
@@ -127,6 +130,7 @@ def report(router: Router, seq: int) -> Report:
         no_backend=recorder.no_backend,
         refused=dict(recorder.refused),
         tracing=router.tracer.counts() if router.tracer is not None else {},
+        responses=router.responses.counts(),
         models=dict(recorder.models),
     )
 
@@ -149,6 +153,11 @@ class _Worker:
         router.health = ReportedHealth(fleet, router, channel)
         fleet.loads.on_idle = self._idle
         router.balancer.share_placement(init.stamp)
+        router.responses.apply(init.responses)
+        # A follow-up may reach another worker a moment after the answer: new ids
+        # leave at the end of this loop iteration, not a period later, and an
+        # unknown id is waited for up to two periods (router.responses, "The race").
+        router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
 
@@ -158,15 +167,19 @@ class _Worker:
         loop = asyncio.get_running_loop()
         self._publishing = loop.call_later(PUBLISH_SECONDS, self._publish)
 
+    def _flush_soon(self) -> None:
+        asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
-        """Send the placements made so far.  Also before every answer to the
-        supervisor: once a change is acknowledged by every worker, each one's
-        earlier placements have reached the supervisor (and, relayed in order,
-        every worker that answers the next change)."""
+        """Send the placements and response ids learnt so far.  Also before every
+        answer to the supervisor: once a change is acknowledged by every worker,
+        each one's earlier placements have reached the supervisor (and, relayed in
+        order, every worker that answers the next change)."""
         records = self.router.balancer.publish_records()
-        if records:
+        responses = self.router.responses.publish()
+        if records or responses:
             with contextlib.suppress(ChannelClosed):  # gone: _receive stops us
-                self.channel.send(Records(records))
+                self.channel.send(Records(records, responses))
 
     def _assign(self, name: str, slot: int) -> None:
         for tracker in self.trackers:
@@ -220,7 +233,9 @@ class _Worker:
                     self._flush()
                     channel.send(Applied(message.seq))
                 elif isinstance(message, Records):
-                    router.balancer.apply_records(message.records)
+                    if message.records:
+                        router.balancer.apply_records(message.records)
+                    router.responses.apply(message.responses)
                 elif isinstance(message, Query):
                     # Fold now: whoever reads the answer has every worker's counts
                     # as of this moment (a test can rely on it; the timer bounds the rest).

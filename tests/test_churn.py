@@ -1,6 +1,6 @@
 """Membership churn under load, driven through the admin API.
 
-For ``CHURN_SECONDS`` (30), once a second, an instance is added and another
+For ``CHURN_SECONDS`` (15), once a second, an instance is added and another
 drained and removed (``DELETE ?wait=true``), a weight changes or a drain is
 cancelled; every fifth second an instance is killed without draining (its
 ``FaultProxy`` resets every connection and refuses new ones) and revived the
@@ -38,7 +38,7 @@ from tests.harness.backends import Backend, Seen, echo
 from tests.harness.http import connect, quiet, req
 from tests.harness.routers import FAST, SimFleet, StartRouter
 
-CHURN_SECONDS = float(os.environ.get("CHURN_SECONDS", "30"))
+CHURN_SECONDS = float(os.environ.get("CHURN_SECONDS", "15"))
 CHURN_RATE = int(os.environ.get("CHURN_RATE", "250"))
 WAIT = 5.0
 TOKEN = "churn-admin-token"

@@ -8,10 +8,7 @@
 - The ConfigMap's config.toml is a valid router config, read by the loader
   ``serve --config`` uses; the Deployment's args, after the image's entrypoint,
   are accepted by the real ``prefix-router serve`` parser and make a valid
-  config with that file.  The discovery flags (``--discover k8s --k8s-*``) come
-  with the Kubernetes-discovery branch (h-k8s, issue 13 item 2): until the parser
-  knows ``--discover`` they are filtered out by name, and the unfiltered check is
-  an expected failure; once it knows it, that check must pass.
+  config with that file, discovery flags (``--discover k8s --k8s-*``) included.
 - What the objects say of each other holds: ports and probes match the config's
   listeners and the admin API's open paths, selectors match the pod labels, the
   grace period outlasts preStop plus the router's drain, the pod runs as the

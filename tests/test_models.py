@@ -167,7 +167,7 @@ def test_traffic_placements_are_per_pool_and_shared_between_processes() -> None:
 def test_replica_rows_carry_pool_records_beside_the_fleets_in_the_older_shape() -> None:
     fleet_record = Record((1.5, 2), 7, "a0", "a0")
     pool_record = Record((1.5, 2), 7, "b0", "b0", "model-b")
-    row = Row(applied=3).with_records([fleet_record, pool_record])
+    row = Row(applied=3).with_records([fleet_record, pool_record], [])
     encoded = msgspec.json.encode(row)
 
     class OlderRow(msgspec.Struct):  # a replica of the version before model pools

@@ -19,6 +19,7 @@ from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
 from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet
 
 BINARY = etcd_binary()
 pytestmark = [
@@ -357,6 +358,48 @@ async def test_models_declared_through_one_replica_route_every_replica_by_pool(
             assert len(b.requests) == 20  # every model-b request, none of model-a's
             assert len(a.requests) + len(c.requests) == 20
             assert c.requests  # the backend added through r0 serves model-a on both
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_a_responses_api_follow_up_through_another_replica_lands_where_its_state_is(
+    etcd: EtcdServer, sim_fleet: SimFleet
+) -> None:
+    # The simulated instances keep Responses API state per instance (a follow-up
+    # elsewhere is a 404): the id learnt by replica 0 reaches replica 1 in its row.
+    sims = await sim_fleet(3)
+    routers = []
+    for i in range(2):
+        flags = ["--etcd", etcd.url, "--etcd-prefix", "/test/", "--replica-id", f"r{i}"]
+        flags += ["--strategy", "prefix", "--no-health-checks"]
+        for sim in sims:
+            flags += ["--backend", f"{sim.name}={sim.url}"]
+        routers.append(await spawn_router(*flags))
+    (_, zero_port), (one, one_port) = routers
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(4):
+                body = {"model": "m", "input": f"Conversation {i}", "max_output_tokens": 2}
+                async with http.post(f"http://127.0.0.1:{zero_port}/v1/responses", json=body) as r:
+                    assert r.status == 200
+                    first, where = (await r.json())["id"], r.headers["x-sim-instance"]
+
+                # Held there: this id, the earlier ones and replica 1's own follow-ups.
+                async def known(want: int = 2 * i + 1) -> bool:
+                    _, stats = await admin_call(http, one, "GET", "/admin/stats")
+                    return stats["responses"]["held"] >= want  # type: ignore[no-any-return]
+
+                await until(known)
+                # Held by replica 1's supervisor, which relayed it to its worker before
+                # the Query of this stats call: the worker has it.
+                assert (await admin_call(http, one, "GET", "/admin/stats"))[0] == 200
+                body = {"model": "m", "input": "and?", "previous_response_id": first}
+                async with http.post(f"http://127.0.0.1:{one_port}/v1/responses", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["x-sim-instance"] == where
+            _, stats = await admin_call(http, one, "GET", "/admin/stats")
+            assert stats["responses"]["hits"] == 4
     finally:
         for proc, _ in routers:
             await stop(proc)

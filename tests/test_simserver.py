@@ -278,6 +278,80 @@ async def test_raw_sse_framing_of_chat(sim: SimServer, http: aiohttp.ClientSessi
     assert len(data) == 1 + 2 + 1  # role chunk, two tokens, [DONE]
 
 
+# ---------------------------------------------------------------- Responses API
+
+
+async def test_responses_continue_a_stored_conversation_and_only_here(
+    sim_fleet: Any, http: aiohttp.ClientSession
+) -> None:
+    here, there = await sim_fleet(2, responses_stored=2)
+    async with AsyncOpenAI(base_url=f"{here.url}/v1", api_key="x", max_retries=0) as client:
+        first = await client.responses.create(
+            model="m", input="What is a rocket?", instructions=SYSTEM, max_output_tokens=4
+        )
+        assert first.id.startswith("resp_")
+        assert first.output_text == "".join(filler_pieces(4))
+        follow = await client.responses.create(
+            model="m", input="And a comet?", previous_response_id=first.id, max_output_tokens=2
+        )
+        # The follow-up's prompt holds the first turn and its answer (the new request
+        # has no instructions: the old ones are dropped, as in vLLM).
+        messages = [
+            {"role": "user", "content": "What is a rocket?"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And a comet?"},
+        ]
+        assert follow.usage is not None
+        assert follow.usage.input_tokens == len(tokenize(render_chat(messages)))
+        assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+        with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
+            await client.responses.cancel(first.id)
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.retrieve(first.id)
+        assert gone.value.body == {
+            "message": f"Response with id '{first.id}' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": 404,
+        }
+        # Bounded: two stored at most, the oldest goes.
+        for _ in range(2):
+            await client.responses.create(model="m", input="x", max_output_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(follow.id)
+    # Another instance holds none of them: every call by id is vLLM's 404.
+    url = f"{there.url}/v1/responses"
+    body = {"model": "m", "input": "more", "previous_response_id": first.id}
+    status, _, error = await post(http, url, body)
+    assert (status, error["error"]["code"]) == (404, 404)
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+        async with http.request(method, f"{url}/{first.id}{path}") as resp:
+            assert resp.status == 404, (method, path)
+
+
+async def test_responses_stream_opens_with_the_id_in_vllm_event_framing(
+    sim: SimServer, http: aiohttp.ClientSession
+) -> None:
+    request = {"model": "m", "input": "hi", "max_output_tokens": 3, "stream": True}
+    async with http.post(f"{sim.url}/v1/responses", json=request) as resp:
+        assert resp.content_type == "text/event-stream"
+        text = await resp.text()
+    frames = text.split("\n\n")
+    assert frames[-1] == ""  # no [DONE] on this API
+    names = [frame.split("\n")[0].removeprefix("event: ") for frame in frames[:-1]]
+    assert names[0] == "response.created"
+    assert names.count("response.output_text.delta") == 3
+    assert names[-1] == "response.completed"
+    # vLLM's pydantic order: the event's "response" first, the object's "id" first in it.
+    created = frames[0].split("\n")[1]
+    assert created.startswith('data: {"response":{"id":"resp_')
+    response_id = json.loads(created.removeprefix("data: "))["response"]["id"]
+    async with http.get(f"{sim.url}/v1/responses/{response_id}") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["status"] == "completed"
+
+
 # ---------------------------------------------------------------- cache and metrics
 
 

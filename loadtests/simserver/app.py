@@ -21,6 +21,10 @@ Contract
 - Test hooks, in real (unscaled) seconds, outside the model and not in
   ``x-sim-ttft-ms``: ``extra_ttft_s`` delays every first byte, ``extra_token_s``
   is added between streamed tokens. A request holds its slot while it waits.
+- ``/v1/responses`` (``responses``): each instance keeps its own bounded store
+  of finished responses, as vLLM keeps them in process memory; a follow-up
+  (``previous_response_id``), ``GET``, ``DELETE`` or ``cancel`` of an id
+  another instance produced is a 404, as on vLLM.
 - ``/tokenize``, ``/detokenize`` and the ``/render`` endpoints (shapes in
   ``wire``) are answered at once and touch neither the engine nor its counters.
   A peer router's gRPC probe (an HTTP/2 preface) gets aiohttp's 400 and one log
@@ -47,7 +51,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from . import wire
+from . import responses, wire
 from .metrics import EngineCollector
 from .model import Engine, KVCache, Plan, Ticket, Timing, filler_pieces
 
@@ -84,6 +88,7 @@ class SimConfig:
     # vLLM answers 404 to a request that names another model than the one it
     # serves; off by default, as the workloads send any name.
     strict_model: bool = False
+    responses_stored: int = 1024  # the Responses API store's bound (vLLM's has none)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.capacity_blocks < 0:
@@ -99,6 +104,7 @@ class SimInstance:
         self.config = config
         self.name = config.name
         self.engine = Engine(config.timing, KVCache(config.block_size, config.capacity_blocks))
+        self.responses = responses.ResponseStore(config.responses_stored)
         self.healthy = True  # tests may flip it: /health and /ping then answer 503
         self._scale = config.timing.time_scale
         self._epoch = time.monotonic()
@@ -237,6 +243,10 @@ def make_app(instance: SimInstance | SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/invocations", _invocations)
+    app.router.add_post("/v1/responses", _create_response)
+    app.router.add_get("/v1/responses/{id}", _get_response)
+    app.router.add_delete("/v1/responses/{id}", _delete_response)
+    app.router.add_post("/v1/responses/{id}/cancel", _cancel_response)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/v1/chat/completions/render", _render_chat)
@@ -268,6 +278,8 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
     except _UnknownModel as exc:
         message = f"The model `{exc}` does not exist."
         return _json(404, wire.error_body(message, "NotFoundError", "model"))
+    except responses.NotFound as exc:
+        return _json(404, responses.not_found_body(exc.response_id))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -311,6 +323,38 @@ async def _invocations(request: web.Request) -> web.StreamResponse:
     instance = request.app[INSTANCE]
     gen = wire.parse_native(await _body(request), instance.config.limits)
     return await _serve(request, instance, gen, "native")
+
+
+# The Responses API (``responses``): the store is this instance's alone, as vLLM's is.
+
+
+async def _create_response(request: web.Request) -> web.StreamResponse:
+    instance = request.app[INSTANCE]
+    store = instance.responses
+    parsed = responses.parse_responses(await _body(request), instance.config.limits, store)
+
+    def reply(ticket: Ticket) -> wire.Reply:
+        response_id = f"resp_{instance.name}-{ticket.id}"
+        return responses.ResponsesReply(response_id, instance.config.model, parsed, store)
+
+    return await _serve(request, instance, parsed.gen, reply)
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    return _json(200, request.app[INSTANCE].responses.get(request.match_info["id"]).body)
+
+
+async def _delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    request.app[INSTANCE].responses.delete(response_id)
+    return _json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def _cancel_response(request: web.Request) -> web.Response:
+    request.app[INSTANCE].responses.get(request.match_info["id"])
+    body = wire.error_body("Cannot cancel a synchronous response.", "invalid_request_error")
+    body["error"]["param"] = "response_id"
+    return _json(400, body)
 
 
 # Tokenizer and render endpoints (see ``wire``): answered at once, outside the
@@ -368,16 +412,18 @@ def _plan_headers(plan: Plan) -> dict[str, str]:
     }
 
 
-def _sse(event: Any) -> bytes:
-    return b"data: " + _encode(event) + b"\n\n"
-
-
 async def _serve(
-    request: web.Request, instance: SimInstance, gen: wire.GenRequest, kind: str
+    request: web.Request,
+    instance: SimInstance,
+    gen: wire.GenRequest,
+    kind: str | Callable[[Ticket], wire.Reply],
 ) -> web.StreamResponse:
     async with instance.generate(gen.tokens, gen.max_tokens) as generation:
         plan = await generation.start()
-        reply = _reply(kind, instance, generation.ticket, gen.include_usage)
+        if isinstance(kind, str):
+            reply = _reply(kind, instance, generation.ticket, gen.include_usage)
+        else:
+            reply = kind(generation.ticket)
         count = plan.output_tokens
         usage = wire.usage(plan.prompt_tokens, count, plan.cached_tokens)
         headers = _plan_headers(plan)
@@ -391,14 +437,14 @@ async def _serve(
         await response.prepare(request)
         try:
             for event in reply.opening():
-                await response.write(_sse(event))
+                await response.write(reply.sse(event))
             pieces = []
             for i in range(count):
                 pieces.append(await generation.token(i))
                 ending = ("".join(pieces), usage) if i == count - 1 else None
-                await response.write(_sse(reply.token(i, pieces[-1], ending)))
+                await response.write(reply.sse(reply.token(i, pieces[-1], ending)))
             for event in reply.closing(usage):
-                await response.write(_sse(event))
+                await response.write(reply.sse(event))
             if reply.sse_done:
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

@@ -397,7 +397,8 @@ class Reply:
     """How one API shapes a generation: one whole body, or a stream of SSE events.
 
     A stream is ``opening()``, one ``token()`` per output token (the last one gets
-    ``ending``), ``closing()``, then ``data: [DONE]`` if ``sse_done``.
+    ``ending``), ``closing()``, then ``data: [DONE]`` if ``sse_done``; ``sse``
+    writes each event.
     """
 
     sse_done = True
@@ -413,6 +414,10 @@ class Reply:
 
     def closing(self, usage_: dict[str, Any]) -> list[dict[str, Any]]:
         return []
+
+    def sse(self, event: dict[str, Any]) -> bytes:
+        """One event on the wire."""
+        return b"data: " + msgspec.json.encode(event) + b"\n\n"
 
 
 class _OpenAIReply(Reply):

@@ -36,6 +36,7 @@ __all__ = [
     "ModelView",
     "NotFound",
     "NotSaved",
+    "ResponseStats",
     "Stats",
     "Totals",
     "Unavailable",
@@ -113,7 +114,7 @@ class Decisions(msgspec.Struct, frozen=True):
     primary: int
     overflow: int
     fallback: int
-    other: int  # RANDOM, LEAST_OUTSTANDING_REQUESTS and passthrough choices
+    other: int  # RANDOM, LEAST_OUTSTANDING_REQUESTS, passthrough and response_id choices
 
 
 class Totals(msgspec.Struct, frozen=True):
@@ -140,6 +141,18 @@ class WorkerView(msgspec.Struct, frozen=True):
     restarts: int  # started again after exiting on its own
 
 
+class ResponseStats(msgspec.Struct, frozen=True):
+    """Responses API follow-ups (``router.responses``): requests naming a response id."""
+
+    hits: int = 0  # sent to the backend that made the response
+    misses: int = 0  # id unknown here: routed by the strategy
+    fallbacks: int = 0  # its backend down, draining or gone: routed by the strategy
+    learnt: int = 0  # response ids read from answers
+    unread: int = 0  # answers whose id could not be read in their first bytes
+    held: int = 0  # ids remembered now
+    capacity: int = 0  # limits.response_ids (0: off)
+
+
 class Stats(msgspec.Struct, frozen=True):
     strategy: Literal["RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"]
     backends: list[BackendView]
@@ -147,6 +160,7 @@ class Stats(msgspec.Struct, frozen=True):
     decisions: Decisions
     workers: list[WorkerView] = msgspec.field(default_factory=list)  # empty: one process
     models: list[ModelView] = msgspec.field(default_factory=list)  # empty: none declared
+    responses: ResponseStats = msgspec.field(default_factory=ResponseStats)
 
 
 class Control(Protocol):

@@ -45,6 +45,7 @@ from . import (
     ModelView,
     NotFound,
     NotSaved,
+    ResponseStats,
     Stats,
     Totals,
 )
@@ -177,6 +178,11 @@ class RouterControl:
             ),
             workers=self._workers.views() if self._workers is not None else [],
             models=self._models(),
+            responses=ResponseStats(
+                **router.responses.counts(),
+                held=len(router.responses),
+                capacity=router.responses.capacity,
+            ),
         )
 
     def _models(self) -> list[ModelView]:

@@ -8,4 +8,8 @@
 - ``processes``: ``prefix-router serve`` as a real process.
 - ``control``: ``FakeControl``, an in-memory control interface for admin API tests.
 - ``http_model``: the reference model of one client connection (pure code).
+- ``etcd``: a real etcd server on 127.0.0.1 (start, kill, restart on its data).
+- ``fakek8s``: a fake Kubernetes API server serving EndpointSlices by list and watch.
+- ``discovery``: waiting for a discovery ``Reconciler`` and reading the fleet.
+- ``dockerfile``: the Dockerfile and .dockerignore, read statically.
 """
