@@ -84,8 +84,9 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--backend",
         action="append",
-        metavar="NAME=URL[,weight=W]",
-        help="a backend; repeat for each (replaces the config file's list)",
+        metavar="NAME=URL[,weight=W][,model=M ...]",
+        help="a backend and the models it serves (model= repeats; none: any); repeat"
+        " for each (replaces the config file's list)",
     )
     serve.add_argument(
         "--routing-config",
@@ -164,6 +165,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--discover-interval", type=float, metavar="S", help="between two DNS lookups (5)"
     )
     serve.add_argument(
+        "--discover-model",
+        action="append",
+        metavar="MODEL",
+        help="a model every discovered backend serves; repeat for each (none: any model)",
+    )
+    serve.add_argument(
+        "--k8s-model-label",
+        metavar="KEY",
+        help="the EndpointSlice label whose value is its backends' model",
+    )
+    serve.add_argument(
         "--otel-endpoint",
         metavar="URL",
         help="trace requests: OTLP/HTTP protobuf spans POSTed to URL/v1/traces (off)",
@@ -198,6 +210,8 @@ DISCOVER_FLAGS = (
     ("k8s_port_name", "port_name"),
     ("kubeconfig", "kubeconfig"),
     ("discover_interval", "interval"),
+    ("discover_model", "models"),
+    ("k8s_model_label", "model_label"),
 )
 
 
@@ -446,9 +460,7 @@ async def _open_etcd(
         # An empty prefix is a new fleet: this replica's configuration seeds it.
         seed = State(
             version=VERSION,
-            backends=[
-                SavedBackend(b.name, b.url, b.weight, "active", b.health) for b in config.backends
-            ],
+            backends=[SavedBackend.of(b) for b in config.backends],
             routing=config.routing,
         )
         revision = await store.initialize(seed)
@@ -512,12 +524,14 @@ async def _open_discovery(
             service=discover.service,
             selector=discover.selector,
             port_name=discover.port_name,
+            models=discover.models,
+            model_label=discover.model_label,
         )
     else:
         from router.discovery.dns import DnsSource, parse_target
 
         name, port = parse_target(discover.source)
-        source = DnsSource(name, port, interval=discover.interval)
+        source = DnsSource(name, port, interval=discover.interval, models=discover.models)
     reconciler = Reconciler(
         control,
         drain_timeout=discover.drain_timeout,

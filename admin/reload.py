@@ -14,8 +14,8 @@ Contract:
   file (the admin API's, persisted there; at start the state file wins
   too).  The backends: a new name is added, a name gone is drained and
   removed (the admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is
-  set; a changed URL under one name is refused with a warning (remove the
-  name, add a new one).
+  set; a changed URL or models list under one name is refused with a
+  warning (remove the name, add a new one).
 - Everything else (listeners, TLS, workers, etcd, state file, access log,
   health checks, vnodes, seed) needs a restart: a reload that changes one
   logs ``config fields need a restart`` naming them and applies the rest.
@@ -122,12 +122,14 @@ class Reloads:
             backend = fleet.backends.get(name)
             if backend is None:
                 await self._call(name, control.add_backend(spec))
-            elif backend.spec.url != spec.url:
+            elif (backend.spec.url, backend.spec.models) != (spec.url, spec.models):
                 log.warning(
-                    "backend URL not changed by a reload: remove it and add a new name",
+                    "backend URL or models not changed by a reload: remove it and add a new name",
                     backend=name,
                     url=backend.spec.url,
                     file_url=spec.url,
+                    models=list(backend.spec.models),
+                    file_models=list(spec.models),
                 )
             elif backend.weight != spec.weight:
                 patch = BackendPatch(weight=spec.weight)

@@ -27,7 +27,8 @@ Contract:
   member shares and hot keys are fleet-wide: a key hot for one replica is hot
   for all, with the same replicas (they derive from the ring, the home and
   the share).  Without it only new homes are records (each replica's window
-  stays its own).
+  stays its own).  A process with several placements (one per model pool)
+  keeps a log for each, told apart by ``pool``, which its records carry.
 - A home carries the stamp of its placement, ``(time, replica)``: the first
   placement wins.  A replica that learns of an earlier placement of a key
   adopts its home (the loser re-homes); one that receives a later conflicting
@@ -135,6 +136,7 @@ class Record(NamedTuple):
     key_hash: int
     member: str | None  # where the request went; None: a home published again
     home: str | None  # the key's home after the decision; None: it has none
+    pool: str | None = None  # the PlacementLog's ``pool``: whose placement it is
 
 
 # NamedTuple's generated __new__ is Python code; tuple.__new__ is not (as bounded.py).
@@ -144,12 +146,20 @@ _new_record = tuple.__new__
 class PlacementLog:
     """One replica's side of a shared TRAFFIC placement (see the module contract)."""
 
-    __slots__ = ("_outbox", "_resent", "_stamps", "decisions", "placement", "replica")
+    __slots__ = ("_outbox", "_resent", "_stamps", "decisions", "placement", "pool", "replica")
 
-    def __init__(self, placement: Placement, replica: int, *, decisions: bool = True):
+    def __init__(
+        self,
+        placement: Placement,
+        replica: int,
+        *,
+        decisions: bool = True,
+        pool: str | None = None,
+    ):
         self.placement = placement
         self.replica = replica
         self.decisions = decisions
+        self.pool = pool  # names this log's placement in its records (several per process)
         # Placement stamps of the homes in the table, oldest first, as many as
         # the table holds.
         self._stamps: dict[int, Stamp] = {}
@@ -162,7 +172,7 @@ class PlacementLog:
         if home is not None and home != before:  # placed here, now
             stamp = self._stamp(key_hash, (now, self.replica))
             if not self.decisions:
-                self._outbox.append(_new_record(Record, (stamp, key_hash, None, home)))
+                self._outbox.append(_new_record(Record, (stamp, key_hash, None, home, self.pool)))
         elif not self.decisions:
             return
         elif home is not None:  # the common case: a known key
@@ -170,7 +180,7 @@ class PlacementLog:
         else:
             stamp = (now, self.replica)
         if self.decisions:
-            self._outbox.append(_new_record(Record, (stamp, key_hash, member, home)))
+            self._outbox.append(_new_record(Record, (stamp, key_hash, member, home, self.pool)))
 
     def publish(self) -> list[Record]:
         """The records made since the last call, in order: this period's message."""
@@ -201,7 +211,7 @@ class PlacementLog:
                         self._stamp(key_hash, record.stamp)
                     elif key_hash not in self._resent:  # placed here first: say so again
                         self._resent.add(key_hash)
-                        self._outbox.append(Record(stamp, key_hash, None, mine))
+                        self._outbox.append(Record(stamp, key_hash, None, mine, self.pool))
             if record.member is not None and self.decisions and record.member in ring:
                 placement.observe(ring, key_hash, record.member)
 

@@ -16,6 +16,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_membership  start-up cost and loop stall of membership changes
   bench_shared      the shared in-flight table (--workers): ns added per decision, us per fold
   bench_placement_log  one TRAFFIC placement for all processes: ns to record, to apply
+  bench_models      model pools: ns per decision with and without models; pool ring vs filtered walk
   bench_responses   Responses API follow-ups: ns to learn an id, to route by it; bytes an id
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected

@@ -20,13 +20,21 @@ Contract:
   for the fleet, no round trip on the request path (``router.worker``).  A
   config change that leaves and re-enters TRAFFIC mode starts a new table and
   a new log.
+- Model pools (``router.fleet``): ``choose(..., members)`` routes over a
+  pool instead of the whole fleet: its ring, its available backends, bounded
+  loads among its members (BalanceFactor's total is the pool's).  TRAFFIC
+  keeps one placement (and one log, its records tagged with the pool) per
+  pool, made on the pool's first request, so a key's home, the recent-traffic
+  window and hot keys are the pool's.  ``publish_records`` and
+  ``apply_records`` carry every log's records between processes.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Set
+from collections.abc import Iterable, Set
+from typing import cast
 
 from hashring import (
     Decision,
@@ -35,10 +43,10 @@ from hashring import (
     Placement,
     pick,
 )
-from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog
+from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 
 from .config import RoutingConfig, Strategy
-from .fleet import Backend, Fleet
+from .fleet import ANY_MODEL, Backend, Fleet, ModelPool
 
 __all__ = ["Balancer", "Choice"]
 
@@ -88,6 +96,7 @@ class Choice:
 
 
 _Picked = tuple[Backend, str, int]
+Members = Fleet | ModelPool  # what a request routes over (Fleet.members_for)
 
 
 class Balancer:
@@ -96,6 +105,7 @@ class Balancer:
     __slots__ = (
         "_bound",
         "_placement",
+        "_pools",
         "_prefill_scope",
         "_rng",
         "_select_keyed",
@@ -112,6 +122,8 @@ class Balancer:
         self.fleet = fleet
         self._rng = random.Random(seed)
         self._placement: Placement | None = None
+        # TRAFFIC per model pool: its placement and, when shared, its log.
+        self._pools: dict[str, tuple[Placement, PlacementLog | None]] = {}
         self._stamp: int | None = None  # this process's id in placement stamps; None: alone
         self.placement_log: PlacementLog | None = None
         self.configure(config)
@@ -134,6 +146,59 @@ class Balancer:
         elif self.placement_log is None or self.placement_log.placement is not placement:
             placement.scan_replicas = STALE_SCAN_REPLICAS
             self.placement_log = PlacementLog(placement, self._stamp)
+        if placement is None:
+            self._pools.clear()
+        for model, (pooled, log) in self._pools.items():
+            if self._stamp is not None and log is None:
+                self._pools[model] = self._pool_placement(model, pooled)
+
+    def _pool_placement(
+        self, model: str, placement: Placement | None = None
+    ) -> tuple[Placement, PlacementLog | None]:
+        """A pool's TRAFFIC placement (new, or ``placement``) and its log if shared."""
+        assert self._placement is not None
+        if placement is None:
+            placement = Placement(self._placement.factor)
+        log = None
+        if self._stamp is not None:
+            placement.scan_replicas = STALE_SCAN_REPLICAS
+            log = PlacementLog(placement, self._stamp, pool=model)
+        self._pools[model] = placement, log
+        return placement, log
+
+    def publish_records(self) -> list[Record]:
+        """Every log's records since the last call (``PlacementLog.publish``)."""
+        log = self.placement_log
+        if log is None:
+            return []
+        records = log.publish()
+        for _, pool_log in self._pools.values():
+            if pool_log is not None:
+                records += pool_log.publish()
+        return records
+
+    def apply_records(self, records: Iterable[Record]) -> None:
+        """Fold in another process's records, each into its pool's placement."""
+        log = self.placement_log
+        if log is None:
+            return
+        fleet = self.fleet
+        pooled: dict[str, list[Record]] = {}
+        own: list[Record] = []
+        for record in records:
+            if record.pool is None:
+                own.append(record)
+            else:
+                pooled.setdefault(record.pool, []).append(record)
+        log.apply(fleet.ring, own)
+        for model, batch in pooled.items():
+            pool = fleet.any_model if model == ANY_MODEL else fleet.pools.get(model)
+            if pool is None:
+                continue  # not (or no longer) a pool here
+            known = self._pools.get(model)
+            pool_log = (known or self._pool_placement(model))[1]
+            if pool_log is not None:
+                pool_log.apply(pool.ring, batch)
 
     def configure(self, config: RoutingConfig) -> None:
         """Swap the routing config; requests already routed keep their leases."""
@@ -147,6 +212,8 @@ class Balancer:
                 self._placement = Placement(factor)
             else:
                 self._placement.factor = factor  # keys keep their homes across changes
+            for placement, _ in self._pools.values():
+                placement.factor = factor
             self._bound = LoadBound(prefix.concurrency_threshold)
         else:
             self._placement = None
@@ -159,15 +226,24 @@ class Balancer:
         }[config.strategy]
         self.config = config
 
-    def choose(self, key_hash: int | None, avoid: Set[str] = frozenset()) -> Choice | None:
-        """Pick a backend for a request and count it in flight (same step)."""
+    def choose(
+        self,
+        key_hash: int | None,
+        avoid: Set[str] = frozenset(),
+        members: Members | None = None,
+    ) -> Choice | None:
+        """Pick a backend for a request and count it in flight (same step).
+
+        ``members``: the model pool the request routes over; None: the fleet."""
+        if members is None:
+            members = self.fleet
         if key_hash is None:
-            picked = self._least_outstanding(0, avoid)
+            picked = self._least_outstanding(0, avoid, members)
             if picked is None:
                 return None
             backend, decision, position = picked[0], "passthrough", 0
         else:
-            picked = self._select_keyed(key_hash, avoid)
+            picked = self._select_keyed(key_hash, avoid, members)
             if picked is None:
                 return None
             backend, decision, position = picked
@@ -190,10 +266,11 @@ class Balancer:
 
     # -- strategies: each returns (backend, decision, position) or None; none counts --
 
-    def _prefix_aware(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
+    def _prefix_aware(self, key_hash: int, avoid: Set[str], members: Members) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
+        ring = members.ring
         placement = self._placement
         if placement is not None:
             # ConcurrencyScope PREFILL: the threshold counts only requests not yet
@@ -201,9 +278,12 @@ class Balancer:
             # prefill that a cache hit saves.
             counts = fleet.waiting.counts if self._prefill_scope else loads.counts
             log = self.placement_log
+            if members is not fleet:
+                model = cast(ModelPool, members).model
+                placement, log = self._pools.get(model) or self._pool_placement(model)
             before = placement.home(key_hash) if log is not None else None
             chosen = placement.route(
-                fleet.ring,
+                ring,
                 key_hash,
                 counts,
                 self._bound.threshold,
@@ -216,20 +296,23 @@ class Balancer:
             # The same for the threshold; BalanceFactor still bounds every request
             # in flight, so one hot prefix cannot take a backend's whole batch.
             waiting = fleet.waiting
+            total: int | None = waiting.total
+            balance_total: int | None = loads.total
+            if members is not fleet:
+                total = balance_total = self._pool_total()
             chosen = pick(
-                fleet.ring,
+                ring,
                 key_hash,
                 waiting.counts,
                 self._bound,
                 avoid=skip,
-                total=waiting.total,
+                total=total,
                 balance_loads=loads.counts,
-                balance_total=loads.total,
+                balance_total=balance_total,
             )
         else:
-            chosen = pick(
-                fleet.ring, key_hash, loads.counts, self._bound, avoid=skip, total=loads.total
-            )
+            in_flight = loads.total if members is fleet else self._pool_total()
+            chosen = pick(ring, key_hash, loads.counts, self._bound, avoid=skip, total=in_flight)
         if chosen is None:
             return None
         member, decision, position = chosen
@@ -241,10 +324,14 @@ class Balancer:
                 backend.fallback += 1
         return backend, decision, position  # a StrEnum: the string itself
 
-    def _random(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
-        fleet = self.fleet
-        candidates = fleet.available
-        cum_weights: list[int] | None = fleet._cum_weights
+    def _pool_total(self) -> int | None:
+        """A pool's in-flight total for ``pick``: None (``pick`` adds up the pool's
+        members) when BalanceFactor reads it, else 0 (unread)."""
+        return None if self._bound.numerator else 0
+
+    def _random(self, key_hash: int, avoid: Set[str], members: Members) -> _Picked | None:
+        candidates = members.available
+        cum_weights: list[int] | None = members.cum_weights
         if avoid:
             candidates = tuple(b for b in candidates if b.name not in avoid)
             cum_weights = None
@@ -256,12 +343,14 @@ class Balancer:
             chosen = self._rng.choices(candidates, cum_weights=cum_weights)[0]
         return chosen, "random", 0
 
-    def _least_outstanding(self, key_hash: int, avoid: Set[str]) -> _Picked | None:
+    def _least_outstanding(
+        self, key_hash: int, avoid: Set[str], members: Members
+    ) -> _Picked | None:
         counts = self.fleet.loads.counts
         best: Backend | None = None
         best_load = best_weight = 0
         ties = 0
-        for backend in self.fleet.available:
+        for backend in members.available:
             if avoid and backend.name in avoid:
                 continue
             load = counts.get(backend.name, 0)

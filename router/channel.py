@@ -110,6 +110,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     no_backend: int
     refused: dict[int, int]
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
+    models: dict[str, int] = {}  # requests per model pool (Recorder.models)
     responses: dict[str, int] = {}  # ResponseIds.counts()
 
 

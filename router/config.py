@@ -111,16 +111,28 @@ class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout: Seconds | None = None
 
 
+# A model name as clients send it (``meta-llama/Llama-3.1-8B-Instruct``): no
+# whitespace, no comma (the ``--backend`` flag's separator).
+MAX_MODEL_NAME = 256
+ModelName = Annotated[str, Meta(pattern=rf"^[^\s,]{{1,{MAX_MODEL_NAME}}}$")]
+MAX_MODELS = 64  # per backend
+
+
 class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_defaults=True):
     name: Annotated[str, Meta(pattern=_NAME)]
     url: str
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
     health: HealthOverride | None = None
+    # The models it serves (the body's ``model``); empty: whatever it is asked
+    # (see router.fleet, "Model pools").
+    models: Annotated[tuple[ModelName, ...], Meta(max_length=MAX_MODELS)] = ()
 
     def __post_init__(self) -> None:
         # A ValueError here is reported by msgspec at the backend object's path
         # (``$.backends[0]``); its message names the url.
         self.address()
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"backend {self.name!r} lists a model twice")
 
     def address(self) -> tuple[str, int]:
         return backend_address(self.url)
@@ -226,6 +238,11 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     interval: Seconds = 5.0  # dns: between two lookups
     drain_timeout: Seconds = 30.0  # a removed endpoint's drain (as DELETE ?timeout=)
     unhealthy_after: Seconds = 10.0  # source failing this long: /readyz 503 (routing goes on)
+    # The models every discovered backend serves (BackendSpec.models); empty: any.
+    models: Annotated[tuple[ModelName, ...], Meta(max_length=MAX_MODELS)] = ()
+    # k8s: the EndpointSlice label whose value is its endpoints' model (a Service's
+    # labels are copied to its slices); a slice without it serves ``models``.
+    model_label: str | None = None
 
     def __post_init__(self) -> None:
         if self.source == "k8s":
@@ -234,7 +251,14 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         elif self.source.startswith("dns:"):
             k8s = [
                 field
-                for field in ("namespace", "service", "selector", "port_name", "kubeconfig")
+                for field in (
+                    "namespace",
+                    "service",
+                    "selector",
+                    "port_name",
+                    "kubeconfig",
+                    "model_label",
+                )
                 if getattr(self, field) is not None
             ]
             if k8s:
@@ -368,12 +392,25 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def backend_flag(text: str) -> dict[str, Any]:
-    """Parse ``--backend NAME=URL[,weight=W]`` into a backend dict (validated later)."""
-    match = re.fullmatch(r"([^=]+)=([^,]+)(?:,weight=(\d+))?", text)
-    if match is None:
-        raise ConfigError(f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W]")
-    name, url, weight = match.groups()
+    """Parse ``--backend NAME=URL[,weight=W][,model=M]...`` into a backend dict
+    (validated later); ``model=`` repeats, one model each."""
+    name, _, rest = text.partition("=")
+    url, *options = rest.split(",")
     spec: dict[str, Any] = {"name": name, "url": url}
-    if weight is not None:
-        spec["weight"] = int(weight)
-    return spec
+    models: list[str] = []
+    for option in options:
+        key, sep, value = option.partition("=")
+        if key == "weight" and value.isdigit() and "weight" not in spec:
+            spec["weight"] = int(value)
+        elif key == "model" and sep and value:
+            models.append(value)
+        else:
+            break
+    else:
+        if name and url:
+            if models:
+                spec["models"] = models
+            return spec
+    raise ConfigError(
+        f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W][,model=M ...]"
+    )

@@ -36,6 +36,12 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   escapes its limits and key rule.  Every forwarded request carries our
   ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
   ``span`` is None while it is off, the only thing checked then).
+- Models (``router.fleet``, "Model pools"): where the fleet declares models,
+  an OpenAI request's ``model`` (read from the one decode of its body) picks
+  the pool it routes over, retries included; a model no backend serves is
+  answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
+  /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
+  Where it declares none, nothing of this happens (no read of ``model``).
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
@@ -53,8 +59,9 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
-from .extract import BadRequest, decode_openai, prompt_key
+from .extract import BadRequest, decode_openai, model_name, prompt_key
 from .heads import (
     CHUNKED,
     NO_BODY,
@@ -66,18 +73,24 @@ from .heads import (
     upstream_head,
 )
 from .responses import IdScanner, response_id_of
-from .wire import CHUNKED_END, CONTINUE_100, error_response
+from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 if TYPE_CHECKING:
+    from msgspec import Raw
+
     from .balancer import Choice
     from .client import ClientConnection
+    from .fleet import ModelPool
     from .keyworker import Keyed
     from .tracing import Span
     from .upstream import UpstreamConnection
 
 __all__ = ["Exchange"]
+
+MODELS_PATH = b"/v1/models"
+OWNED_BY = "prefix-router"
 
 
 class Exchange(LazyDeadline):
@@ -92,6 +105,7 @@ class Exchange(LazyDeadline):
         "_head_sent",
         "_id_wait",
         "_last_read",
+        "_listing",
         "_out",
         "_read_timeout",
         "_replayable",
@@ -113,7 +127,9 @@ class Exchange(LazyDeadline):
         "key_hash",
         "kind",
         "method",
+        "model",
         "path",
+        "pool",
         "request_complete",
         "request_id",
         "reset_client",
@@ -152,6 +168,9 @@ class Exchange(LazyDeadline):
         self.bytes_in = 0
         self.bytes_out = 0
         self.key_hash: int | None = None
+        self.model: str | None = None  # the body's, where the fleet declares models
+        self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
+        self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
         self.request_id = b""
         self.choice: Choice | None = None
@@ -212,6 +231,8 @@ class Exchange(LazyDeadline):
                 return
             self.tenant = request.tenant is not None and seed != 0
             self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
+        elif router.fleet.pools and self.method == b"GET" and _lists_models(self.path):
+            self._listing = True  # answered at the request's end: keep-alive stays
         else:
             self._route()
         if request.expect_continue and not request.bodiless and not self.http10 and not self.done:
@@ -241,7 +262,9 @@ class Exchange(LazyDeadline):
         self.request_complete = True
         if self.done:
             return
-        if self.kind is Kind.OPENAI:
+        if self._listing:
+            self._list_models()
+        elif self.kind is Kind.OPENAI:
             self._route_openai()
         elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
@@ -270,7 +293,7 @@ class Exchange(LazyDeadline):
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
-        self._route_key(key, request.prompt_cache_key, request.previous_response_id)
+        self._route_key(key, request.prompt_cache_key, request.previous_response_id, request.model)
 
     def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
@@ -286,10 +309,21 @@ class Exchange(LazyDeadline):
             self._route_key(*future.result())
 
     def _route_key(
-        self, key: bytes, prompt_cache_key: str | None, previous_response_id: str | None
+        self,
+        key: bytes,
+        prompt_cache_key: str | None,
+        previous_response_id: str | None,
+        model: bytes | Raw,
     ) -> None:
         """Salt an OpenAI request's key with its tenant and route it (a Responses
-        API follow-up to its previous response's backend, if known)."""
+        API follow-up to its previous response's backend, if known; to its
+        model's pool where the fleet declares models: ``model`` is raw JSON)."""
+        if self._router.fleet.pools:
+            try:
+                self.model = model_name(model)
+            except BadRequest as exc:
+                self._fail(400, str(exc), param=exc.param)
+                return
         if prompt_cache_key is not None:
             seed = self._seed(prompt_cache_key, "prompt_cache_key")
         else:
@@ -321,23 +355,34 @@ class Exchange(LazyDeadline):
     # -- routing and connecting ------------------------------------------------
 
     def _route(self) -> None:
+        router = self._router
+        model = self.model
+        members = None if model is None else router.fleet.members_for(model)
+        if model is not None:
+            if members is None:
+                self._unknown_model(model)
+                return
+            self.pool = members.model
         choice = None
         response_id = self._response_id
         if response_id is not None and not self._tried:
-            name = self._router.responses.backend_of(response_id)
+            name = router.responses.backend_of(response_id)
             if name is None and self._wait_for(response_id):
                 return  # routed when the id arrives or the wait ends
+            if members is not None and name not in members.ring:
+                name = None  # held by a backend of another model: this one's pool decides
             choice = self._follow(name)
         if choice is None:
-            choice = self._router.balancer.choose(self.key_hash, self._tried)
+            choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
+            serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
-                self._fail(502, "no backend could be reached")
+                self._fail(502, f"no backend{serving} could be reached")
             else:
-                self._fail(503, "no backend is available")
+                self._fail(503, f"no backend{serving} is available")
             return
         self.choice = choice
-        conn = self._router.pools[choice.backend.name].take()
+        conn = router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
         else:
@@ -628,7 +673,40 @@ class Exchange(LazyDeadline):
 
     # -- endings: every path comes through _finish exactly once ---------------------
 
-    def _fail(self, status: int, message: str, param: str | None = None) -> None:
+    def _list_models(self) -> None:
+        """``GET /v1/models`` (the declared models) or ``/v1/models/{id}`` (one)."""
+        fleet = self._router.fleet
+        name = self.path[len(MODELS_PATH) + 1 :].decode("utf-8", "replace")
+        if not name:
+            self._reply({"object": "list", "data": [_model(pool) for pool in fleet.models()]})
+        elif name in fleet.pools:
+            self._reply(_model(fleet.pools[name]))
+        else:
+            self._unknown_model(name)
+
+    def _unknown_model(self, model: str) -> None:
+        self._fail(404, f"The model `{_shown(model)}` does not exist.", code="model_not_found")
+
+    def _reply(self, body: object) -> None:
+        """Answer 200 with ``body`` as JSON, from the router itself."""
+        self.status = 200
+        keep_alive = self.client_keep_alive and self.request_complete
+        self.client_keep_alive = keep_alive
+        router = self._router
+        self._conn.write(
+            json_response(
+                200,
+                body,
+                close=not keep_alive,
+                date=router.date.value,
+                request_id=self.request_id,
+            )
+        )
+        self._finish(upstream_reusable=False)
+
+    def _fail(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         """Answer with a JSON error; only possible before the response head left."""
         if self._head_sent:
             self._truncate()
@@ -643,6 +721,7 @@ class Exchange(LazyDeadline):
                 status,
                 message,
                 param=param,
+                code=code,
                 close=not keep_alive,
                 date=self._router.date.value,
                 request_id=self.request_id,
@@ -727,3 +806,17 @@ class Exchange(LazyDeadline):
         if self.upstream is not None:
             self._last_read = self._router.loop.time()
             self.upstream.transport.resume_reading()
+
+
+def _lists_models(path: bytes) -> bool:
+    return path == MODELS_PATH or path.startswith(b"/v1/models/")
+
+
+def _model(pool: ModelPool) -> dict[str, object]:
+    """A model as OpenAI's ``GET /v1/models`` lists it."""
+    return {"id": pool.model, "object": "model", "created": pool.created, "owned_by": OWNED_BY}
+
+
+def _shown(model: str) -> str:
+    """A client's model name as an answer quotes it: at most a model name's length."""
+    return model if len(model) <= MAX_MODEL_NAME else model[:MAX_MODEL_NAME] + "..."

@@ -63,6 +63,10 @@ Contract (the README's "Routing key" section says the same for users):
   tools past the prefix, every other field) is only checked to be JSON
   syntax: the backend validates it.  Strings routing does not decode are not
   checked for valid UTF-8.
+- ``model`` is kept as raw JSON (``Raw``), unchecked: ``model_name`` reads it
+  (a string, or absent/null) only where the fleet declares models, so a fleet
+  that does not pays no check and forwards any ``model`` as before.  Either
+  way the body is decoded once.
 - ``decode_openai(body, limit)`` sizes its reading for ``limit``, the
   ``PrefixLength`` the key will use (default 4,096, the default
   PrefixLength): the element counts above, and so the extent of the type
@@ -98,6 +102,7 @@ __all__ = [
     "BoundedRequest",
     "OpenAIRequest",
     "decode_openai",
+    "model_name",
     "prompt_key",
     "prompt_text",
 ]
@@ -144,6 +149,7 @@ class OpenAIRequest(msgspec.Struct):
     prompt_cache_key: str | None = None
     stream: bool | None = None
     previous_response_id: str | None = None  # Responses API follow-ups (router.responses)
+    model: Raw = _NULL  # read only where the fleet declares models (``model_name``)
 
 
 _decoder = msgspec.json.Decoder(OpenAIRequest)
@@ -222,6 +228,7 @@ class _Reader:
                 ("prompt_cache_key", str | None, None),
                 ("stream", bool | None, None),
                 ("previous_response_id", str | None, None),
+                ("model", Raw, _NULL),
             ],
             gc=False,
         )
@@ -275,6 +282,7 @@ class BoundedRequest:
         "_body",
         "_envelope",
         "_reader",
+        "model",
         "previous_response_id",
         "prompt_cache_key",
         "stream",
@@ -287,6 +295,7 @@ class BoundedRequest:
         self.prompt_cache_key: str | None = envelope.prompt_cache_key
         self.stream: bool | None = envelope.stream
         self.previous_response_id: str | None = envelope.previous_response_id
+        self.model: Raw = envelope.model
 
     def envelope_for(self, limit: int) -> Any:
         """Pass one's result for ``limit``: read again if it was sized for a smaller
@@ -605,3 +614,16 @@ def prompt_key(request: OpenAIRequest | BoundedRequest, limit: int) -> bytes:
         except (TypeError, OverflowError):
             raise BadRequest("prompt token ids must be non-negative integers", "prompt") from None
     return prompt_text(request, limit).encode("utf-8", "surrogatepass")
+
+
+def model_name(raw: bytes | Raw) -> str | None:
+    """The ``model`` of a body (its raw JSON as decoded): None when absent or null."""
+    try:
+        return _model_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, "$.model") from None
+    except msgspec.DecodeError as exc:
+        raise _malformed(exc, " - at `$.model`") from None
+
+
+_model_decoder = msgspec.json.Decoder(str | None)

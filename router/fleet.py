@@ -12,6 +12,18 @@ Contract:
 - ``Fleet.loads`` counts the requests in flight per backend (leases taken by
   ``Balancer.choose``), ``Fleet.waiting`` those not answered yet (for
   ConcurrencyScope PREFILL).
+- Model pools.  A backend lists the models it serves (``BackendSpec.models``);
+  an empty list serves whatever it is asked.  While no backend lists a model,
+  there are no pools (``pools`` is empty) and the fleet is one pool, as
+  before.  Once one does, model M's pool (``ModelPool``) is every backend that
+  lists M plus every backend that lists none, and ``any_model`` the backends
+  that list none (the pool of a model nobody lists; None when there are no
+  such backends: that model is unknown).  Each pool has its own ring over its
+  members only, built with the fleet's ring and published with it, so a
+  backend of model B moves no key of model A, and bounded loads compare a
+  pool's members with each other.  ``members_for(model)`` is what a request
+  routes over: the whole fleet (``Fleet`` itself) for a request without a
+  model or while no model is declared, else the pool, or None (unknown).
 """
 
 from __future__ import annotations
@@ -19,14 +31,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 
 from hashring import DEFAULT_VNODES, LoadTracker, Ring
 from hashring.ring import check_weight
 
 from .config import BackendSpec
 
-__all__ = ["AdminState", "Backend", "Fleet"]
+__all__ = ["ANY_MODEL", "AdminState", "Backend", "Fleet", "ModelPool"]
+
+# The key of ``any_model`` among pools: not a model name (those are never empty).
+ANY_MODEL = ""
 
 
 class AdminState(enum.Enum):
@@ -73,6 +88,61 @@ class Backend:
         return f"Backend({self.name!r}, {self.url!r}, weight={self.weight}, {self.state.value})"
 
 
+class ModelPool:
+    """The backends that serve one model, and the ring over them (see the contract).
+
+    The same reading surface as ``Fleet`` for the balancer: ``ring``,
+    ``available``, ``cum_weights``, ``model`` (``ANY_MODEL`` for
+    ``any_model``).  Rebuilt by the fleet on every change; never changed.
+    """
+
+    __slots__ = ("available", "created", "cum_weights", "members", "model", "ring")
+
+    def __init__(
+        self,
+        model: str,
+        members: tuple[str, ...],
+        ring: Ring,
+        available: tuple[Backend, ...],
+        created: int,
+    ):
+        self.model = model
+        self.members = members  # every backend serving it, available or not, by name
+        self.ring = ring
+        self.available = available
+        self.cum_weights = _cum_weights(available)
+        self.created = created  # when this router first saw it declared (unix seconds)
+
+    def __repr__(self) -> str:
+        return f"ModelPool({self.model!r}, {[b.name for b in self.available]})"
+
+
+def _cum_weights(available: tuple[Backend, ...]) -> list[int]:
+    running = 0
+    cum_weights = []
+    for backend in available:
+        running += backend.weight
+        cum_weights.append(running)
+    return cum_weights
+
+
+_RingBuild = Generator[None, None, tuple[Ring, dict[str, Ring]]]
+
+
+def _membership(weights: Mapping[str, int]) -> frozenset[tuple[str, int]]:
+    return frozenset(weights.items())
+
+
+def _run(steps: _RingBuild) -> tuple[Ring, dict[str, Ring]]:
+    """A ring build run to its end at once (no loop to slice it on)."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        result: tuple[Ring, dict[str, Ring]] = done.value
+        return result
+
+
 class Fleet:
     """The backends, the published ring, and the rebuild that follows changes.
 
@@ -92,14 +162,20 @@ class Fleet:
         "_available",
         "_building",
         "_changes",
-        "_cum_weights",
+        "_created",
+        "_pool_rings",
         "_waiters",
+        "any_model",
         "backends",
+        "cum_weights",
         "loads",
+        "pools",
         "ring",
         "unavailable",
         "waiting",
     )
+
+    model = None  # the whole fleet serves any model: ``members_for`` returns it
 
     # Work per slice of a ring rebuild.  A step of the build is ~0.1-1 ms of
     # pure Python, so the loop waits at most about this plus one step.
@@ -118,10 +194,15 @@ class Fleet:
         # One ring for the whole membership: adding members one by one would
         # rebuild the ring each time.
         self.ring = Ring(weights, vnodes=vnodes)
+        self.pools: dict[str, ModelPool] = {}
+        self.any_model: ModelPool | None = None
+        self._created: dict[str, int] = {}
         self._changes = 0  # membership or weight changes made
         self._applied = 0  # of those, how many the published ring has
         self._building = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._pool_rings: dict[str, Ring] = {}
+        self._pool_rings = _run(self._build(weights, self._pool_weights(), self.ring))[1]
         self._refresh()
 
     # -- changes ---------------------------------------------------------------
@@ -176,12 +257,56 @@ class Fleet:
             # Removed, but still on the ring until the rebuild is published.
             unavailable.update(n for n in self.ring.weights if n not in backends)
         self.unavailable = frozenset(unavailable)
-        running = 0
-        cum_weights = []
-        for backend in available:
-            running += backend.weight
-            cum_weights.append(running)
-        self._cum_weights = cum_weights
+        self.cum_weights = _cum_weights(available)
+        self._refresh_pools(available)
+
+    def _refresh_pools(self, available: tuple[Backend, ...]) -> None:
+        """The pools of the models the backends declare now, on the rings published."""
+        declared = self._pool_weights()
+        if not declared:
+            self.pools, self.any_model = {}, None
+            return
+        now = int(time.time())
+        rings = self._pool_rings
+        pools = {}
+        for model, members in declared.items():
+            ring = rings.get(model)
+            if ring is None:  # declared since the last build: until the next is published
+                ring = Ring(vnodes=self.ring.vnodes)
+            pool_available = tuple(b for b in available if b.name in members)
+            created = self._created.setdefault(model, now)
+            pools[model] = ModelPool(model, tuple(sorted(members)), ring, pool_available, created)
+        self.any_model = pools.pop(ANY_MODEL, None)
+        self.pools = pools
+
+    def _pool_weights(self) -> dict[str, dict[str, int]]:
+        """Each declared model's members and weights (``ANY_MODEL``: the backends that
+        declare none); empty while no backend declares a model."""
+        models: dict[str, dict[str, int]] = {}
+        anything: dict[str, int] = {}
+        for name, backend in self.backends.items():
+            declared = backend.spec.models
+            if not declared:
+                anything[name] = backend.weight
+            for model in declared:
+                models.setdefault(model, {})[name] = backend.weight
+        if not models:
+            return {}
+        for members in models.values():
+            members.update(anything)
+        if anything:
+            models[ANY_MODEL] = anything
+        return models
+
+    def members_for(self, model: str) -> Fleet | ModelPool | None:
+        """What a request for ``model`` routes over; None: no backend serves it."""
+        if not self.pools:
+            return self
+        return self.pools.get(model, self.any_model)
+
+    def models(self) -> list[ModelPool]:
+        """The declared models' pools, by name (``GET /v1/models``)."""
+        return [self.pools[model] for model in sorted(self.pools)]
 
     # -- the ring rebuild ------------------------------------------------------
 
@@ -194,17 +319,37 @@ class Fleet:
     def _rebuild(self) -> None:
         goal = self._changes
         weights = {name: b.weight for name, b in self.backends.items()}
+        steps = self._build(weights, self._pool_weights())
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (start-up, tools): build it now
-            self._publish(self.ring.with_weights(weights), goal)
+            self._publish(*_run(steps), goal)
             return
         self._building = True
-        loop.call_soon(self._slice, loop, self.ring.steps_to(weights), goal)
+        loop.call_soon(self._slice, loop, steps, goal)
 
-    def _slice(
-        self, loop: asyncio.AbstractEventLoop, steps: Generator[None, None, Ring], goal: int
-    ) -> None:
+    def _build(
+        self, weights: dict[str, int], pools: dict[str, dict[str, int]], ring: Ring | None = None
+    ) -> _RingBuild:
+        """The fleet's ring, then each pool's ring.  A ring is a function of its
+        members and weights, so pools with the same ones share one (a backend's
+        LoRA adapters, a fleet where every backend serves one model: the fleet's
+        ring), an unchanged pool keeps its own, and a new one reuses the point
+        hashes of the fleet's.  ``ring``: the fleet's, already built."""
+        if ring is None:
+            ring = yield from self.ring.steps_to(weights)
+        known = {_membership(old.weights): old for old in self._pool_rings.values()}
+        known[_membership(weights)] = ring
+        rings: dict[str, Ring] = {}
+        for model, members in pools.items():
+            key = _membership(members)
+            pool_ring = known.get(key)
+            if pool_ring is None:
+                pool_ring = known[key] = yield from ring.steps_to(members)
+            rings[model] = pool_ring
+        return ring, rings
+
+    def _slice(self, loop: asyncio.AbstractEventLoop, steps: _RingBuild, goal: int) -> None:
         deadline = time.perf_counter() + self.SLICE_SECONDS
         try:
             next(steps)  # at least one step per slice, however short the slice
@@ -212,7 +357,8 @@ class Fleet:
                 next(steps)
         except StopIteration as done:
             self._building = False
-            self._publish(done.value, goal)
+            ring, rings = done.value
+            self._publish(ring, rings, goal)
             if self._applied < self._changes:
                 self._rebuild()
             return
@@ -225,8 +371,9 @@ class Fleet:
             raise
         loop.call_soon(self._slice, loop, steps, goal)
 
-    def _publish(self, ring: Ring, goal: int) -> None:
+    def _publish(self, ring: Ring, pool_rings: dict[str, Ring], goal: int) -> None:
         self.ring = ring
+        self._pool_rings = pool_rings
         self._applied = goal
         self._refresh()
         waiting = []

@@ -12,14 +12,15 @@ Contract:
   started on the first large body, restarted on the next one after it dies.
   It reads frames from stdin and answers each on stdout, in order:
   request ``<II`` (PrefixLength, body length) + the body; answer ``<I``
-  (length) + msgpack ``["ok", key, prompt_cache_key, previous_response_id]``
-  or ``["error", message, param, null]``: exactly what ``decode_openai`` + ``prompt_key`` give on
-  the loop (the same module does the work).
+  (length) + msgpack ``["ok", key, prompt_cache_key, previous_response_id,
+  model]`` (``model``: the raw JSON of the body's field) or ``["error",
+  message, param, null, null]``: exactly what ``decode_openai`` +
+  ``prompt_key`` give on the loop (the same module does the work).
 - The loop never copies or joins the body: its pieces are written to the
   pipe as they are (uvloop keeps references, no copy), and reading the
   small answers is all the loop does.
 - ``key(pieces, size, limit)`` returns a future: a ``Keyed``
-  ``(key, prompt_cache_key, previous_response_id)`` or ``BadRequest``;
+  ``(key, prompt_cache_key, previous_response_id, model)`` or ``BadRequest``;
   ``WorkerLost`` when the child died or could not start (the exchange
   answers 503 and blames no backend).  At most ``MAX_PENDING_BYTES`` wait at
   once; past that ``WorkerBusy`` at once.
@@ -46,16 +47,17 @@ __all__ = ["MAX_PENDING_BYTES", "KeyWorker", "Keyed", "WorkerBusy", "WorkerLost"
 
 log = get_logger("keyworker")
 
+# What a body is routed by: key, prompt_cache_key, previous_response_id, and its
+# ``model`` as raw JSON (read only where the fleet declares models).
+Keyed = tuple[bytes, str | None, str | None, bytes]
+
 _REQUEST = struct.Struct("<II")
 _ANSWER = struct.Struct("<I")
 MAX_PENDING_BYTES = 256 * 1024 * 1024  # bodies waiting for a key at once
 CLOSE_TIMEOUT = 2.0
 
 _encode = msgspec.msgpack.encode
-_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any, Any]).decode
-
-# What a body is routed by: key, prompt_cache_key, previous_response_id.
-Keyed = tuple[bytes, str | None, str | None]
+_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any, Any, Any]).decode
 
 
 class WorkerLost(Exception):
@@ -75,8 +77,9 @@ def answer(body: bytes, limit: int) -> bytes:
         request = decode_openai(body, limit)
         key = prompt_key(request, limit)
     except BadRequest as exc:
-        return _encode(("error", str(exc), exc.param, None))
-    return _encode(("ok", key, request.prompt_cache_key, request.previous_response_id))
+        return _encode(("error", str(exc), exc.param, None, None))
+    model = bytes(request.model)
+    return _encode(("ok", key, request.prompt_cache_key, request.previous_response_id, model))
 
 
 def main() -> None:
@@ -187,14 +190,14 @@ class KeyWorker:
             end = _ANSWER.size + length
             if len(buffer) < end:
                 return
-            status, first, second, third = _decode(bytes(buffer[_ANSWER.size : end]))
+            status, first, second, third, fourth = _decode(bytes(buffer[_ANSWER.size : end]))
             del buffer[:end]
             future, size = self._pending.popleft()
             self._pending_bytes -= size
             if future.done():
                 continue  # its caller stopped caring
             if status == "ok":
-                future.set_result((first, second, third))
+                future.set_result((first, second, third, fourth))
             else:
                 future.set_exception(BadRequest(first, second))
 

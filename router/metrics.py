@@ -6,6 +6,9 @@ Contract:
   formatting.  Everything Prometheus needs is derived at scrape time by
   ``RouterCollector`` (a prometheus-client custom collector on a registry of
   the router's own, so two routers in one process never share metrics).
+- Requests routed over a model pool are counted per pool (``models``: its
+  model, ``ANY_MODEL`` for the backends that declare none): as many series as
+  the operator declares models, never one per name a client sends.
 - TTFT is the time from the request head to the first response body byte as
   the router sees it; duration runs to the last byte.  The stats view keeps
   the last ``WINDOW`` TTFTs per backend for its P50/P90.
@@ -93,7 +96,16 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 
 class Recorder:
-    __slots__ = ("decisions", "duration", "no_backend", "refused", "requests", "ttft", "windows")
+    __slots__ = (
+        "decisions",
+        "duration",
+        "models",
+        "no_backend",
+        "refused",
+        "requests",
+        "ttft",
+        "windows",
+    )
 
     def __init__(self) -> None:
         # (backend, kind, decision, status) -> count; backend "" when none was chosen
@@ -104,8 +116,11 @@ class Recorder:
         self.windows: dict[str, deque[float]] = {}
         self.no_backend = 0
         self.refused: Counter[int] = Counter()  # status -> requests refused while parsed
+        self.models: Counter[str] = Counter()  # model pool -> requests routed over it
 
     def observe(self, exchange: Exchange) -> None:
+        if exchange.pool is not None:
+            self.models[exchange.pool] += 1
         choice = exchange.choice
         if choice is None:
             self.requests["", exchange.kind, "none", exchange.status] += 1
@@ -223,6 +238,15 @@ class RouterCollector:
         for (name, direction), count in sorted(router.health.transitions.items()):
             transitions.add_metric([name, direction], count)
         yield transitions
+
+        models = CounterMetricFamily(
+            "prefix_router_model_requests",
+            "Requests routed over a model's pool (model * : backends declaring no model).",
+            labels=["model"],
+        )
+        for model, count in sorted(recorder.models.items()):
+            models.add_metric([model or "*"], count)
+        yield models
 
         yield GaugeMetricFamily(
             "prefix_router_ring_members", "Backends on the hash ring.", value=len(fleet.ring)

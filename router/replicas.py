@@ -22,8 +22,10 @@ Contract:
 - TRAFFIC placement: the row also carries the placement records this
   replica's workers made since its last write (``hashring.shared.Record``,
   passed in with ``add_records``); the other replicas hand them to their
-  workers (``on_records``).  A row with records is written even if its
-  counts did not change.  Cost: a record per routed request (~60 bytes of
+  workers (``on_records``).  Records of model pools (``Record.pool`` set)
+  travel apart from the fleet's (``pool_records``), so a replica of a version
+  without pools still reads the rest of the row.  A row with records is
+  written even if its counts did not change.  Cost: a record per routed request (~60 bytes of
   JSON), batched into the 10 writes a second a replica makes anyway, so the
   etcd traffic grows with the request rate, not the write rate.  A record
   lost (a watch re-listed after a compaction) only delays agreement: the
@@ -67,12 +69,29 @@ TTL = 3
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
 
 
+# A whole fleet's placement record as rows carry it: ``Record`` without its pool,
+# the shape every version reads; the records of model pools go beside them.
+FleetRecord = tuple[tuple[float, int], int, str | None, str | None]
+
+
 class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     applied: int  # the last etcd revision this replica applied
     loads: dict[str, int] = {}
     waiting: dict[str, int] = {}
-    records: list[Record] = []  # TRAFFIC placements since the last write
+    records: list[FleetRecord] = []  # TRAFFIC placements since the last write
     responses: list[Learnt] = []  # Responses API ids learnt since the last write
+    pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
+
+    def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
+        """This row carrying ``records`` (the fleet's in ``records``, the pools' apart)
+        and ``responses``."""
+        fleet = [record[:4] for record in records if record.pool is None]
+        pools = [record for record in records if record.pool is not None]
+        return msgspec.structs.replace(self, records=fleet, pool_records=pools, responses=responses)
+
+    def placements(self) -> list[Record]:
+        """The records this row carries, as ``with_records`` was given them."""
+        return [Record(*record) for record in self.records] + self.pool_records
 
 
 _encoder = msgspec.json.Encoder()
@@ -173,9 +192,7 @@ class Replicas:
                 records, self._records = self._records, []
                 responses, self._responses = self._responses, []
                 if records or responses or row != self._published:
-                    value = row
-                    if records or responses:
-                        value = msgspec.structs.replace(row, records=records, responses=responses)
+                    value = row.with_records(records, responses) if records or responses else row
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
@@ -229,8 +246,8 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        if (row.records or row.responses) and self.on_records is not None:
-            self.on_records(row.records, row.responses)
+        if (row.records or row.pool_records or row.responses) and self.on_records is not None:
+            self.on_records(row.placements(), row.responses)
 
     def _write_remote(self) -> None:
         table = self.table

@@ -44,6 +44,15 @@ class SavedBackend(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit
     weight: int = 1
     state: Literal["active", "draining"] = "active"
     health: HealthOverride | None = None
+    models: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, spec: BackendSpec, state: Literal["active", "draining"] = "active", weight: int = 0
+    ) -> SavedBackend:
+        """``spec`` as saved, in ``state``, with ``weight`` if given (a live change)."""
+        weight = weight or spec.weight
+        return cls(spec.name, spec.url, weight, state, spec.health, spec.models)
 
     def spec(self) -> BackendSpec:
         """The backend as the admin API accepted it (validated again on load)."""

@@ -462,6 +462,7 @@ class Workers:
                 merged.extend(window)
             recorder.no_backend += report.no_backend
             recorder.refused.update(report.refused)
+            recorder.models.update(report.models)
         for backend in router.fleet.backends.values():
             requests, overflow, fallback, errors = totals.get(backend.name, (0, 0, 0, 0))
             backend.requests, backend.overflow = requests, overflow

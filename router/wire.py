@@ -18,6 +18,7 @@ __all__ = [
     "HOP_BY_HOP",
     "DateHeader",
     "error_response",
+    "json_response",
     "normalised_path",
     "request_path",
     "status_line",
@@ -148,28 +149,42 @@ def error_response(
     message: str,
     *,
     param: str | None = None,
+    code: str | None = None,
     close: bool = False,
     date: bytes = b"",
     request_id: bytes = b"",
 ) -> bytes:
-    """A complete response with an OpenAI-style JSON error body."""
-    body = _encoder.encode(
-        {
-            "error": {
-                "message": message,
-                "type": _ERROR_TYPES.get(status, "router_error"),
-                "param": param,
-                "code": status,
-            }
+    """A complete response with an OpenAI-style JSON error body (``code``: the
+    status unless given, e.g. ``model_not_found``)."""
+    error_type = "invalid_request_error" if code is not None else None
+    body = {
+        "error": {
+            "message": message,
+            "type": error_type or _ERROR_TYPES.get(status, "router_error"),
+            "param": param,
+            "code": status if code is None else code,
         }
-    )
+    }
+    return json_response(status, body, close=close, date=date, request_id=request_id)
+
+
+def json_response(
+    status: int,
+    body: object,
+    *,
+    close: bool = False,
+    date: bytes = b"",
+    request_id: bytes = b"",
+) -> bytes:
+    """A complete response carrying ``body`` as JSON."""
+    payload = _encoder.encode(body)
     head = [
         status_line(status),
         b"content-type: application/json\r\n",
-        b"content-length: %d\r\n" % len(body),
+        b"content-length: %d\r\n" % len(payload),
         date,
     ]
     if request_id:
         head.append(b"x-request-id: " + request_id + b"\r\n")
     head.append(b"connection: close\r\n\r\n" if close else b"\r\n")
-    return b"".join(head) + body
+    return b"".join(head) + payload

@@ -131,6 +131,7 @@ def report(router: Router, seq: int) -> Report:
         refused=dict(recorder.refused),
         tracing=router.tracer.counts() if router.tracer is not None else {},
         responses=router.responses.counts(),
+        models=dict(recorder.models),
     )
 
 
@@ -174,8 +175,7 @@ class _Worker:
         answer to the supervisor: once a change is acknowledged by every worker,
         each one's earlier placements have reached the supervisor (and, relayed in
         order, every worker that answers the next change)."""
-        placements = self.router.balancer.placement_log
-        records = placements.publish() if placements is not None else []
+        records = self.router.balancer.publish_records()
         responses = self.router.responses.publish()
         if records or responses:
             with contextlib.suppress(ChannelClosed):  # gone: _receive stops us
@@ -233,9 +233,8 @@ class _Worker:
                     self._flush()
                     channel.send(Applied(message.seq))
                 elif isinstance(message, Records):
-                    placements = router.balancer.placement_log
-                    if placements is not None and message.records:
-                        placements.apply(router.fleet.ring, message.records)
+                    if message.records:
+                        router.balancer.apply_records(message.records)
                     router.responses.apply(message.responses)
                 elif isinstance(message, Query):
                     # Fold now: whoever reads the answer has every worker's counts

@@ -43,6 +43,9 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
         (["--backend", "a=http://x y:1"], "spaces"),
         (["--listen", "nowhere"], "listen"),
         (["--routing-config", '{"RoutingConfig": {"Typo": 1}}'], "Typo"),
+        (["--backend", "a=http://x:1,model=m,model=m"], "lists a model twice"),
+        (["--backend", "a=http://x:1,model=a b"], "backends[0].models[0]"),
+        (["--discover", "dns:vllm:80", "--k8s-model-label", "model"], "model_label"),
     ],
 )
 def test_bad_settings_exit_2_naming_the_field(
@@ -52,6 +55,15 @@ def test_bad_settings_exit_2_naming_the_field(
     err = capsys.readouterr().err
     assert "invalid configuration" in err
     assert field in err
+
+
+def test_models_from_the_backend_and_discovery_flags() -> None:
+    config = parse(["--backend", "a=http://x:1,weight=3,model=org/m-1,model=m-2"])
+    assert (config.backends[0].weight, config.backends[0].models) == (3, ("org/m-1", "m-2"))
+    k8s = ["--discover", "k8s", "--k8s-selector", "app=llm", "--k8s-model-label", "model"]
+    config = parse([*k8s, "--discover-model", "m-1", "--discover-model", "m-2"])
+    assert config.discover is not None
+    assert (config.discover.models, config.discover.model_label) == (("m-1", "m-2"), "model")
 
 
 def test_config_file_then_flags(tmp_path: Path) -> None:

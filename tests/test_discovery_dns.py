@@ -136,3 +136,25 @@ def test_dns_targets_parse_or_say_what_is_wrong() -> None:
     for bad in ("dns:vllm", "dns::80", "dns:vllm:0", "dns:vllm:http"):
         with pytest.raises(ConfigError, match="dns:NAME:PORT"):
             parse_target(bad)
+
+
+async def test_the_models_of_a_dns_source_are_its_backends_models(
+    pair: tuple[Backend, Backend, int], start_router: StartRouter
+) -> None:
+    _, _, port = pair
+    zone = Zone("127.0.0.1", "::1")
+    router = await start_router([], health={"active": False})
+    control = RouterControl(router)
+    reconciler = Reconciler(control, drain_timeout=WAIT)
+    source = DnsSource("vllm.test", port, interval=0.02, resolve=zone.resolve, models=("m-1",))
+    reconciler.start(source)
+    try:
+        assert await reconciler.wait_synced(WAIT)
+        assert {b.name: b.spec.models for b in router.fleet.backends.values()} == {
+            f"127.0.0.1:{port}": ("m-1",),
+            f"0::1:{port}": ("m-1",),
+        }
+        assert list(router.fleet.pools) == ["m-1"]
+    finally:
+        await reconciler.close()
+        await control.close()

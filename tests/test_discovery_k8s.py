@@ -45,10 +45,15 @@ def name_of(backend: Backend) -> str:
 
 
 def slice_for(
-    slice_name: str, backend: Backend, service: str = "vllm", **conditions: Any
+    slice_name: str,
+    backend: Backend,
+    service: str = "vllm",
+    labels: dict[str, str] | None = None,
+    **conditions: Any,
 ) -> dict[str, Any]:
     ports = [dict(PORTS[0], port=port_of(backend)), PORTS[1]]
-    return slice_object(slice_name, service, [endpoint_entry("127.0.0.1", **conditions)], ports)
+    entries = [endpoint_entry("127.0.0.1", **conditions)]
+    return slice_object(slice_name, service, entries, ports, labels=labels)
 
 
 @pytest.fixture
@@ -82,7 +87,9 @@ async def watch(kube: FakeKube, ca: trustme.CA) -> AsyncIterator[Watch]:
     """``reconciler, source, control = await watch(router)``: discovery running, synced."""
     started: list[tuple[Reconciler, K8sSource, RouterControl]] = []
 
-    async def start(router: Router, **options: Any) -> tuple[Reconciler, K8sSource, RouterControl]:
+    async def start(
+        router: Router, source_options: dict[str, Any] | None = None, **options: Any
+    ) -> tuple[Reconciler, K8sSource, RouterControl]:
         control = RouterControl(router)
         source = K8sSource(
             auth_for(kube, ca),
@@ -90,6 +97,7 @@ async def watch(kube: FakeKube, ca: trustme.CA) -> AsyncIterator[Watch]:
             service="vllm",
             port_name="http",
             backoff=Backoff(0.02, 0.2),
+            **(source_options or {}),
         )
         reconciler = Reconciler(control, drain_timeout=WAIT, **options)
         started.append((reconciler, source, control))
@@ -188,6 +196,41 @@ async def test_several_slices_merge_and_an_address_in_two_serves_if_either_says_
     router = await start_router([], **ROUTER)
     await watch(router)
     assert states(router) == {name_of(a): "active", name_of(b): "active"}
+
+
+async def test_a_slice_label_names_its_backends_model_and_a_relabel_replaces_them(
+    kube: FakeKube, watch: Watch, backends: StartBackend, start_router: StartRouter
+) -> None:
+    a, b, c = await backends(echo), await backends(echo), await backends(echo)
+    kube.put_slice(slice_for("vllm-a", a, labels={"model": "model-a"}))
+    kube.put_slice(slice_for("vllm-b", b, labels={"model": "model-b"}))
+    kube.put_slice(slice_for("vllm-c", c))  # no label: the source's models
+    router = await start_router([], **ROUTER)
+    source_options = {"model_label": "model", "models": ("model-z",)}
+    reconciler, _, control = await watch(router, source_options)
+
+    def pools() -> dict[str, tuple[str, ...]]:
+        return {model: pool.members for model, pool in router.fleet.pools.items()}
+
+    assert pools() == {
+        "model-a": (name_of(a),),
+        "model-b": (name_of(b),),
+        "model-z": (name_of(c),),
+    }
+    assert {v.name: v.models for v in await control.backends()} == {
+        name_of(a): ["model-a"],
+        name_of(b): ["model-b"],
+        name_of(c): ["model-z"],
+    }
+    # The Service of b now serves model-a: b is drained out and joins again with it.
+    kube.put_slice(slice_for("vllm-b", b, labels={"model": "model-a"}))
+    await converged(
+        reconciler,
+        lambda: (
+            pools()
+            == {"model-a": tuple(sorted((name_of(a), name_of(b)))), "model-z": (name_of(c),)}
+        ),
+    )
 
 
 async def test_a_list_in_pages_follows_the_continue_token(

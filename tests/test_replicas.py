@@ -374,6 +374,50 @@ async def test_etcd_killed_and_restarted_under_load_fails_no_request(
             await stop(proc)
 
 
+async def test_models_declared_through_one_replica_route_every_replica_by_pool(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a, b, c = await backends(echo), await backends(echo), await backends(echo)
+    routers = []
+    for i in range(2):  # the first seeds the fleet: a serves model-a, b model-b
+        flags = ["--etcd", etcd.url, "--etcd-prefix", "/models/", "--replica-id", f"r{i}"]
+        flags += ["--strategy", "prefix", "--no-health-checks"]
+        flags += ["--backend", f"{a.name}={a.url},model=model-a"]
+        flags += ["--backend", f"{b.name}={b.url},model=model-b"]
+        routers.append(await spawn_router(*flags))
+
+    async def ask(http: aiohttp.ClientSession, port: int, model: str, prompt: str) -> int:
+        body = {"model": model, "prompt": prompt}
+        async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"name": c.name, "url": c.url, "models": ["model-a"]}
+            status, added = await admin_call(http, routers[0][0], "POST", "/admin/backends", body)
+            assert status == 201, added
+
+            async def has_c() -> bool:
+                status, view = await admin_call(
+                    http, routers[1][0], "GET", f"/admin/backends/{c.name}"
+                )
+                return status == 200 and view["models"] == ["model-a"]
+
+            await until(has_c)
+            for i in range(20):
+                _, port = routers[i % 2]
+                assert await ask(http, port, "model-b", f"question {i}") == 200
+                assert await ask(http, port, "model-a", f"question {i}") == 200
+                assert await ask(http, port, "model-c", f"question {i}") == 404
+            assert len(b.requests) == 20  # every model-b request, none of model-a's
+            assert len(a.requests) + len(c.requests) == 20
+            assert c.requests  # the backend added through r0 serves model-a on both
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
 async def test_a_responses_api_follow_up_through_another_replica_lands_where_its_state_is(
     etcd: EtcdServer, sim_fleet: SimFleet
 ) -> None:

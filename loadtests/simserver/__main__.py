@@ -34,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count", type=int, default=1, help="instances to run in this process")
     p.add_argument("--model", default=c.model, help="served model name")
     p.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="answer 404 to a request naming another model, as vLLM does",
+    )
+    p.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=t.prefill_tokens_per_s,
@@ -118,6 +123,7 @@ def configs_from(args: argparse.Namespace) -> list[SimConfig]:
         limits=Limits(args.default_max_tokens, args.max_tokens_cap, args.max_model_len),
         extra_ttft_s=args.extra_ttft_ms / 1000,
         extra_token_s=args.extra_token_ms / 1000,
+        strict_model=args.strict_model,
     )
     if args.count == 1:
         return [base]

@@ -29,6 +29,9 @@ Contract
   ``wire``) are answered at once and touch neither the engine nor its counters.
   A peer router's gRPC probe (an HTTP/2 preface) gets aiohttp's 400 and one log
   line on ``loadtests.simserver.http`` instead of a traceback.
+- ``/v1/models`` lists ``model``; with ``strict_model`` a chat or completion
+  request naming another model gets vLLM's 404 (``The model `X` does not
+  exist.``), so a router that sends it to the wrong pool fails a test.
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ class SimConfig:
     limits: wire.Limits = field(default_factory=wire.Limits)
     extra_ttft_s: float = 0.0
     extra_token_s: float = 0.0
+    # vLLM answers 404 to a request that names another model than the one it
+    # serves; off by default, as the workloads send any name.
+    strict_model: bool = False
     responses_stored: int = 1024  # the Responses API store's bound (vLLM's has none)
 
     def __post_init__(self) -> None:
@@ -269,6 +275,9 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return await handler(request)
     except wire.BadRequest as exc:
         return _json(400, wire.error_body(exc.message, "invalid_request_error", exc.param))
+    except _UnknownModel as exc:
+        message = f"The model `{exc}` does not exist."
+        return _json(404, wire.error_body(message, "NotFoundError", "model"))
     except responses.NotFound as exc:
         return _json(404, responses.not_found_body(exc.response_id))
     except web.HTTPException as exc:
@@ -284,15 +293,29 @@ async def _body(request: web.Request) -> Any:
     return wire.decode_json(await request.read())
 
 
+async def _generation_body(request: web.Request) -> Any:
+    """The body of a generation request; 404 for another model (``strict_model``)."""
+    body = await _body(request)
+    config = request.app[INSTANCE].config
+    model = body.get("model") if isinstance(body, dict) else None
+    if config.strict_model and model is not None and model != config.model:
+        raise _UnknownModel(model)
+    return body
+
+
+class _UnknownModel(Exception):
+    """A request for another model than the one served (``strict_model``)."""
+
+
 async def _chat(request: web.Request) -> web.StreamResponse:
     instance = request.app[INSTANCE]
-    gen = wire.parse_chat(await _body(request), instance.config.limits)
+    gen = wire.parse_chat(await _generation_body(request), instance.config.limits)
     return await _serve(request, instance, gen, "chat")
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     instance = request.app[INSTANCE]
-    gen = wire.parse_completion(await _body(request), instance.config.limits)
+    gen = wire.parse_completion(await _generation_body(request), instance.config.limits)
     return await _serve(request, instance, gen, "text")
 
 

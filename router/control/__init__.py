@@ -33,6 +33,7 @@ __all__ = [
     "Decisions",
     "DrainView",
     "Invalid",
+    "ModelView",
     "NotFound",
     "NotSaved",
     "ResponseStats",
@@ -98,6 +99,7 @@ class BackendView(msgspec.Struct, frozen=True):
     num_requests_running: float | None = None
     num_requests_waiting: float | None = None
     kv_cache_usage: float | None = None
+    models: list[str] = msgspec.field(default_factory=list)  # served; empty: any model
 
 
 class DrainView(msgspec.Struct, frozen=True):
@@ -120,6 +122,14 @@ class Totals(msgspec.Struct, frozen=True):
     in_flight: int
     errors: int
     no_backend: int  # answered 502/503 because no backend could take them
+
+
+class ModelView(msgspec.Struct, frozen=True):
+    """A model pool: a declared model, or (``id`` None) any model nobody declares."""
+
+    id: str | None
+    backends: list[str]  # that serve it: those declaring it and those declaring none
+    requests: int  # routed over this pool since start (404s for unknown models not included)
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -149,6 +159,7 @@ class Stats(msgspec.Struct, frozen=True):
     totals: Totals
     decisions: Decisions
     workers: list[WorkerView] = msgspec.field(default_factory=list)  # empty: one process
+    models: list[ModelView] = msgspec.field(default_factory=list)  # empty: none declared
     responses: ResponseStats = msgspec.field(default_factory=ResponseStats)
 
 

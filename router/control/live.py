@@ -27,8 +27,10 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
-from ..fleet import AdminState, Backend
+from ..fleet import ANY_MODEL, AdminState, Backend
 from ..log import get_logger
 from ..metrics import percentile
 from ..selfaddr import Listener, own_listener
@@ -40,6 +42,7 @@ from . import (
     Decisions,
     DrainView,
     Invalid,
+    ModelView,
     NotFound,
     NotSaved,
     ResponseStats,
@@ -71,8 +74,7 @@ def snapshot(router: Router) -> State:
     return State(
         version=1,
         backends=[
-            SavedBackend(b.name, b.url, b.weight, b.state.value, b.spec.health)
-            for b in router.fleet.backends.values()
+            SavedBackend.of(b.spec, b.state.value, b.weight) for b in router.fleet.backends.values()
         ],
         routing=router.balancer.config,
     )
@@ -175,12 +177,26 @@ class RouterControl:
                 other=sum(decisions.values()) - primary - overflow - fallback,
             ),
             workers=self._workers.views() if self._workers is not None else [],
+            models=self._models(),
             responses=ResponseStats(
                 **router.responses.counts(),
                 held=len(router.responses),
                 capacity=router.responses.capacity,
             ),
         )
+
+    def _models(self) -> list[ModelView]:
+        fleet = self._router.fleet
+        counts = self._router.recorder.models
+        pools = fleet.models() + ([fleet.any_model] if fleet.any_model is not None else [])
+        return [
+            ModelView(
+                pool.model if pool.model != ANY_MODEL else None,
+                list(pool.members),
+                counts[pool.model],
+            )
+            for pool in pools
+        ]
 
     def _get(self, name: str) -> Backend:
         backend = self._router.fleet.backends.get(name)
@@ -214,6 +230,7 @@ class RouterControl:
             num_requests_running=scraped.running if scraped else None,
             num_requests_waiting=scraped.waiting if scraped else None,
             kv_cache_usage=scraped.kv_usage if scraped else None,
+            models=list(backend.spec.models),
         )
 
     # -- changes -------------------------------------------------------------------
@@ -269,7 +286,7 @@ class RouterControl:
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
-            saved = SavedBackend(spec.name, spec.url, spec.weight, "active", spec.health)
+            saved = SavedBackend.of(spec)
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
@@ -284,7 +301,7 @@ class RouterControl:
             weight = backend.weight if patch.weight is None else patch.weight
             state = backend.state.value if patch.state is None else patch.state
             backends = [
-                SavedBackend(s.name, s.url, weight, state, s.health) if s.name == name else s
+                msgspec.structs.replace(s, weight=weight, state=state) if s.name == name else s
                 for s in snapshot(self._router).backends
             ]
             await self._persist(self._state_with(backends=backends))
@@ -315,9 +332,7 @@ class RouterControl:
             drain = self._drains.get(name)
             if drain is None:
                 backends = [
-                    SavedBackend(s.name, s.url, s.weight, "draining", s.health)
-                    if s.name == name
-                    else s
+                    msgspec.structs.replace(s, state="draining") if s.name == name else s
                     for s in snapshot(self._router).backends
                 ]
                 await self._persist(self._state_with(backends=backends))

@@ -27,6 +27,8 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..config import BackendSpec, RoutingConfig
 from ..etcd import EtcdError, OutcomeUnknown
 from ..fleet import AdminState
@@ -96,7 +98,8 @@ class ReplicatedControl(RouterControl):
             return [] if backend is None else [RemoveBackend(name)]
         if backend is None:
             return self._diff_new(saved)
-        if backend.url != saved.url or backend.spec.health != saved.health:
+        spec = backend.spec
+        if (spec.url, spec.health, spec.models) != (saved.url, saved.health, saved.models):
             return [RemoveBackend(name), *self._diff_new(saved)]
         ops: list[Op] = []
         if backend.weight != saved.weight:
@@ -147,7 +150,7 @@ class ReplicatedControl(RouterControl):
         await self.refuse_own_address(spec)
         store = self.store
         assert store is not None
-        saved = SavedBackend(spec.name, spec.url, spec.weight, "active", spec.health)
+        saved = SavedBackend.of(spec)
         await self._write(store.add_backend(saved))
         log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
         return await self.backend(spec.name)
@@ -158,7 +161,7 @@ class ReplicatedControl(RouterControl):
         saved = self._saved(name)
         weight = saved.weight if patch.weight is None else patch.weight
         state = saved.state if patch.state is None else patch.state
-        changed = SavedBackend(saved.name, saved.url, weight, state, saved.health)
+        changed = msgspec.structs.replace(saved, weight=weight, state=state)
         if changed != saved:
             await self._write(store.update_backend(changed))
             if state == "active":
@@ -180,9 +183,7 @@ class ReplicatedControl(RouterControl):
         if drain is None:
             saved = self._saved(name)
             if saved.state != "draining":
-                draining = SavedBackend(
-                    saved.name, saved.url, saved.weight, "draining", saved.health
-                )
+                draining = msgspec.structs.replace(saved, state="draining")
                 await self._write(store.update_backend(draining))
             drain = self._etcd_drains[name] = _Drain(timeout)
             drain.task = asyncio.create_task(self._drain_everywhere(name, drain, store.revision))

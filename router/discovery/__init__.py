@@ -6,6 +6,11 @@ Contract:
   until cancelled, calling ``sink.publish(snapshot)`` whenever its view may
   have changed and ``sink.failed(reason)`` whenever it cannot tell (API down,
   DNS error, a watch lost); it retries on its own with ``Backoff``.
+- An endpoint carries the models it serves (``models``: the source's
+  ``--discover-model`` list, or for Kubernetes the value of the slice's
+  ``--k8s-model-label`` label); they are its backend's ``BackendSpec.models``.
+  A backend whose url or models change is replaced: drained out, then the
+  latest snapshot is applied again (counted as one more), which adds it back.
 - Names are a function of the endpoint alone (``endpoint``: ``<ip>:<port>``),
   so every replica watching the same source builds the same ring, and a name
   never changes its url (a pod that comes back on another IP is another
@@ -74,20 +79,22 @@ class Endpoint(msgspec.Struct, frozen=True):
     name: str
     url: str
     serving: bool  # False: terminating or not serving -> draining
+    models: tuple[str, ...] = ()  # served; empty: any
 
 
-def endpoint(host: str, port: int, serving: bool) -> Endpoint:
+def endpoint(host: str, port: int, serving: bool, models: tuple[str, ...] = ()) -> Endpoint:
     """The endpoint at ``host:port``, named ``<ip>:<port>`` (deterministic)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:  # a host name (an FQDN EndpointSlice)
-        return Endpoint(f"{host.rstrip('.')}:{port}", f"http://{host.rstrip('.')}:{port}", serving)
+        host = host.rstrip(".")
+        return Endpoint(f"{host}:{port}", f"http://{host}:{port}", serving, models)
     text = address.compressed
     if address.version == 6:
         # A backend name starts with a letter or digit: "::1" is written "0::1".
         name = f"0{text}:{port}" if text.startswith(":") else f"{text}:{port}"
-        return Endpoint(name, f"http://[{text}]:{port}", serving)
-    return Endpoint(f"{text}:{port}", f"http://{text}:{port}", serving)
+        return Endpoint(name, f"http://[{text}]:{port}", serving, models)
+    return Endpoint(f"{text}:{port}", f"http://{text}:{port}", serving, models)
 
 
 class Sink(Protocol):
@@ -145,6 +152,7 @@ class Reconciler:
         self._down_since: float | None = None
         self._health_timer: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._replacing: dict[str, asyncio.Task[None]] = {}  # drained out to join again
 
     # -- the sink ------------------------------------------------------------
 
@@ -223,7 +231,8 @@ class Reconciler:
         return self._published
 
     async def close(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = [*self._tasks, *self._replacing.values()], []
+        self._replacing = {}
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -264,7 +273,9 @@ class Reconciler:
         removals: list[str] = []
         for name in sorted(set(current) | set(wanted)):
             want, have = wanted.get(name), current.get(name)
-            if want is None or (have is not None and have.url != want.url):
+            if want is None or (
+                have is not None and (have.url, have.models) != (want.url, list(want.models))
+            ):
                 # Gone; or a name from another setup (a state file): drained out, and
                 # the resync adds the endpoint once the name is free.
                 removals.append(name)
@@ -277,15 +288,30 @@ class Reconciler:
         for name in drains:
             await self._change(name, control.update_backend(name, BackendPatch(state="draining")))
         for name in removals:
+            if name in wanted:  # another url or models: out, then in again
+                if name not in self._replacing:
+                    self._replacing[name] = asyncio.create_task(self._replace(name))
+                continue
             # Idempotent: a backend already draining out keeps its drain.
             await self._change(
                 name, control.remove_backend(name, timeout=self.drain_timeout, wait=False)
             )
 
+    async def _replace(self, name: str) -> None:
+        removal = self.control.remove_backend(name, timeout=self.drain_timeout, wait=True)
+        try:
+            await self._change(name, removal)
+        finally:
+            self._replacing.pop(name, None)
+        self._published += 1  # the latest snapshot again: it joins as it is now
+        self._wake.set()
+
     async def _join(self, want: Endpoint, present: bool) -> object:
         if present:  # draining: set active again (cancels a drain under way)
             return await self.control.update_backend(want.name, BackendPatch(state="active"))
-        spec = msgspec.convert({"name": want.name, "url": want.url}, BackendSpec)
+        spec = msgspec.convert(
+            {"name": want.name, "url": want.url, "models": want.models}, BackendSpec
+        )
         return await self.control.add_backend(spec)
 
     @staticmethod

@@ -59,8 +59,10 @@ class DnsSource:
         *,
         interval: float = 5.0,
         resolve: Resolve = system_resolve,
+        models: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.models = models  # every address serves these
         self.port = port
         self.interval = interval
         self.resolve = resolve
@@ -80,7 +82,7 @@ class DnsSource:
                 await asyncio.sleep(self.backoff.next())
                 continue
             self.backoff.reset()
-            found = (endpoint(address, self.port, True) for address in addresses)
+            found = (endpoint(address, self.port, True, self.models) for address in addresses)
             sink.publish({e.name: e for e in found})
             await asyncio.sleep(self.interval)
 

@@ -13,7 +13,10 @@ Contract:
   named ``port_name`` (any single port when none is named; a slice without
   that port is skipped, logged).  It is serving iff ``conditions.serving``
   (absent: ``ready``; both absent: true) and not ``conditions.terminating``.
-  Names are ``<ip>:<port>`` (``router.discovery.endpoint``).
+  Names are ``<ip>:<port>`` (``router.discovery.endpoint``).  Its models:
+  the value of the slice's ``model_label`` label when it has one (the
+  EndpointSlice controller copies a Service's labels to its slices), else
+  ``models``.
 - resourceVersion: the list's starts the watch; every event and BOOKMARK
   moves it on, so a watch that ends (``timeoutSeconds``, a closed stream) is
   re-opened from where it stopped without a re-list.  ``410 Gone`` (an HTTP
@@ -233,6 +236,7 @@ class _Port(msgspec.Struct):
 class _Meta(msgspec.Struct, rename="camel"):
     name: str = ""
     resource_version: str = ""
+    labels: dict[str, str] | None = None
 
 
 class _Slice(msgspec.Struct, rename="camel"):
@@ -278,6 +282,8 @@ class K8sSource:
         service: str | None = None,
         selector: str | None = None,
         port_name: str | None = None,
+        models: tuple[str, ...] = (),
+        model_label: str | None = None,
         watch_timeout: int = 290,
         request_timeout: float = 10.0,
         page_size: int = 500,
@@ -289,6 +295,8 @@ class K8sSource:
         self.namespace = namespace
         self.selector = f"{SERVICE_NAME_LABEL}={service}" if service is not None else selector
         self.port_name = port_name
+        self.models = models
+        self.model_label = model_label
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
         self.page_size = page_size
@@ -455,6 +463,10 @@ class K8sSource:
         port = self._port(item)
         if port is None:
             return {}
+        models = self.models
+        labels = item.metadata.labels or {}
+        if self.model_label is not None and labels.get(self.model_label):
+            models = (labels[self.model_label],)
         found: dict[str, Endpoint] = {}
         for entry in item.endpoints or ():
             conditions = entry.conditions
@@ -463,7 +475,7 @@ class K8sSource:
                 serving = conditions.ready is not False
             serving = serving and not conditions.terminating
             for address in entry.addresses:
-                discovered = endpoint(address, port, serving)
+                discovered = endpoint(address, port, serving, models)
                 if discovered.name not in found or serving:
                     found[discovered.name] = discovered
         return found

@@ -24,10 +24,12 @@ __all__ = ["converged", "post", "states"]
 async def converged(reconciler: Reconciler, predicate: Callable[[], bool]) -> None:
     async with asyncio.timeout(WAIT):
         while True:
-            await reconciler.wait_applied(reconciler.published)
+            # Read once: a snapshot that comes during the check is the one awaited next.
+            seen = reconciler.published
+            await reconciler.wait_applied(seen)
             if predicate():
                 return
-            await reconciler.wait_applied(reconciler.published + 1)
+            await reconciler.wait_applied(seen + 1)
 
 
 async def post(router: Router, key: bytes) -> int:

@@ -89,8 +89,10 @@ def slice_object(
     *,
     namespace: str = "default",
     address_type: str = "IPv4",
+    labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """An EndpointSlice as ``kubectl get endpointslice -o json`` shows one (no version yet)."""
+    """An EndpointSlice as ``kubectl get endpointslice -o json`` shows one (no version
+    yet); ``labels``: more labels, as its Service's are copied to it."""
     return {
         "kind": "EndpointSlice",
         "apiVersion": GROUP,
@@ -104,6 +106,7 @@ def slice_object(
             "labels": {
                 "kubernetes.io/service-name": service,
                 "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                **(labels or {}),
             },
             "ownerReferences": [
                 {
