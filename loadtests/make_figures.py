@@ -1,7 +1,7 @@
 """The figures in the README and RESULTS.md, drawn again from scratch: ``make figures``.
 
 ``python -m loadtests.make_figures [--out loadtests/figures] [--ladder PROXYBENCH_JSON]
-[--duration 3600] [--instances 7] [--seed 1] [--only routing|ladder]``
+[--duration 3600] [--instances 7] [--seed 1] [--only routing|replicas|ladder]``
 
 Contract
 --------
@@ -169,6 +169,12 @@ NOT_SHARED = "each router its own state"
 SHARED = f"routers share state every {SHARE_PERIOD:g} s"
 
 
+def _minor_label(value: float, _pos: object = None) -> str:
+    """0.02, 0.03, 0.05, 0.2, ... on a log axis; the other minor ticks unlabelled."""
+    digit = f"{value:.0e}"[0]
+    return f"{value:g}" if digit in "235" else ""
+
+
 def replicas_figure(
     out: Path, *, duration: float, instances: int, seed: int, replicas: Sequence[int] = REPLICAS
 ) -> tuple[Path, str]:
@@ -217,7 +223,7 @@ def replicas_figure(
     p90_ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 0.05, 1 rather than 10^0
     p90_ax.yaxis.set_major_formatter(plain)
-    p90_ax.yaxis.set_minor_formatter(plain)
+    p90_ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
     for ax in (hit_ax, p90_ax):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(FixedLocator(list(replicas)))
@@ -331,24 +337,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3600.0, help="model seconds of arrivals")
     p.add_argument("--instances", type=int, default=7)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--only", choices=("routing", "ladder"), default=None, help="draw one kind only")
+    p.add_argument(
+        "--only",
+        choices=("routing", "replicas", "ladder"),
+        default=None,
+        help="draw one kind only (routing: the one-router figures; replicas: long-replicas.png)",
+    )
     args = p.parse_args(argv)
     if args.instances < 1 or args.duration <= 0:
         p.error("--instances must be >= 1 and --duration > 0")
     started = time.perf_counter()
     written: list[Path] = []
-    if args.only != "ladder":
+    if args.only in (None, "routing"):
         paths, tables = routing_figures(
             args.out, duration=args.duration, instances=args.instances, seed=args.seed
         )
         written += paths
         print(tables)
+    if args.only in (None, "replicas"):
         path, table = replicas_figure(
             args.out, duration=args.duration, instances=args.instances, seed=args.seed
         )
         written.append(path)
         print(table)
-    if args.only != "routing":
+    if args.only in (None, "ladder"):
         written.append(ladder(args.ladder, args.out))
     for path in written:
         print(f"wrote {path} ({path.stat().st_size // 1024} KiB)", file=sys.stderr)
