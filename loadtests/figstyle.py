@@ -48,6 +48,10 @@ _EXACT = {
     "PREFIX_AWARE PREFILL": "#cc6677",
     "PREFIX_AWARE TRAFFIC PREFILL": OURS,
     "prefix-router": OURS,
+    # make_figures' routers in front of one fleet: sharing state is the
+    # recommended setting working; each its own state is the failure it fixes.
+    "routers share state every 0.1 s": OURS,
+    "each router its own state": "#cc6677",
     "sglang-router cache_aware": "#e69f00",
     "vllm-router cache_aware": "#009e73",
     "vllm-router consistent_hash": "#7fcdb3",

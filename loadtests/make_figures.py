@@ -1,7 +1,7 @@
 """The figures in the README and RESULTS.md, drawn again from scratch: ``make figures``.
 
 ``python -m loadtests.make_figures [--out loadtests/figures] [--ladder PROXYBENCH_JSON]
-[--duration 3600] [--instances 7] [--seed 1] [--only routing|ladder]``
+[--duration 3600] [--instances 7] [--seed 1] [--only routing|replicas|ladder]``
 
 Contract
 --------
@@ -17,6 +17,12 @@ Contract
   AWS share range shaded). ``sysprompt``: RANDOM, PREFIX_AWARE, PREFIX_AWARE
   PREFILL (ConcurrencyScope PREFILL alone: the hot spot) and PREFIX_AWARE
   TRAFFIC PREFILL (its hot-key replicas) give ``sysprompt-shares.png``.
+- ``long-replicas.png`` (issue 12): ``long`` under the recommended setting
+  with R = 1, 2, 4, 8 routers in front of the same instances, each router
+  its own state or sharing it every 0.1 s (``offline --replicas R
+  [--share-loads 0.1]``): hit rate and TTFT P90 against R, the rows of
+  RESULTS.md's "Several routers, one routing state" table. R = 1 shares
+  nothing whatever the flag, so it is run once.
 - ``proxy_ladder.png`` is drawn from a saved ``loadtests/proxybench.py`` JSON
   (``--ladder``; by default the 2026-11-29 19:04 UTC run of RESULTS.md,
   transcribed next to the figures): the proxy's CPU per request on (a), (b),
@@ -44,7 +50,16 @@ from .figstyle import color, save
 from .offline import markdown_with_notes, route_keys, simulate
 from .workloads import FLEET
 
-__all__ = ["DEFAULT_LADDER", "FIGURES", "Figures", "Setting", "ladder", "main", "routing_figures"]
+__all__ = [
+    "DEFAULT_LADDER",
+    "FIGURES",
+    "Figures",
+    "Setting",
+    "ladder",
+    "main",
+    "replicas_figure",
+    "routing_figures",
+]
 
 HERE = Path(__file__).resolve().parent / "figures"
 DEFAULT_LADDER = HERE / "proxybench-20261129-1904.json"
@@ -63,8 +78,15 @@ class Setting:
 
 RANDOM = Setting("RANDOM", "RANDOM", {})
 LEAST = Setting("LEAST_OUTSTANDING_REQUESTS", "LEAST_OUTSTANDING_REQUESTS", {})
-PREFIX = Setting("PREFIX_AWARE", "PREFIX_AWARE", {})
-PREFILL = Setting("PREFIX_AWARE PREFILL", "PREFIX_AWARE", {"ConcurrencyScope": "PREFILL"})
+# Explicit, not the defaults: the defaults became TRAFFIC + PREFILL after these
+# figures were drawn, and the figures keep showing SageMaker's semantics.
+SAGEMAKER = {"BalanceMode": "IN_FLIGHT", "ConcurrencyScope": "IN_FLIGHT"}
+PREFIX = Setting("PREFIX_AWARE", "PREFIX_AWARE", SAGEMAKER)
+PREFILL = Setting(
+    "PREFIX_AWARE PREFILL",
+    "PREFIX_AWARE",
+    {"BalanceMode": "IN_FLIGHT", "ConcurrencyScope": "PREFILL"},
+)
 RECOMMENDED = Setting(
     "PREFIX_AWARE TRAFFIC PREFILL",
     "PREFIX_AWARE",
@@ -136,6 +158,98 @@ def routing_figures(
         )
         tables.append(f"### {workload}\n\n{markdown_with_notes(runs)}")
     return written, "\n".join(tables)
+
+
+# ---------------------------------------------------------------- routers in front of one fleet
+
+REPLICAS = (1, 2, 4, 8)
+# The live in-flight publish period (README, "Several workers and replicas").
+SHARE_PERIOD = 0.1
+NOT_SHARED = "each router its own state"
+SHARED = f"routers share state every {SHARE_PERIOD:g} s"
+
+
+def _minor_label(value: float, _pos: object = None) -> str:
+    """0.02, 0.03, 0.05, 0.2, ... on a log axis; the other minor ticks unlabelled."""
+    digit = f"{value:.0e}"[0]
+    return f"{value:g}" if digit in "235" else ""
+
+
+def replicas_figure(
+    out: Path, *, duration: float, instances: int, seed: int, replicas: Sequence[int] = REPLICAS
+) -> tuple[Path, str]:
+    """``long-replicas.png`` in ``out`` (see the module contract); its path and table."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    params = FLEET["long"]
+    requests = workloads.build(
+        "long", seed=seed, duration=duration, rate=params.rate_for(instances)
+    )
+    config = parse_routing(
+        {"RoutingStrategy": RECOMMENDED.strategy, "PrefixAwareRoutingConfig": RECOMMENDED.prefix}
+    )
+    hashes = route_keys(requests, config.prefix_aware.prefix_length)
+    figures: dict[str, list[tuple[int, dict[str, Any]]]] = {NOT_SHARED: [], SHARED: []}
+    for count in replicas:
+        for label, period in ((NOT_SHARED, None), (SHARED, SHARE_PERIOD)):
+            if count == 1 and figures[NOT_SHARED]:  # one router: nothing to share
+                figures[label].append(figures[NOT_SHARED][-1])
+                continue
+            outcome = simulate(
+                requests,
+                config,
+                instances=instances,
+                params=params,
+                seed=seed,
+                hashes=hashes,
+                target=label,
+                replicas=count,
+                share_period=period,
+            )
+            figures[label].append((count, report.summarize(outcome.run)))
+            print(f"  long {count} routers, {label}: {outcome.wall_s:.1f} s", file=sys.stderr)
+
+    fig = Figure(figsize=(9, 3.9), layout="constrained")
+    hit_ax, p90_ax = fig.subplots(1, 2)
+    for label, points in figures.items():
+        xs = [count for count, _ in points]
+        style = {"color": color(label), "marker": "o", "lw": 1.6, "label": label}
+        hit_ax.plot(xs, [100 * s["hit_rate"] for _, s in points], **style)
+        p90_ax.plot(xs, [s["ttft_p90"] for _, s in points], **style)
+    hit_ax.set_title("hit rate (share of prompt tokens)", fontsize=10)
+    hit_ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.4g} %"))
+    p90_ax.set_title("TTFT P90 (s, log scale)", fontsize=10)
+    p90_ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 0.05, 1 rather than 10^0
+    p90_ax.yaxis.set_major_formatter(plain)
+    p90_ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
+    for ax in (hit_ax, p90_ax):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(list(replicas)))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(plain)
+        ax.set_xlabel("routers in front of the same instances")
+        ax.grid(True, alpha=0.3)
+        ax.set_axisbelow(True)
+    fig.legend(*hit_ax.get_legend_handles_labels(), loc="outside lower center", ncols=2,
+               frameon=False)  # fmt: skip
+    fig.suptitle(
+        f"Several routers, {RECOMMENDED.label} (the default)\n"
+        f"long workload, {instances} instances, offline, {duration:g} model s, seed {seed}",
+        fontsize=11,
+    )
+    path = save(fig, out / "long-replicas.png")
+    lines = [
+        "### long, R routers",
+        "",
+        f"| routers | {NOT_SHARED}: hit / P90 s | {SHARED}: hit / P90 s |",
+        "|---|---|---|",
+    ]
+    for (count, alone), (_, shared) in zip(figures[NOT_SHARED], figures[SHARED], strict=True):
+        cells = [f"{100 * s['hit_rate']:.1f} % / {s['ttft_p90']:.3f}" for s in (alone, shared)]
+        lines.append(f"| {count} | {cells[0]} | {cells[1]} |")
+    return path, "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- the proxy ladder
@@ -223,19 +337,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3600.0, help="model seconds of arrivals")
     p.add_argument("--instances", type=int, default=7)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--only", choices=("routing", "ladder"), default=None, help="draw one kind only")
+    p.add_argument(
+        "--only",
+        choices=("routing", "replicas", "ladder"),
+        default=None,
+        help="draw one kind only (routing: the one-router figures; replicas: long-replicas.png)",
+    )
     args = p.parse_args(argv)
     if args.instances < 1 or args.duration <= 0:
         p.error("--instances must be >= 1 and --duration > 0")
     started = time.perf_counter()
     written: list[Path] = []
-    if args.only != "ladder":
+    if args.only in (None, "routing"):
         paths, tables = routing_figures(
             args.out, duration=args.duration, instances=args.instances, seed=args.seed
         )
         written += paths
         print(tables)
-    if args.only != "routing":
+    if args.only in (None, "replicas"):
+        path, table = replicas_figure(
+            args.out, duration=args.duration, instances=args.instances, seed=args.seed
+        )
+        written.append(path)
+        print(table)
+    if args.only in (None, "ladder"):
         written.append(ladder(args.ladder, args.out))
     for path in written:
         print(f"wrote {path} ({path.stat().st_size // 1024} KiB)", file=sys.stderr)

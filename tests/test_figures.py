@@ -26,6 +26,7 @@ FIGURES = [
     "long-shares.png",
     "long-hit_rate.png",
     "sysprompt-shares.png",
+    "long-replicas.png",
     "proxy_ladder.png",
 ]
 
@@ -56,6 +57,8 @@ def test_the_command_writes_every_figure(tmp_path: Path) -> None:
     assert "### long" in done.stdout
     assert "### sysprompt" in done.stdout
     assert "| PREFIX_AWARE TRAFFIC PREFILL |" in done.stdout
+    assert "### long, R routers" in done.stdout
+    assert "| 8 |" in done.stdout
 
 
 def test_the_committed_ladder_is_redrawn_byte_for_byte(tmp_path: Path) -> None:
