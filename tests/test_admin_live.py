@@ -214,7 +214,7 @@ async def test_growing_4_to_5_moves_only_the_newcomers_share_and_removing_moves_
     router = await start_router(sims[:4], routing=sagemaker())
     admin = await start_admin(router)
     url = f"http://127.0.0.1:{router.port}/invocations"
-    prompts = [f"distinct document {i}: " + "lorem ipsum " * 10 for i in range(2000)]
+    prompts = [f"distinct document {i}: " + "lorem ipsum " * 10 for i in range(1000)]
     before = await placements(url, prompts)
     assert set(before.values()) == {s.name for s in sims[:4]}
 
