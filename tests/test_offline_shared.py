@@ -22,9 +22,10 @@ from loadtests.workloads import FLEET, Request
 from router.config import RoutingConfig, parse_routing
 
 TRAFFIC_PREFILL = {"BalanceMode": "TRAFFIC", "ConcurrencyScope": "PREFILL"}
-# The deterministic PREFIX_AWARE settings: the default, a BalanceFactor, the
-# README's recommendation.
-SETTINGS = [{}, {"BalanceFactor": 1.2}, TRAFFIC_PREFILL]
+# The deterministic PREFIX_AWARE settings: SageMaker's in-flight threshold, with a
+# BalanceFactor, and the default (TRAFFIC + PREFILL).
+IN_FLIGHT = {"BalanceMode": "IN_FLIGHT", "ConcurrencyScope": "IN_FLIGHT"}
+SETTINGS = [IN_FLIGHT, {**IN_FLIGHT, "BalanceFactor": 1.2}, TRAFFIC_PREFILL]
 IDS = ["in-flight", "balance-factor", "traffic-prefill"]
 
 
@@ -39,6 +40,7 @@ def long_run() -> list[Request]:
     return workloads.build("long", seed=3, duration=120, rate=FLEET["long"].rate_for(4))
 
 
+@functools.cache  # deterministic, and read only: the one-router runs serve several tests
 def run(replicas: int, period: float | None, placement: str = "log", **prefix: object) -> Outcome:
     return simulate(
         long_run(),
@@ -215,7 +217,9 @@ def test_routers_sharing_exactly_route_as_one_router(
     assert figures(run(replicas, None, **prefix)) != figures(one)
 
 
-@pytest.mark.parametrize("prefix", [{}, TRAFFIC_PREFILL], ids=["in-flight", "traffic-prefill"])
+@pytest.mark.parametrize(
+    "prefix", [IN_FLIGHT, TRAFFIC_PREFILL], ids=["in-flight", "traffic-prefill"]
+)
 def test_a_period_longer_than_the_run_is_the_uncoordinated_run(prefix: dict[str, object]) -> None:
     # Router 0 publishes once, at 0, before any request; router 1 never does.
     assert figures(run(2, 1e6, **prefix)) == figures(run(2, None, **prefix))
