@@ -70,9 +70,19 @@ STALE_SCAN_REPLICAS = 1
 
 
 class SharedLoads(LoadTracker):
-    __slots__ = ("_others", "_others_total", "_view", "own")
+    __slots__ = (
+        "_bases",
+        "_extra_total",
+        "_others",
+        "_others_total",
+        "_rows",
+        "_step",
+        "_view",
+        "extrapolate",
+        "own",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, *, extrapolate: bool = False) -> None:
         super().__init__()
         # The inherited ``_counts`` is the own row, kept (with ``total`` and
         # ``on_idle``) by ``LoadTracker``; the view beside it adds the others' sum.
@@ -81,26 +91,38 @@ class SharedLoads(LoadTracker):
         self.counts = MappingProxyType(self._view)
         self._others: dict[str, int] = {}
         self._others_total = 0
+        self.extrapolate = extrapolate
+        # Each other row as last folded, and the own row when it was (its base).
+        self._rows: list[Mapping[str, int]] = []
+        self._bases: list[dict[str, int]] = []
+        self._step = 1  # what one own request adds to the view: 1 + the rows extrapolated
+        self._extra_total = 0  # the extrapolated part of ``total``
 
     @property
     def own_total(self) -> int:
-        return self.total - self._others_total
+        return self.total - self._others_total - self._extra_total
 
     def get(self, member: str) -> int:
         return self._view.get(member, 0)
 
     def acquire(self, member: str) -> Lease:
-        view = self._view
-        view[member] = view.get(member, 0) + 1
+        view, step = self._view, self._step
+        view[member] = view.get(member, 0) + step
+        if step != 1:
+            self._extra_total += step - 1
+            self.total += step - 1
         return super().acquire(member)
 
     def _release(self, member: str) -> None:
         view = self._view
-        left = view[member] - 1
-        if left:
-            view[member] = left
+        count = view.get(member, 0)
+        gone = min(self._step, count)  # an estimate never falls below zero
+        if count > gone:
+            view[member] = count - gone
         else:
-            del view[member]
+            view.pop(member, None)
+        self._extra_total -= gone - 1
+        self.total -= gone - 1
         super()._release(member)
 
     @property
@@ -108,7 +130,25 @@ class SharedLoads(LoadTracker):
         return MappingProxyType(self._others)
 
     def fold(self, rows: Iterable[Mapping[str, int]]) -> None:
-        """Replace the other replicas' part of the view by the sum of ``rows``."""
+        """Replace the other replicas' part of the view by the sum of ``rows``.
+
+        ``rows`` come in the same order at every call, one per other replica.
+        A row object not seen at this position before is a new publication:
+        with ``extrapolate``, the own row as it is now becomes that row's base,
+        and until its next publication the view adds, for each row, what the
+        own row gained since its base (see ``SharedLoads`` in the contract).
+        """
+        rows = list(rows)
+        own = self._counts
+        kept, bases = self._rows, self._bases
+        del kept[len(rows) :], bases[len(rows) :]
+        for i, row in enumerate(rows):
+            if i == len(kept):
+                kept.append(row)
+                bases.append(dict(own))
+            elif row is not kept[i]:
+                kept[i] = row
+                bases[i] = dict(own)
         others: dict[str, int] = {}
         for row in rows:
             for member, count in row.items():
@@ -120,9 +160,21 @@ class SharedLoads(LoadTracker):
         view = self._view
         view.clear()
         view.update(others)
-        for member, count in self._counts.items():
+        for member, count in own.items():
             view[member] = view.get(member, 0) + count
         self.total = own_total + self._others_total
+        self._extra_total = 0
+        if self.extrapolate:
+            for base in bases:
+                for member in own.keys() | base.keys():
+                    gained = own.get(member, 0) - base.get(member, 0)
+                    if gained:
+                        view[member] = view.get(member, 0) + gained
+            for member in [m for m, count in view.items() if count <= 0]:
+                del view[member]
+            self._extra_total = sum(view.values()) - self.total
+            self.total += self._extra_total
+            self._step = 1 + len(rows)
 
 
 # A home whose stamp was forgotten is older than any remembered.

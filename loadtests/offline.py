@@ -47,7 +47,10 @@ Contract
   says what the ``hashring.shared.PlacementLog`` publishes in the same
   message: ``log`` every decision (homes, shares and hot keys fleet-wide),
   ``homes`` new homes only, ``none`` nothing; with P > 0 and R > 1 hot keys
-  compare two of their replicas (``STALE_SCAN_REPLICAS``). Publications fall between
+  compare two of their replicas (``STALE_SCAN_REPLICAS``). With P > 0 and
+  ``share_extrapolate`` (the default, as live replicas do, ``router/replicas.py``)
+  each router adds to every other router's row what its own row gained since
+  that row was published. Publications fall between
   events: one due at or before an event's time is made before it. With
   R = 1 nothing is exchanged and the run is the plain one to the last digit;
   with P = 0 and ``log``, a deterministic strategy routes as one router.
@@ -155,6 +158,7 @@ class _Exchange:
         balancers: list[Balancer],
         period: float,
         placement: str,
+        extrapolate: bool = False,
     ):
         if period < 0:
             raise ValueError(f"share period must be >= 0, not {period}")
@@ -162,8 +166,9 @@ class _Exchange:
             raise ValueError(f"share placement must be one of {SHARE_PLACEMENT}, not {placement!r}")
         self.period = period
         self.fleets = fleets
-        self.loads = [SharedLoads() for _ in fleets]
-        self.waiting = [SharedLoads() for _ in fleets]
+        extrapolate = extrapolate and period > 0  # at period 0 the rows are current
+        self.loads = [SharedLoads(extrapolate=extrapolate) for _ in fleets]
+        self.waiting = [SharedLoads(extrapolate=extrapolate) for _ in fleets]
         for fleet, loads, waiting in zip(fleets, self.loads, self.waiting, strict=True):
             fleet.loads, fleet.waiting = loads, waiting
         placements: list[Placement | None] = [b._placement for b in balancers]
@@ -259,6 +264,7 @@ def simulate(
     replicas: int = 1,
     split_threshold: bool = False,
     share_period: float | None = None,
+    share_extrapolate: bool = True,
     share_placement: str = "log",
 ) -> Outcome:
     """Route and serve ``requests`` (sorted by arrival); see the module contract.
@@ -280,7 +286,7 @@ def simulate(
     fleets = [Fleet(specs) for _ in range(replicas)]
     balancers = [Balancer(f, per_router, seed=s) for f, s in zip(fleets, seeds, strict=True)]
     exchange = (
-        _Exchange(fleets, balancers, share_period, share_placement)
+        _Exchange(fleets, balancers, share_period, share_placement, extrapolate=share_extrapolate)
         if share_period is not None
         else None
     )
@@ -457,6 +463,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="TRAFFIC placement shared with --share-loads: every decision (log), "
         "new homes only (homes), or nothing",
     )
+    p.add_argument(
+        "--share-extrapolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --share-loads: each router adds, per other router, what its own "
+        "counts gained since that router's last publication, as live replicas do "
+        "(--no-share-extrapolate: the others' rows as published)",
+    )
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -522,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             split_threshold=args.replica_threshold == "split",
             share_period=args.share_loads,
             share_placement=args.share_placement,
+            share_extrapolate=args.share_extrapolate,
         )
         wall = time.perf_counter() - clock
         walls[outcome.run.target] = wall
@@ -540,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             "replica_threshold": args.replica_threshold,
             "share_loads": args.share_loads,
             "share_placement": args.share_placement,
+            "share_extrapolate": args.share_extrapolate,
             "form": args.form,
             "fleet": vars(params),
             "routing": [c.document() for c in configs],

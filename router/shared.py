@@ -171,6 +171,20 @@ class SharedTable:
         step = self.planes * self.stride
         return sum(self.cells[first : first + self.rows * step : step])
 
+    def plane_sums(self, plane: int, rows: int) -> memoryview:
+        """Each slot's count on ``plane`` summed over rows ``[0, rows)``, read now.
+
+        One integer per row, summed as 64-bit lanes (as ``SharedLoadTracker.fold``):
+        cells are never negative and far below 2**63, so no carry crosses a lane.
+        """
+        span = self.slots * CELL
+        mm = self._mm
+        summed = 0
+        for row in range(rows):
+            start = self.index(row, plane) * CELL
+            summed += int.from_bytes(mm[start : start + span], sys.byteorder)
+        return memoryview(summed.to_bytes(span, sys.byteorder)).cast("q")
+
     def zero_row(self, row: int) -> None:
         """Zero every plane of ``row`` (the supervisor, once its worker is dead)."""
         start = self.index(row, 0) * CELL

@@ -41,7 +41,13 @@ def long_run() -> list[Request]:
 
 
 @functools.cache  # deterministic, and read only: the one-router runs serve several tests
-def run(replicas: int, period: float | None, placement: str = "log", **prefix: object) -> Outcome:
+def run(
+    replicas: int,
+    period: float | None,
+    placement: str = "log",
+    extrapolate: bool = True,
+    **prefix: object,
+) -> Outcome:
     return simulate(
         long_run(),
         routing(**prefix),
@@ -51,6 +57,7 @@ def run(replicas: int, period: float | None, placement: str = "log", **prefix: o
         replicas=replicas,
         share_period=period,
         share_placement=placement,
+        share_extrapolate=extrapolate,
     )
 
 
@@ -104,6 +111,70 @@ def test_fold_replaces_the_others_and_keeps_the_own_row() -> None:
     assert loads.total == 1
     assert loads.own_total == 0
     assert not loads.own
+
+
+def test_extrapolating_adds_per_other_row_what_the_own_row_gained_since_it_came() -> None:
+    loads = SharedLoads(extrapolate=True)
+    held = loads.acquire("a")
+    first, second = {"a": 2}, {"b": 1}
+    loads.fold([first, second])  # two new rows: both based on own {"a": 1}
+    assert dict(loads.counts) == {"a": 3, "b": 1}
+    leases = [loads.acquire("a"), loads.acquire("b")]  # each: 1 own + 1 per other row
+    assert dict(loads.counts) == {"a": 6, "b": 4}
+    assert loads.total == sum(loads.counts.values()) == 10
+    assert loads.own_total == 3
+    loads.fold([first, {"b": 2}])  # the second row is new: its base is the own row now
+    assert dict(loads.counts) == {"a": 2 + 2 + 1, "b": 2 + 1 + 1}
+    # Own "a" falls below the second row's base: that router most likely lost one too.
+    held.release()
+    assert dict(loads.counts) == {"a": 2 + 1 + 0 - 1, "b": 4}
+    for lease in leases:
+        lease.release()
+    # Every own request is gone; the estimate never reads below zero ("a": 2 - 1 - 2).
+    assert dict(loads.counts) == {"b": 2 + 0 + 0 - 1}
+    assert loads.total == sum(loads.counts.values())
+    assert loads.own_total == 0
+    assert not loads.own
+
+
+def test_without_extrapolating_a_row_folded_again_changes_nothing() -> None:
+    loads = SharedLoads()
+    row = {"a": 2}
+    loads.fold([row])
+    lease = loads.acquire("a")
+    loads.fold([row])
+    assert dict(loads.counts) == {"a": 3}
+    lease.release()
+    assert dict(loads.counts) == {"a": 2}
+
+
+@functools.cache
+def sysprompt(replicas: int, extrapolate: bool) -> Outcome:
+    requests = workloads.build(
+        "sysprompt", seed=1, duration=120, rate=FLEET["sysprompt"].rate_for(7)
+    )
+    return simulate(
+        requests,
+        routing(**IN_FLIGHT),
+        instances=7,
+        params=FLEET["sysprompt"],
+        seed=1,
+        replicas=replicas,
+        share_period=0.1 if replicas > 1 else None,
+        share_extrapolate=extrapolate,
+    )
+
+
+def test_the_estimate_keeps_four_routers_on_one_hot_prompt_from_herding() -> None:
+    # SageMaker's semantics, one prompt for every request: the walk fills one
+    # instance to the threshold, then the next.  With rows 0-0.1 s old every
+    # router sees the same members below it and adds its own requests on top.
+    one = report.summarize(sysprompt(1, extrapolate=False).run)
+    stale = report.summarize(sysprompt(4, extrapolate=False).run)
+    estimated = report.summarize(sysprompt(4, extrapolate=True).run)
+    assert stale["ttft_p90"] > 1.1 * one["ttft_p90"]
+    assert estimated["ttft_p90"] < 1.1 * one["ttft_p90"]
+    assert one["min_share"] - estimated["min_share"] < one["min_share"] - stale["min_share"]
 
 
 # -- PlacementLog ---------------------------------------------------------------
@@ -222,7 +293,8 @@ def test_routers_sharing_exactly_route_as_one_router(
 )
 def test_a_period_longer_than_the_run_is_the_uncoordinated_run(prefix: dict[str, object]) -> None:
     # Router 0 publishes once, at 0, before any request; router 1 never does.
-    assert figures(run(2, 1e6, **prefix)) == figures(run(2, None, **prefix))
+    # (With the estimate, router 1 would count router 0 as routing as it does.)
+    assert figures(run(2, 1e6, extrapolate=False, **prefix)) == figures(run(2, None, **prefix))
     shared = run(2, 0.1, **prefix)
     assert figures(shared) != figures(run(2, None, **prefix))
     # Loads seen late: hot keys compare two replicas; exact or alone: all of them.

@@ -416,3 +416,56 @@ def test_the_benchmark_runs_and_prints_its_tables() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 1,000 | 8 |" in done.stdout
     assert "| 1,000 | 8 | 7 x 1,000 |" in done.stdout
+
+
+# -- the other replicas' row (router/replicas.py writes it) -----------------------
+
+
+def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
+    table: SharedTable,
+) -> None:
+    from router.etcd import EtcdClient
+    from router.replicas import Replicas, Row, _encoder
+
+    # Rows 0-3 are this replica's workers, row 4 the remote one.
+    replicas = Replicas(
+        EtcdClient(["http://127.0.0.1:9"]),  # never called: nothing is started
+        b"/t/",
+        table,
+        lambda: {name: slot for slot, name in enumerate(NAMES)},
+        lambda: 0,
+        replica_id="me",
+    )
+    zero, one, waiting = worker(table, 0), worker(table, 1), worker(table, 0, plane=1)
+
+    def arrives(replica: str, row: Row | None) -> None:
+        value = None if row is None else _encoder.encode(row)
+        replicas._take(replicas.key_prefix + replica.encode(), value)
+        replicas._write_remote()
+
+    def remote(plane: int = 0) -> dict[str, int]:
+        replicas._write_remote()
+        cells = {name: table.cells[table.index(4, plane, s)] for s, name in enumerate(NAMES)}
+        return {name: count for name, count in cells.items() if count}
+
+    held = [zero.acquire("b0")]
+    arrives("r1", Row(0, {"b0": 2}, {"b1": 1}))
+    assert remote() == {"b0": 2}  # as published: nothing gained since it came
+    assert remote(1) == {"b1": 1}
+    held += [one.acquire("b0"), one.acquire("b0"), zero.acquire("b1"), waiting.acquire("b1")]
+    # r1 most likely did what this replica did since its row: two more on b0, one on b1.
+    assert remote() == {"b0": 2 + 2, "b1": 1}
+    assert remote(1) == {"b1": 1 + 1}
+    arrives("r2", Row(0, {"b2": 1}))  # based on this replica's counts now
+    assert remote() == {"b0": 4, "b1": 1, "b2": 1}
+    for lease in held:
+        lease.release()
+    # Back to nothing in flight here: r1 back to its row (b0 2 + 0 - 1, b1 0 + 0 - 0),
+    # r2 lost what this replica did (b0 0 - 3 and b1 0 - 1: never below zero).
+    assert remote() == {"b0": 1, "b2": 1}
+    assert remote(1) == {"b1": 1}
+    arrives("r1", None)  # r1's lease expired: its counts and its base go
+    assert remote() == {"b2": 1}
+    assert remote(1) == {}
+    for tracker in (zero, one, waiting):
+        tracker.close()
