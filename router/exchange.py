@@ -454,7 +454,17 @@ class Exchange(LazyDeadline):
             self._router.backend_failed(self.choice.backend, f"connect failed: {exc!r}")
             self._connect_failed("could not connect to backend")
             return
-        self._attach(future.result())
+        upstream = future.result()
+        if not upstream.open:
+            # Lost between the connect and this callback, a few loop turns later (a
+            # backend dying as it accepted: a reset).  Its connection_lost found no
+            # owner, so nothing would ever end an exchange attached to it now; and
+            # nothing was sent: the next backend of the walk may take the request.
+            assert self.choice is not None
+            self._router.backend_failed(self.choice.backend, "connection lost at once")
+            self._connect_failed("could not connect to backend")
+            return
+        self._attach(upstream)
 
     def _connect_failed(self, reason: str) -> None:
         """Give the lease back and try the next backend of the walk (bounded)."""
