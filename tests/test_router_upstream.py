@@ -8,7 +8,8 @@ request, from client after client; an idle connection the backend closed is
 replaced; trailers never leak into the next response on a pooled connection;
 a HEAD or 204 answer ends at its head, and the next pipelined request is
 answered; a response head or trailer section without end is cut at 64 KiB
-(a 502, or a visibly cut response).
+(a 502, or a visibly cut response); a new connection the backend resets before
+the exchange that opened it takes it sends the request on to the next backend.
 
 Raw-socket clients and recording backends (``tests/harness/``): exact bytes both ways.
 """
