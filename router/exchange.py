@@ -18,7 +18,8 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
   in their first bytes only.
 - Retries: a connect failure moves on to the next backend of the walk
-  (``avoid``), at most ``retries`` times; a reused keep-alive connection that
+  (``avoid``), at most ``retries`` times (a new connection already lost when
+  its connect's callback runs is one: nothing was sent on it); a reused keep-alive connection that
   dies before any response byte is replaced by a fresh one to the same
   backend, but only when the router still holds the whole request.  Nothing
   is replayed once the backend may have started on it otherwise.
