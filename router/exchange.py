@@ -18,7 +18,8 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
   in their first bytes only.
 - Retries: a connect failure moves on to the next backend of the walk
-  (``avoid``), at most ``retries`` times; a reused keep-alive connection that
+  (``avoid``), at most ``retries`` times (a new connection already lost when
+  its connect's callback runs is one: nothing was sent on it); a reused keep-alive connection that
   dies before any response byte is replaced by a fresh one to the same
   backend, but only when the router still holds the whole request.  Nothing
   is replayed once the backend may have started on it otherwise.
@@ -454,7 +455,17 @@ class Exchange(LazyDeadline):
             self._router.backend_failed(self.choice.backend, f"connect failed: {exc!r}")
             self._connect_failed("could not connect to backend")
             return
-        self._attach(future.result())
+        upstream = future.result()
+        if not upstream.open:
+            # Lost between the connect and this callback, a few loop turns later (a
+            # backend dying as it accepted: a reset).  Its connection_lost found no
+            # owner, so nothing would ever end an exchange attached to it now; and
+            # nothing was sent: the next backend of the walk may take the request.
+            assert self.choice is not None
+            self._router.backend_failed(self.choice.backend, "connection lost at once")
+            self._connect_failed("could not connect to backend")
+            return
+        self._attach(upstream)
 
     def _connect_failed(self, reason: str) -> None:
         """Give the lease back and try the next backend of the walk (bounded)."""
