@@ -1,0 +1,303 @@
+"""Session keys (issue 14 §2): the affinity key's sources, their precedence, their counts.
+
+The real daemon (``python -m admin serve``) in front of simulated instances, driven
+by the official ``openai`` client (``extra_headers`` for the session header,
+``extra_body`` for ``prompt_cache_key`` and ``conversation``); which instance
+answered is its ``x-sim-instance`` header.  The access log (a file, flushed when
+the router stops) and ``/metrics`` show each request's source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.heads import TENANT_HEADER
+from tests.harness.http import assert_error, connect, req
+from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet, StartRouter, sagemaker
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "sim-llama-3.1-70b"
+PROMPTS = [f"Question {i}: what does a rocket of class {i} carry?" for i in range(10)]
+
+
+def fleet_flags(sims: list[Any], *extra: str) -> list[str]:
+    flags = ["--no-health-checks", "--seed", "1", *extra]
+    for sim in sims:
+        flags += ["--backend", f"{sim.name}={sim.url}"]
+    return flags
+
+
+def client(port: int, **options: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, **options
+    )
+
+
+async def chat(
+    via: openai.AsyncOpenAI,
+    prompt: str,
+    headers: dict[str, str] | None = None,
+    body: dict[str, Any] | None = None,
+) -> Any:
+    """One chat completion; its raw response (``x-sim-instance``, ``x-request-id``)."""
+    return await via.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=2,
+        extra_headers=headers,
+        extra_body=body,
+    )
+
+
+async def respond(
+    via: openai.AsyncOpenAI,
+    prompt: str,
+    headers: dict[str, str] | None = None,
+    body: dict[str, Any] | None = None,
+) -> Any:
+    return await via.responses.with_raw_response.create(
+        model=MODEL, input=prompt, max_output_tokens=2, extra_headers=headers, extra_body=body
+    )
+
+
+async def key_sources(http: aiohttp.ClientSession, proc: Any) -> dict[str, float]:
+    """``prefix_router_routing_key_source_total`` by source, from the admin API's /metrics."""
+    async with http.get(f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    counts = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "prefix_router_routing_key_source":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["source"]] = sample.value
+    return counts
+
+
+def access_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_a_session_pins_its_requests_and_sources_follow_the_precedence(
+    sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    sims = await sim_fleet(4)
+    log = tmp_path / "access.jsonl"
+    proc, port = await spawn_router(*fleet_flags(sims, "--access-log", str(log)))
+    sent: list[tuple[str, str]] = []  # (label, expected source) of each request, in order
+
+    async def send(label: str, source: str, call: Any) -> Any:
+        raw = await call
+        sent.append((label, source))
+        return raw
+
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            # Eight sessions, turns interleaved as users' are, each turn another
+            # prompt: every session stays on one instance.  (One session alone
+            # carrying all the traffic would be a hot key in TRAFFIC mode and get
+            # replicas: bounded loads still apply.)
+            where: dict[str, set[str]] = {f"user-{n}": set() for n in range(8)}
+            for turn, prompt in enumerate(PROMPTS[:5]):
+                for session, seen in where.items():
+                    headers = {"X-Session-Id": session}
+                    raw = await send(
+                        session, "header", chat(via, f"{prompt} ({turn})", headers=headers)
+                    )
+                    seen.add(raw.headers["x-sim-instance"])
+            assert all(len(seen) == 1 for seen in where.values()), where
+            assert len({next(iter(seen)) for seen in where.values()}) > 1  # sessions spread
+            # Without the header the same prompts are as many keys.
+            for prompt in PROMPTS[:5]:
+                await send(prompt, "prefix", chat(via, f"{prompt} (0)"))
+
+            # Precedence (the default): prompt_cache_key > header > conversation > prefix.
+            both = {"X-Session-Id": "session-2"}
+            pck = {"prompt_cache_key": "tenant-1"}
+            await send("pck", "prompt_cache_key", chat(via, "a", headers=both, body=pck))
+            conv_1 = {"conversation": "conv_1"}
+            await send("s2", "header", respond(via, "b", headers=both, body=conv_1))
+            conv_1_object = {"conversation": {"id": "conv_1"}}
+            await send("conv_1", "conversation", respond(via, "c", body=conv_1_object))
+            await send("d", "prefix", respond(via, "d"))
+            conv_2 = {"conversation": "conv_2"}
+            await send("s2", "header", respond(via, "e", headers=both, body=conv_2))
+
+            # Conversation first (admin API, live): the conversation decides.
+            routing = {"PrefixAwareRoutingConfig": {"SessionKeys": ["conversation", "prefix"]}}
+            status, _ = await admin_call(http, proc, "PUT", "/admin/routing", routing)
+            assert status == 200
+            await send("conv_1", "conversation", respond(via, "f", headers=both, body=conv_1))
+            await send("conv_2", "conversation", respond(via, "g", headers=both, body=conv_2))
+            await send("conv_2", "conversation", respond(via, "h", body=conv_2))
+            await send("i", "prefix", chat(via, "i", headers=both))  # no source now
+
+            counts = await key_sources(http, proc)
+            sources = [source for _, source in sent]
+            assert counts == {
+                source: sources.count(source)
+                for source in ("prompt_cache_key", "header", "conversation", "prefix")
+            }
+    finally:
+        await stop(proc)
+    lines = [line for line in access_lines(log) if line["event"] == "access"]
+    assert [line["key_source"] for line in lines] == [source for _, source in sent]
+    keys: dict[str, set[str]] = {}
+    for (label, _), line in zip(sent, lines, strict=True):
+        keys.setdefault(label, set()).add(line["prefix_hash"])
+    assert all(len(hashes) == 1 for hashes in keys.values()), keys  # one key per label
+    assert len({next(iter(hashes)) for hashes in keys.values()}) == len(keys)  # all distinct
+
+
+async def test_two_workers_send_a_session_to_one_backend(sim_fleet: SimFleet) -> None:
+    """Stateless hashing: each worker computes the same key for a session id.
+
+    IN_FLIGHT mode, so the ring walk alone decides (TRAFFIC placements converge
+    through the shared placement log, ``tests/test_workers.py``).  A connection per
+    request spreads requests over both workers (``x-request-id``'s prefix tells
+    which answered).
+    """
+    sims = await sim_fleet(4)
+    flags = fleet_flags(sims, "--workers", "2", "--balance-mode", "IN_FLIGHT")
+    proc, port = await spawn_router(*flags)
+    sessions = [f"user-{n}" for n in range(6)]
+    try:
+        async with (
+            client(port, default_headers={"Connection": "close"}) as via,
+            aiohttp.ClientSession() as http,
+        ):
+            where: dict[str, set[str]] = {s: set() for s in sessions}
+            workers: dict[str, set[str]] = {s: set() for s in sessions}
+            for round_ in range(8):
+                for session in sessions:
+                    raw = await chat(
+                        via, f"{session} asks {round_}", headers={"X-Session-Id": session}
+                    )
+                    where[session].add(raw.headers["x-sim-instance"])
+                    workers[session].add(raw.headers["x-request-id"].partition("-")[0])
+            assert all(len(instances) == 1 for instances in where.values()), where
+            # 48 connections over two workers: every session crossing none is 2^-42.
+            assert any(len(seen) == 2 for seen in workers.values()), workers
+            assert len({next(iter(i)) for i in where.values()}) > 1  # sessions do spread
+            counts = await key_sources(http, proc)  # the workers' counts, added up
+            assert counts["header"] == 8 * len(sessions)
+            assert counts["prefix"] == counts["conversation"] == 0
+    finally:
+        await stop(proc)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--session-keys", "header,conversation"], "must end with prefix"),
+        (["--session-keys", "header,user,prefix"], "Invalid enum value 'user'"),
+        (["--session-header", "Content-Length"], "a header the router reads or sets"),
+        (["--session-header", "X Session"], "SessionHeader"),
+    ],
+)
+async def test_an_invalid_session_config_is_refused_at_start(flags: list[str], words: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "admin",
+        "serve",
+        "--backend",
+        "a=http://127.0.0.1:9",
+        *flags,
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(20):
+        _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert words in err.decode()
+
+
+async def test_check_config_names_the_session_field(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[RoutingConfig]\nPrefixAwareRoutingConfig = {SessionKeys = ["prefix", "header"]}\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admin", "check-config", str(path), cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(20):
+        _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert "SessionKeys must end with prefix" in err.decode()
+    assert "$.RoutingConfig.PrefixAwareRoutingConfig" in err.decode()
+
+
+# -- in-process: native requests, the header's rules ---------------------------------------
+
+
+async def test_a_native_request_with_a_session_header_is_routed_at_its_head(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(4)
+    router = await start_router(sims, routing=sagemaker())
+    url = f"http://127.0.0.1:{router.port}/invocations"
+    async with aiohttp.ClientSession() as http:
+        seen = set()
+        for prompt in PROMPTS:
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 2}}
+            async with http.post(url, json=body, headers={"X-Session-Id": "native-1"}) as resp:
+                assert resp.status == 200, await resp.text()
+                seen.add(resp.headers["x-sim-instance"])
+        assert len(seen) == 1
+        spread = set()
+        for prompt in PROMPTS:
+            body = {"inputs": prompt, "parameters": {"max_new_tokens": 2}}
+            async with http.post(url, json=body) as resp:
+                spread.add(resp.headers["x-sim-instance"])
+        assert len(spread) > 1
+    assert router.recorder.sources == {"header": 10, "prefix": 10}
+
+
+async def test_a_configured_header_name_and_its_tenant_salt(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    """``SessionHeader`` names the header; a session key is salted by the tenant, so
+    two tenants' sessions of one id are two keys; an empty value is no session."""
+    sims = await sim_fleet(2)
+    routing = sagemaker(SessionHeader="X-Chat-Thread", SessionKeys=["header", "prefix"])
+    router = await start_router(sims, routing=routing)
+    async with client(router.port) as via:
+        await chat(via, "one", headers={"X-Chat-Thread": "t"})
+        await chat(via, "two", headers={"X-Chat-Thread": "t"})
+        await chat(via, "one", headers={"X-Chat-Thread": "t", TENANT_HEADER.decode(): "acme"})
+        await chat(via, "one", headers={"X-Session-Id": "t"})  # not the configured name
+        await chat(via, "one", headers={"X-Chat-Thread": ""})
+    assert router.recorder.sources == {"header": 3, "prefix": 2}
+
+
+async def test_a_repeated_session_header_is_refused(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(1)
+    router = await start_router(sims)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    async with connect(router) as conn:
+        await conn.send(
+            req(
+                b"POST",
+                b"/v1/chat/completions",
+                body=body.encode(),
+                headers=b"X-Session-Id: a\r\nx-session-id: b\r\n",
+            )
+        )
+        error = assert_error(await conn.response(), 400)
+    assert "x-session-id header must appear once" in error["message"]
+    assert router.recorder.sources == {}
