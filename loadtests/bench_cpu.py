@@ -2,6 +2,7 @@
 
     python -m loadtests.bench_cpu [--tree PATH] [--seconds 8] [--profile OUT]
     python -m loadtests.bench_cpu --otel [--rounds 5]
+    python -m loadtests.bench_cpu --cache-salt [--rounds 5]
 
 Runs a ``Router`` from ``--tree`` (a checkout; default this one) in this
 process on uvloop, in front of ``loadtests.fastbackend`` (2 instances, another
@@ -17,6 +18,12 @@ off then on (every request sampled, spans exported to the first backend's
 ``/v1/traces`` sink, in the backend process), and prints each run, the medians
 and the ratio on/off.  Tracing's exporter runs in the router's process, so its
 CPU is in the figure.
+
+``--cache-salt`` does the same for engine-side cache isolation
+(``router.cachesalt``): off, then on (the body carries a ``prompt_cache_key``
+both ways, so on each request gets its tenant's ``cache_salt`` inserted), and
+then the salt step alone in this process (``Salter.member`` and
+``salted_body`` on the same body, median ns over 7 runs of 20,000).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +48,13 @@ def _use_tree(tree: Path) -> None:
     sys.path.insert(0, str(tree))
 
 
-async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = False) -> float:
+async def run(
+    seconds: float,
+    profile: Path | None,
+    body: bytes,
+    otel: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> float:
     """One wrk run against a fresh router; prints it and returns its CPU µs per request."""
     from router.app import Router
     from router.config import build_config
@@ -61,7 +75,7 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
             json.loads(await backend.line("a backend address", deadline, stdout=True))["url"]
             for _ in range(2)
         ]
-        config = {
+        config: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "access_log": "off",
             "backends": [{"name": f"fb-{i}", "url": url} for i, url in enumerate(urls)],
@@ -69,6 +83,7 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
         }
         if otel:
             config["otel"] = {"endpoint": urls[0], "sample": 1.0}
+        config.update(overrides or {})
         router = Router(build_config(config))
         await router.start()
         with tempfile.TemporaryDirectory() as scratch:
@@ -99,7 +114,9 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
         served = next(line for line in out.decode().splitlines() if "requests in" in line)
         requests = int(served.split()[0])
         per_request = cpu / requests * 1e6
-        tracing = f"tracing on {spans} " if spans is not None else ""
+        tracing = f"tracing on {spans} " if spans is not None and otel else ""
+        if overrides:
+            tracing += f"{', '.join(overrides)} on "
         print(f"{tracing}{requests:,} requests, router CPU {cpu:.2f} s: {per_request:.1f} us/req")
         return per_request
     finally:
@@ -113,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile dump here")
     parser.add_argument("--otel", action="store_true", help="compare tracing off and on")
+    parser.add_argument("--cache-salt", action="store_true", help="compare cache_salt off and on")
     parser.add_argument("--rounds", type=int, default=5, help="with --otel: off/on pairs")
     args = parser.parse_args(argv)
     _use_tree(args.tree.resolve())
@@ -121,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     _, body = build_requests("a", 1)[0]
     import uvloop
 
+    if args.cache_salt:
+        return _cache_salt(args.seconds, args.rounds, body)
     if not args.otel:
         uvloop.run(run(args.seconds, args.profile, body))
         return 0
@@ -131,6 +151,45 @@ def main(argv: list[str] | None = None) -> int:
     a, b = statistics.median(off), statistics.median(on)
     print(f"median of {args.rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
     print(f"tracing on: +{b - a:.1f} us/req, ratio on/off {b / a:.2f}")
+    return 0
+
+
+def _cache_salt(seconds: float, rounds: int, body: bytes) -> int:
+    """Off/on pairs of the router with ``cache_salt``, then the salt step alone."""
+    import uvloop
+
+    from router.cachesalt import Salter, salted_body
+
+    from .bench_hashring import median_ns_per_item
+
+    # A tenant key in the body both ways: only the salting differs.
+    body = body[:-1] + b',"prompt_cache_key":"tenant-0042"}'
+    off, on = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        secret = Path(scratch) / "secret"
+        secret.write_bytes(b"bench-secret-0123456789abcdef")
+        salted: dict[str, Any] = {"cache_salt": {"enabled": True, "secret_file": str(secret)}}
+        for _ in range(rounds):
+            off.append(uvloop.run(run(seconds, None, body)))
+            on.append(uvloop.run(run(seconds, None, body, overrides=salted)))
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"median of {rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
+    print(f"cache_salt on: {b - a:+.1f} us/req, ratio on/off {b / a:.2f}")
+    salter = Salter(b"bench-secret-0123456789abcdef")
+    count = 20_000
+
+    def step() -> None:
+        for _ in range(count):
+            salted_body([body], salter.member("tenant-0042"))
+
+    def first() -> None:  # a tenant's first request: the HMAC too
+        for i in range(count):
+            salter.salt(f"tenant-{i}")
+
+    print(
+        f"the salt step alone: {median_ns_per_item(step, count, 7):.0f} ns/req"
+        f" (a tenant's first request adds the HMAC: {median_ns_per_item(first, count, 7):.0f} ns)"
+    )
     return 0
 
 

@@ -49,7 +49,6 @@ __all__ = ["ENV_SECRET", "MIN_SECRET_BYTES", "Salter", "load_secret", "salted_bo
 ENV_SECRET = "PREFIX_ROUTER_CACHE_SALT_SECRET"
 MIN_SECRET_BYTES = 16  # 128 bits: no guessing it from salts
 MAX_CACHED = 4096  # tenants whose salt is kept; more: the cache starts again
-_WHITESPACE = b" \t\r\n"
 
 
 def load_secret(config: CacheSaltConfig, environ: Mapping[str, str] | None = None) -> bytes:
@@ -118,37 +117,20 @@ def salted_body(
     """The body with ``member`` inserted before its closing brace (no body byte
     copied), and the bytes that adds.
 
-    ``pieces`` hold one JSON object (checked by the decode), possibly followed
-    by whitespace; ``member`` starts with a comma, dropped for an empty object.
+    ``pieces`` hold one JSON object (the decode checked it), so its closing
+    brace is the last ``}`` of the body (only whitespace may follow it), and
+    the object is empty exactly when the body holds no ``"`` (any member has a
+    string key).  ``member`` starts with a comma, dropped for an empty object.
+    Both searches run at C speed (``bytes.rfind``, ``in``).
     """
-    index = len(pieces) - 1
-    while index >= 0:  # the closing brace: the last byte that is not whitespace
+    for index in range(len(pieces) - 1, -1, -1):
         piece = pieces[index]
-        end = len(piece) - 1
-        while end >= 0 and piece[end] in _WHITESPACE:
-            end -= 1
+        end = (piece if isinstance(piece, bytes) else bytes(piece)).rfind(b"}")
         if end >= 0:
             break
-        index -= 1
     else:
         raise ValueError("an OpenAI body without a JSON object")
-    if _empty_object(pieces, index, end):
-        member = member[1:]
-    closing = pieces[index]
-    view = memoryview(closing)
+    if not any(b'"' in (p if isinstance(p, bytes) else bytes(p)) for p in pieces):
+        member = member[1:]  # {}: no comma
+    view = memoryview(pieces[index])
     return [*pieces[:index], view[:end], member, view[end:], *pieces[index + 1 :]], len(member)
-
-
-def _empty_object(pieces: Sequence[bytes | memoryview], close_index: int, close_at: int) -> bool:
-    """Whether the first byte after the opening brace that is not whitespace is the
-    closing brace at ``pieces[close_index][close_at]``."""
-    opened = False
-    for index, piece in enumerate(pieces):
-        for at in range(len(piece)):
-            if piece[at] in _WHITESPACE:
-                continue
-            if not opened:
-                opened = True  # the opening brace
-                continue
-            return index == close_index and at == close_at
-    return False

@@ -18,6 +18,7 @@ from typing import Any
 import openai
 import pytest
 
+from router.cachesalt import salted_body
 from router.heads import TENANT_HEADER
 from tests.harness.backends import Backend
 from tests.harness.http import connect, req
@@ -58,6 +59,24 @@ async def cached_tokens(via: openai.AsyncOpenAI, tenant: str, **extra: Any) -> i
     assert completion.usage is not None
     assert completion.usage.prompt_tokens_details is not None
     return completion.usage.prompt_tokens_details.cached_tokens or 0
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"a": [1, "}"], "b": {}}\n', b"{}", b" { \r\n } \n", b'{"x":"\\"}"}']
+)
+def test_salted_body_at_every_split(body: bytes) -> None:
+    """The member lands before the closing brace wherever the body's pieces end."""
+    member = b',"cache_salt":"s"'
+    close = body.rindex(b"}")
+    empty = b'"' not in body
+    expected = body[:close] + (member[1:] if empty else member) + body[close:]
+    for cut in range(len(body) + 1):
+        for second in range(cut, len(body) + 1):
+            pieces = [body[:cut], body[cut:second], body[second:]]
+            out, added = salted_body(pieces, member)
+            assert b"".join(bytes(piece) for piece in out) == expected
+            assert added == len(expected) - len(body)
+    json.loads(expected)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
