@@ -431,14 +431,8 @@ async def _serve(
                 pids=workers.pids,
                 replica=replicas.id if replicas is not None else None,
             )
-        if config.admin_listen != "off":
-            admin = AdminServer(admin_control, token=token)
-            host, port = parse_address(config.admin_listen, "admin_listen")
-            await admin.start(host, port)
-            control.admin_listeners = admin.listeners
-            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
-        if not replicated:
-            await _refuse_own_addresses(control, router, state_file if state else None)
+        # Before "admin listening", the line supervisors and tests wait for: a
+        # SIGHUP sent once it is logged must find its handler (not kill us).
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -447,6 +441,14 @@ async def _serve(
             owns = not (replicated or state_file or config.discover)  # the file: their source
             reloads = Reloads(reread, control, router, owns_membership=owns)
             loop.add_signal_handler(signal.SIGHUP, reloads.request)
+        if config.admin_listen != "off":
+            admin = AdminServer(admin_control, token=token)
+            host, port = parse_address(config.admin_listen, "admin_listen")
+            await admin.start(host, port)
+            control.admin_listeners = admin.listeners
+            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        if not replicated:
+            await _refuse_own_addresses(control, router, state_file if state else None)
         await stop.wait()
     finally:
         # A second signal while we drain must not kill us half-way (nor after the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -238,6 +239,59 @@ async def test_check_config_names_the_session_field(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "SessionKeys must end with prefix" in err.decode()
     assert "$.RoutingConfig.PrefixAwareRoutingConfig" in err.decode()
+
+
+async def logged(proc: asyncio.subprocess.Process, event: str) -> dict[str, Any]:
+    """Read the daemon's log until ``event``."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(20):
+        while True:
+            line = await proc.stderr.readline()
+            assert line, f"router exited before logging {event!r}"
+            record: dict[str, Any] = json.loads(line)
+            if record["event"] == event:
+                return record
+
+
+async def test_a_reload_applies_session_keys_and_refuses_bad_ones(
+    sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    (sim,) = await sim_fleet(1)
+    config = tmp_path / "router.toml"
+
+    def write(inner: str, salt: str = "") -> None:
+        config.write_text(
+            f'{salt}[[backends]]\nname = "{sim.name}"\nurl = "{sim.url}"\n'
+            f"[RoutingConfig.PrefixAwareRoutingConfig]\n{inner}\n"
+        )
+
+    write('SessionKeys = ["header", "prefix"]')
+    proc, _ = await spawn_router("--config", str(config), "--no-health-checks")
+    try:
+        async with aiohttp.ClientSession() as http:
+            write('SessionKeys = ["header"]')
+            proc.send_signal(signal.SIGHUP)
+            refused = await logged(proc, "config not reloaded")
+            assert "SessionKeys must end with prefix" in refused["reason"]
+            assert "$.RoutingConfig.PrefixAwareRoutingConfig" in refused["reason"]
+            _, body = await admin_call(http, proc, "GET", "/admin/routing")
+            inner = body["RoutingConfig"]["PrefixAwareRoutingConfig"]  # type: ignore[index]
+            assert inner["SessionKeys"] == ["header", "prefix"]  # unchanged
+
+            secret = tmp_path / "secret"
+            secret.write_bytes(b"s" * 16)
+            salt = f'[cache_salt]\nenabled = true\nsecret_file = "{secret}"\n'
+            write('SessionKeys = ["conversation", "prefix"]\nSessionHeader = "X-Thread"', salt)
+            proc.send_signal(signal.SIGHUP)
+            restart = await logged(proc, "config fields need a restart")
+            assert restart["fields"] == ["cache_salt"]
+            await logged(proc, "config reloaded")
+            _, body = await admin_call(http, proc, "GET", "/admin/routing")
+            inner = body["RoutingConfig"]["PrefixAwareRoutingConfig"]  # type: ignore[index]
+            assert inner["SessionKeys"] == ["conversation", "prefix"]
+            assert inner["SessionHeader"] == "X-Thread"
+    finally:
+        await stop(proc)
 
 
 # -- several replicas sharing one etcd -----------------------------------------------------
