@@ -123,6 +123,19 @@ def salted_body(
     string key).  ``member`` starts with a comma, dropped for an empty object.
     Both searches run at C speed (``bytes.rfind``, ``in``).
     """
+    if len(pieces) == 1:  # the usual case: a body read at once, or joined to be keyed
+        body = pieces[0]
+        if type(body) is bytes:
+            end = body.rfind(b"}")
+            if end < 0:
+                raise ValueError("an OpenAI body without a JSON object")
+            if b'"' not in body:
+                member = member[1:]  # {}: no comma
+            # Views, no copy; the brace and what follows (whitespace) is copied
+            # when short: one view fewer to make.
+            view = memoryview(body)
+            tail = body[end:] if len(body) - end <= 64 else view[end:]
+            return [view[:end], member, tail], len(member)
     for index in range(len(pieces) - 1, -1, -1):
         piece = pieces[index]
         end = (piece if isinstance(piece, bytes) else bytes(piece)).rfind(b"}")
@@ -130,7 +143,10 @@ def salted_body(
             break
     else:
         raise ValueError("an OpenAI body without a JSON object")
-    if not any(b'"' in (p if isinstance(p, bytes) else bytes(p)) for p in pieces):
+    for piece in pieces:
+        if b'"' in (piece if isinstance(piece, bytes) else bytes(piece)):
+            break
+    else:
         member = member[1:]  # {}: no comma
     view = memoryview(pieces[index])
     return [*pieces[:index], view[:end], member, view[end:], *pieces[index + 1 :]], len(member)

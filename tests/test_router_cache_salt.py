@@ -70,6 +70,10 @@ def test_salted_body_at_every_split(body: bytes) -> None:
     close = body.rindex(b"}")
     empty = b'"' not in body
     expected = body[:close] + (member[1:] if empty else member) + body[close:]
+    one, _ = salted_body([body], member)
+    assert b"".join(bytes(piece) for piece in one) == expected
+    padded, _ = salted_body([body + b" " * 100], member)  # a long tail stays a view
+    assert b"".join(bytes(piece) for piece in padded) == expected + b" " * 100
     for cut in range(len(body) + 1):
         for second in range(cut, len(body) + 1):
             pieces = [body[:cut], body[cut:second], body[second:]]
