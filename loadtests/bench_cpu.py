@@ -20,10 +20,11 @@ and the ratio on/off.  Tracing's exporter runs in the router's process, so its
 CPU is in the figure.
 
 ``--cache-salt`` does the same for engine-side cache isolation
-(``router.cachesalt``): off, then on (the body carries a ``prompt_cache_key``
-both ways, so on each request gets its tenant's ``cache_salt`` inserted), and
-then the salt step alone in this process (``Salter.member`` and
-``salted_body`` on the same body, median ns over 7 runs of 20,000).
+(``router.cachesalt``): off and on, which goes first alternating by round (the
+body carries a ``prompt_cache_key`` both ways, so on, each request gets its
+tenant's ``cache_salt`` inserted); then, in this process, a request's keying
+work (decode, key, tenant seed, hash) without and with the salt step, 100
+tenants, median ns of 7 alternating runs of 20,000 requests.
 """
 
 from __future__ import annotations
@@ -155,42 +156,62 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cache_salt(seconds: float, rounds: int, body: bytes) -> int:
-    """Off/on pairs of the router with ``cache_salt``, then the salt step alone."""
+    """Off/on pairs of the router with ``cache_salt`` (which goes first alternates: the
+    machine drifts), then the keying work of a request in this process, off and on."""
     import uvloop
-
-    from router.cachesalt import Salter, salted_body
-
-    from .bench_hashring import median_ns_per_item
 
     # A tenant key in the body both ways: only the salting differs.
     body = body[:-1] + b',"prompt_cache_key":"tenant-0042"}'
-    off, on = [], []
+    off: list[float] = []
+    on: list[float] = []
     with tempfile.TemporaryDirectory() as scratch:
         secret = Path(scratch) / "secret"
-        secret.write_bytes(b"bench-secret-0123456789abcdef")
+        secret.write_bytes(SECRET)
         salted: dict[str, Any] = {"cache_salt": {"enabled": True, "secret_file": str(secret)}}
-        for _ in range(rounds):
-            off.append(uvloop.run(run(seconds, None, body)))
-            on.append(uvloop.run(run(seconds, None, body, overrides=salted)))
+        for i in range(rounds):
+            for salt in (False, True) if i % 2 == 0 else (True, False):
+                figure = uvloop.run(run(seconds, None, body, overrides=salted if salt else None))
+                (on if salt else off).append(figure)
     a, b = statistics.median(off), statistics.median(on)
-    print(f"median of {rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
+    print(f"router CPU, median of {rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
     print(f"cache_salt on: {b - a:+.1f} us/req, ratio on/off {b / a:.2f}")
-    salter = Salter(b"bench-secret-0123456789abcdef")
-    count = 20_000
-
-    def step() -> None:
-        for _ in range(count):
-            salted_body([body], salter.member("tenant-0042"))
-
-    def first() -> None:  # a tenant's first request: the HMAC too
-        for i in range(count):
-            salter.salt(f"tenant-{i}")
-
-    print(
-        f"the salt step alone: {median_ns_per_item(step, count, 7):.0f} ns/req"
-        f" (a tenant's first request adds the HMAC: {median_ns_per_item(first, count, 7):.0f} ns)"
-    )
+    _keying(body)
     return 0
+
+
+SECRET = b"bench-secret-0123456789abcdef"
+
+
+def _keying(body: bytes, count: int = 20_000, repeats: int = 7) -> None:
+    """What an OpenAI request's keying costs in the exchange (decode, key, tenant
+    seed, hash), without and with the salt step (``Salter.member``, ``salted_body``);
+    100 tenants; runs alternate, medians of ``repeats``."""
+    from hashring import hash_key, tenant_seed
+    from router.cachesalt import Salter, salted_body
+    from router.extract import decode_openai, prompt_key
+
+    bodies = [body.replace(b"tenant-0042", b"tenant-%04d" % (i % 100)) for i in range(count)]
+    salter = Salter(SECRET)
+
+    def keying(salt: bool) -> None:
+        for piece in bodies:
+            request = decode_openai(piece, 4096)
+            tenant = request.prompt_cache_key
+            hash_key(prompt_key(request, 4096), tenant_seed(tenant))
+            if salt:
+                salted_body([piece], salter.member(tenant))
+
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for salt in (False, True):
+            started = time.perf_counter_ns()
+            keying(salt)
+            samples[salt].append((time.perf_counter_ns() - started) / count)
+    a, b = statistics.median(samples[False]), statistics.median(samples[True])
+    print(
+        f"keying a request, median of {repeats}: off {a:.0f} ns, on {b:.0f} ns"
+        f" ({b - a:+.0f} ns, ratio {b / a:.2f})"
+    )
 
 
 if __name__ == "__main__":
