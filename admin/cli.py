@@ -248,8 +248,9 @@ DISCOVER_FLAGS = (
 
 
 def prefix_aware_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The PrefixAwareRoutingConfig fields the shortcut flags set (the rest absent)."""
-    values = ((field, getattr(args, flag)) for flag, field in PREFIX_AWARE_FLAGS)
+    """The PrefixAwareRoutingConfig fields the shortcut flags set (the rest absent);
+    a parser without some of the flags (``loadtests.offline``'s) sets none of those."""
+    values = ((field, getattr(args, flag, None)) for flag, field in PREFIX_AWARE_FLAGS)
     return {field: value for field, value in values if value is not None}
 
 
