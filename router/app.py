@@ -32,6 +32,7 @@ import msgspec
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
 from .balancer import Balancer
+from .cachesalt import Salter
 from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
 from .health import HealthMonitor
@@ -40,6 +41,7 @@ from .log import get_logger
 from .metrics import Recorder, RouterCollector
 from .responses import ResponseIds
 from .selfaddr import Listener
+from .sessions import SessionRule
 from .upstream import Pool
 from .wire import DateHeader
 
@@ -64,6 +66,8 @@ class Router:
         self.fleet = Fleet(config.backends, vnodes=config.vnodes)
         self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
         self.responses = ResponseIds(config.limits.response_ids)
+        self.sessions = SessionRule(config.routing.prefix_aware)  # router.sessions
+        self.salter = Salter.from_config(config.cache_salt)  # None: off (router.cachesalt)
         self.pools: dict[str, Pool] = {}
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
@@ -226,6 +230,7 @@ class Router:
 
     def configure_routing(self, routing: RoutingConfig) -> None:
         self.balancer.configure(routing)
+        self.sessions = SessionRule(routing.prefix_aware)
 
     def configure_settings(self, timeouts: Timeouts, limits: Limits, retries: int) -> None:
         """A config reload: what requests read from ``config`` from now on, and the pools."""

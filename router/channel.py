@@ -111,6 +111,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     refused: dict[int, int]
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
     models: dict[str, int] = {}  # requests per model pool (Recorder.models)
+    sources: dict[str, int] = {}  # requests per affinity key source (Recorder.sources)
     responses: dict[str, int] = {}  # ResponseIds.counts()
 
 

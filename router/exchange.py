@@ -17,6 +17,14 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   (with shared ids, an unknown one is waited for, bounded), else by the
   strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
   in their first bytes only.
+- Session keys (``router.sessions``): the affinity key is the first of the
+  configured sources the request carries (``prompt_cache_key``, the session
+  header, the Responses API ``conversation``, the prefix), salted by the
+  tenant as before; the source is kept for the metrics and the access log.
+  A native request with a session header is routed at its head.
+- Cache salt (``router.cachesalt``, only when on): an OpenAI body is
+  forwarded with its tenant's ``cache_salt`` member inserted, as views of the
+  body held (no copy), its length adjusted.
 - Retries: a connect failure moves on to the next backend of the walk
   (``avoid``), at most ``retries`` times (a new connection already lost when
   its connect's callback runs is one: nothing was sent on it); a reused keep-alive connection that
@@ -60,9 +68,17 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .cachesalt import salted_body
 from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
-from .extract import BadRequest, decode_openai, model_name, prompt_key
+from .extract import (
+    BadRequest,
+    conversation_id,
+    decode_openai,
+    has_cache_salt,
+    model_name,
+    prompt_key,
+)
 from .heads import (
     CHUNKED,
     NO_BODY,
@@ -74,6 +90,7 @@ from .heads import (
     upstream_head,
 )
 from .responses import IdScanner, response_id_of
+from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
 from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
@@ -126,6 +143,7 @@ class Exchange(LazyDeadline):
         "ended",
         "http10",
         "key_hash",
+        "key_source",
         "kind",
         "method",
         "model",
@@ -156,7 +174,12 @@ class Exchange(LazyDeadline):
         self.method = method
         # The head's meaning, decided now (pure); acted on when the exchange starts.
         self._request = read_request(
-            method, target, headers, http10=http10, via_name=conn.router.via_name
+            method,
+            target,
+            headers,
+            http10=http10,
+            via_name=conn.router.via_name,
+            session_header=conn.router.sessions.header,
         )
         self.path = self._request.path  # as the backend's framework will see it
         self.client_keep_alive = keep_alive
@@ -169,6 +192,7 @@ class Exchange(LazyDeadline):
         self.bytes_in = 0
         self.bytes_out = 0
         self.key_hash: int | None = None
+        self.key_source: str | None = None  # router.sessions.SOURCES, once keyed
         self.model: str | None = None  # the body's, where the fleet declares models
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
@@ -180,7 +204,8 @@ class Exchange(LazyDeadline):
         self.request_complete = False
         self.reset_client = False  # cut short where the framing cannot show it: reset
         self.span: Span | None = None  # tracing on: this request's trace context
-        self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
+        # body pieces held: not yet sent, or kept to resend
+        self._body: list[bytes | memoryview] = []
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
@@ -231,7 +256,15 @@ class Exchange(LazyDeadline):
             if seed is None:
                 return
             self.tenant = request.tenant is not None and seed != 0
-            self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
+            if request.session and router.sessions.native_header:
+                # The session decides: route now, stream the body unhashed.
+                self.key_source = HEADER
+                self.key_hash = hash_key(header_key(request.session), seed)
+                self._route()
+            else:
+                self.key_source = PREFIX
+                prefix_length = router.balancer.config.prefix_aware.prefix_length
+                self._hasher = PrefixHasher(prefix_length, seed)
         elif router.fleet.pools and self.method == b"GET" and _lists_models(self.path):
             self._listing = True  # answered at the request's end: keep-alive stays
         else:
@@ -290,11 +323,23 @@ class Exchange(LazyDeadline):
         self._body = [body]
         try:
             request = decode_openai(body, limit)
-            key = prompt_key(request, limit)
+            conversation = conversation_id(request.conversation)
+            source = router.sessions.openai_source(
+                request.prompt_cache_key, self._request.session, conversation
+            )
+            # A session key needs no prompt: the prompt is rendered only for the prefix.
+            key = b"" if source in (HEADER, CONVERSATION) else prompt_key(request, limit)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
-        self._route_key(key, request.prompt_cache_key, request.previous_response_id, request.model)
+        self._route_key(
+            key,
+            request.prompt_cache_key,
+            request.previous_response_id,
+            request.model,
+            conversation,
+            has_cache_salt(request),
+        )
 
     def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
@@ -315,10 +360,15 @@ class Exchange(LazyDeadline):
         prompt_cache_key: str | None,
         previous_response_id: str | None,
         model: bytes | Raw,
+        conversation: str | None = None,
+        client_salt: bool = False,
     ) -> None:
         """Salt an OpenAI request's key with its tenant and route it (a Responses
         API follow-up to its previous response's backend, if known; to its
-        model's pool where the fleet declares models: ``model`` is raw JSON)."""
+        model's pool where the fleet declares models: ``model`` is raw JSON).
+        ``key`` is the prompt's key; a session source, when one decides, replaces
+        it (router.sessions).  With the cache salt on, the body gets its
+        tenant's (router.cachesalt)."""
         if self._router.fleet.pools:
             try:
                 self.model = model_name(model)
@@ -332,9 +382,23 @@ class Exchange(LazyDeadline):
         if seed is None:
             return
         self.tenant = seed != 0
+        session = self._request.session
+        source = self._router.sessions.openai_source(prompt_cache_key, session, conversation)
+        if source == HEADER:
+            assert session is not None
+            key = header_key(session)
+        elif source == CONVERSATION:
+            assert conversation is not None
+            key = conversation_key(conversation)
+        self.key_source = source
         self.key_hash = hash_key(key, seed)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
+        salter = self._router.salter
+        if salter is not None and not (client_salt and salter.keep_client):
+            tenant_key = prompt_cache_key if prompt_cache_key is not None else self._request.tenant
+            self._body, added = salted_body(self._body, salter.member(tenant_key))
+            self._request.content_length += added
         if previous_response_id is not None and self.path == b"/v1/responses":
             self._response_id = previous_response_id
         self._route()
@@ -487,7 +551,7 @@ class Exchange(LazyDeadline):
             upstream.transport.pause_reading()
         self._upstream_bytes = False
         span = self.span
-        pieces = [
+        pieces: list[bytes | memoryview] = [
             upstream_head(
                 self._request,
                 host=upstream.pool.authority,

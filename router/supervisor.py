@@ -463,6 +463,7 @@ class Workers:
             recorder.no_backend += report.no_backend
             recorder.refused.update(report.refused)
             recorder.models.update(report.models)
+            recorder.sources.update(report.sources)
         for backend in router.fleet.backends.values():
             requests, overflow, fallback, errors = totals.get(backend.name, (0, 0, 0, 0))
             backend.requests, backend.overflow = requests, overflow

@@ -132,6 +132,7 @@ def report(router: Router, seq: int) -> Report:
         tracing=router.tracer.counts() if router.tracer is not None else {},
         responses=router.responses.counts(),
         models=dict(recorder.models),
+        sources=dict(recorder.sources),
     )
 
 
