@@ -56,6 +56,8 @@ RESTART_FIELDS = (
     "health",
     "vnodes",
     "seed",
+    "tenants",
+    "admission",
 )
 
 

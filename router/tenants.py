@@ -38,11 +38,20 @@ import hashlib
 import heapq
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .metrics import TTFT_BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from .app import Router
 
 __all__ = [
     "NONE",
@@ -50,6 +59,7 @@ __all__ = [
     "QUEUE_WAIT_BUCKETS",
     "REJECT_REASONS",
     "SpaceSaving",
+    "TenantCollector",
     "TenantDelta",
     "TenantMetrics",
     "TenantSeries",
@@ -355,3 +365,66 @@ def _add(histogram: Histogram, counts: list[int], total: float) -> None:
     for i, count in enumerate(counts):
         histogram.counts[i] += count
     histogram.total += total
+
+
+class TenantCollector:
+    """The per-tenant families, built at scrape time from ``router.tenants``
+    (and the admission queue's gauges when it is on)."""
+
+    def __init__(self, router: Router):
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        tenants = router.tenants
+        requests = CounterMetricFamily(
+            "prefix_router_tenant_requests",
+            "Requests answered per tenant (top tenants by requests, the rest `other`;"
+            " labels are keyed digests of the tenant key unless names are shown).",
+            labels=["tenant"],
+        )
+        queued = CounterMetricFamily(
+            "prefix_router_tenant_queued",
+            "Requests that waited in the admission queue, per tenant.",
+            labels=["tenant"],
+        )
+        rejected = CounterMetricFamily(
+            "prefix_router_tenant_rejected",
+            "Requests answered 429 by the admission queue, per tenant and reason.",
+            labels=["tenant", "reason"],
+        )
+        ttft = HistogramMetricFamily(
+            "prefix_router_tenant_ttft_seconds",
+            "Time to first response byte per tenant, queueing included.",
+            labels=["tenant"],
+        )
+        wait = HistogramMetricFamily(
+            "prefix_router_tenant_queue_wait_seconds",
+            "Time admitted requests waited in the admission queue, per tenant.",
+            labels=["tenant"],
+        )
+        for label, series in tenants.items():
+            requests.add_metric([label], series.requests)
+            queued.add_metric([label], series.queued)
+            for reason, count in zip(REJECT_REASONS, series.rejected, strict=True):
+                rejected.add_metric([label, reason], count)
+            ttft.add_metric([label], series.ttft.cumulative(), series.ttft.total)
+            wait.add_metric([label], series.wait.cumulative(), series.wait.total)
+        yield from (requests, queued, rejected, ttft, wait)
+        yield GaugeMetricFamily(
+            "prefix_router_tenant_labels",
+            "Tenants with a label of their own (at most [tenants] metrics_top).",
+            value=len(tenants.labels),
+        )
+        queue = router.queue
+        if queue is not None:
+            yield GaugeMetricFamily(
+                "prefix_router_queue_depth",
+                "Requests waiting in the admission queue (this process, or the workers' sum).",
+                value=queue.depth,
+            )
+            yield GaugeMetricFamily(
+                "prefix_router_queue_tenants",
+                "Tenants with requests waiting in the admission queue.",
+                value=queue.tenants,
+            )

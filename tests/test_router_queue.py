@@ -1,0 +1,330 @@
+"""The fair admission queue (router.queue) through the real router, in process.
+
+A gated backend holds every request until the test lets it go, one at a
+time, so the order in which queued requests reach it is exactly the order the
+router admitted them: that is the fairness the tests read.  Overload runs
+against simulated instances.  Clients are the official ``openai`` client (no
+retries: a 429 is what the test wants to see) and raw sockets where a client
+must vanish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from loadtests.simserver import Timing
+from router.app import Router
+from tests.harness.backends import Backend, Seen, StartBackend
+from tests.harness.http import response
+from tests.harness.routers import SimFleet, StartRouter
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "sim-llama-3.1-70b"
+# One request in flight per backend, counted until its answer ends.
+ONE_AT_A_TIME = {
+    "RoutingStrategy": "PREFIX_AWARE",
+    "PrefixAwareRoutingConfig": {
+        "ConcurrencyThreshold": 1,
+        "BalanceMode": "IN_FLIGHT",
+        "ConcurrencyScope": "IN_FLIGHT",
+    },
+}
+
+
+def completion(seen: Seen) -> bytes:
+    body = json.loads(seen.body)
+    answer = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body["model"],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": body["prompt_cache_key"]},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    return json.dumps(answer).encode()
+
+
+class Gate:
+    """A backend handler that answers each request only when ``open_one`` lets it."""
+
+    def __init__(self) -> None:
+        self.arrived: list[str] = []  # tenants, in the order their requests reached it
+        self.waiting: list[asyncio.Event] = []
+        self.changed = asyncio.Event()
+
+    async def __call__(self, backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        if seen.method != b"POST":  # health checks
+            writer.write(response(200, b"{}", [(b"Content-Type", b"application/json")]))
+            return True
+        gate = asyncio.Event()
+        self.arrived.append(json.loads(seen.body)["prompt_cache_key"])
+        self.waiting.append(gate)
+        self.changed.set()
+        await gate.wait()
+        writer.write(response(200, completion(seen), [(b"Content-Type", b"application/json")]))
+        return True
+
+    def open_one(self) -> None:
+        self.waiting.pop(0).set()
+
+    def open_all(self) -> None:
+        while self.waiting:
+            self.open_one()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(10):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Return once ``predicate`` holds: the router runs in this loop, each turn moves it on."""
+    async with asyncio.timeout(10):
+        while not predicate():
+            await asyncio.sleep(0)
+
+
+def client(router: Router) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0
+    )
+
+
+async def ask(via: openai.AsyncOpenAI, tenant: str, text: str = "same prompt") -> str:
+    done = await via.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": text}],
+        extra_body={"prompt_cache_key": tenant},
+    )
+    content = done.choices[0].message.content
+    assert content is not None
+    return content
+
+
+def queue_of(router: Router) -> Any:
+    assert router.queue is not None
+    return router.queue
+
+
+async def test_saturated_requests_are_admitted_round_robin_by_tenant(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router([backend.spec], routing=ONE_AT_A_TIME, admission={"queue": True})
+    queue = queue_of(router)
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "heavy", f"h{i}")) for i in range(6)]
+        await gate.until(lambda: len(gate.arrived) == 1)
+        await until(lambda: queue.depth == 5)
+        tasks += [asyncio.create_task(ask(via, "light", f"l{i}")) for i in range(2)]
+        await until(lambda: queue.depth == 7)
+        for n in range(2, 9):
+            gate.open_one()
+            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        gate.open_all()
+        answers = await asyncio.gather(*tasks)
+    # FIFO would be heavy x6 then light x2; round robin serves light between heavies.
+    assert gate.arrived == ["heavy", "heavy", "light", "heavy", "light", "heavy", "heavy", "heavy"]
+    assert sorted(answers) == ["heavy"] * 6 + ["light"] * 2
+    assert queue.depth == 0
+    await router.wait_quiet()
+    assert router.fleet.loads.total == 0
+
+
+async def test_weights_give_a_tenant_its_share_of_the_places(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router(
+        [backend.spec],
+        routing=ONE_AT_A_TIME,
+        admission={"queue": True, "weights": {"gold": 2.0}},
+    )
+    queue = queue_of(router)
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "first", "x"))]
+        await gate.until(lambda: len(gate.arrived) == 1)
+        tasks += [asyncio.create_task(ask(via, "basic", f"b{i}")) for i in range(3)]
+        await until(lambda: queue.depth == 3)
+        tasks += [asyncio.create_task(ask(via, "gold", f"g{i}")) for i in range(6)]
+        await until(lambda: queue.depth == 9)
+        for n in range(2, 11):
+            gate.open_one()
+            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        gate.open_all()
+        await asyncio.gather(*tasks)
+    assert gate.arrived[1:] == ["basic", "gold", "gold"] * 3
+
+
+async def test_a_full_tenant_queue_is_answered_429_with_retry_after(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router(
+        [backend.spec],
+        routing=ONE_AT_A_TIME,
+        admission={"queue": True, "max_queued_per_tenant": 2},
+    )
+    queue = queue_of(router)
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "a", f"{i}")) for i in range(3)]
+        await until(lambda: queue.depth == 2)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await ask(via, "a", "one too many")
+        # Another tenant still has its own places.
+        other = asyncio.create_task(ask(via, "b", "mine"))
+        await until(lambda: queue.depth == 3)
+        for n in range(2, 5):
+            gate.open_one()
+            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        gate.open_all()
+        await asyncio.gather(*tasks, other)
+    error = caught.value
+    assert error.status_code == 429
+    retry_after = error.response.headers["retry-after"]
+    assert retry_after.isdigit()
+    assert 1 <= int(retry_after) <= 30
+    body = error.response.json()
+    assert body["error"]["code"] == "queue_full"
+    assert body["error"]["type"] == "rate_limit_error"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    rejected = dict(router.tenants.items())
+    assert sum(series.rejected[0] for series in rejected.values()) == 1
+
+
+async def test_the_wait_bound_answers_429(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router(
+        [backend.spec],
+        routing=ONE_AT_A_TIME,
+        admission={"queue": True, "max_wait": 0.05},
+    )
+    async with client(router) as via:
+        first = asyncio.create_task(ask(via, "a", "held"))
+        await gate.until(lambda: len(gate.arrived) == 1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await ask(via, "b", "waits too long")
+        gate.open_all()
+        await first
+    assert caught.value.response.json()["error"]["code"] == "queue_timeout"
+    assert caught.value.response.headers["retry-after"] == "1"
+    assert queue_of(router).depth == 0
+
+
+async def test_a_client_that_leaves_while_queued_frees_its_place_at_once(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router(
+        [backend.spec],
+        routing=ONE_AT_A_TIME,
+        admission={"queue": True, "max_queued_per_tenant": 1},
+    )
+    queue = queue_of(router)
+    async with client(router) as via:
+        held = asyncio.create_task(ask(via, "a", "held"))
+        await gate.until(lambda: len(gate.arrived) == 1)
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "prompt_cache_key": "a",
+            }
+        ).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await until(lambda: queue.depth == 1)
+        writer.close()
+        await until(lambda: queue.depth == 0)
+        # Its place is free: the tenant's next request queues instead of a 429.
+        again = asyncio.create_task(ask(via, "a", "again"))
+        await until(lambda: queue.depth == 1)
+        gate.open_all()
+        await gate.until(lambda: len(gate.arrived) == 2)
+        gate.open_all()
+        assert await again == "a"
+        await held
+    assert gate.arrived == ["a", "a"]  # the one that left never reached the backend
+
+
+async def test_off_keeps_the_least_loaded_fallback(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    gate = Gate()
+    backend = await backends(gate)
+    router = await start_router([backend.spec], routing=ONE_AT_A_TIME)
+    assert router.queue is None
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "a", f"{i}")) for i in range(3)]
+        await gate.until(lambda: len(gate.arrived) == 3)  # all three at once: fallback
+        gate.open_all()
+        await asyncio.gather(*tasks)
+    assert router.recorder.decisions["fallback"] == 2
+
+
+async def test_overload_loses_no_request_and_memory_stays_bounded(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(
+        2, timing=Timing(time_scale=0.01, request_overhead_s=0.5, decode_s_per_token=0.1)
+    )
+    router = await start_router(
+        sims,
+        routing={"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2}},
+        admission={"queue": True, "max_queued_per_tenant": 8, "max_queued": 20},
+    )
+    queue = queue_of(router)
+    peak = 0
+
+    def watch() -> None:
+        nonlocal peak
+        peak = max(peak, queue.depth)
+
+    statuses: list[int] = []
+
+    async def one(via: openai.AsyncOpenAI, tenant: str, i: int) -> None:
+        try:
+            await ask(via, tenant, f"{tenant} {i} " + "doc " * 50)
+            statuses.append(200)
+        except openai.RateLimitError as exc:
+            assert int(exc.response.headers["retry-after"]) >= 1
+            statuses.append(429)
+        watch()
+
+    async with client(router) as via:
+        tenants = ["t0", "t1", "t2", "t3"]
+        await asyncio.gather(*(one(via, tenants[i % 4], i) for i in range(240)))
+    assert len(statuses) == 240  # every request answered: 200 or 429, nothing else
+    assert set(statuses) <= {200, 429}
+    assert statuses.count(200) >= 4  # the fleet worked through its share
+    assert 429 in statuses
+    assert peak <= 20
+    await router.wait_quiet()
+    assert queue.depth == 0
+    assert queue.tenants == 0
+    assert not queue._pools
+    assert router.fleet.loads.total == 0
+    assert router.fleet.waiting.total == 0
