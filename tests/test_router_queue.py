@@ -93,7 +93,9 @@ class Gate:
 async def until(predicate: Callable[[], bool]) -> None:
     """Return once ``predicate`` holds: the router runs in this loop, each turn moves it on."""
     async with asyncio.timeout(10):
-        while not predicate():
+        while True:
+            if predicate():
+                return
             await asyncio.sleep(0)
 
 
@@ -310,8 +312,7 @@ async def test_overload_loses_no_request_and_memory_stays_bounded(
             await ask(via, tenant, f"{tenant} {i} " + "doc " * 50)
             statuses.append(200)
         except openai.RateLimitError as exc:
-            assert int(exc.response.headers["retry-after"]) >= 1
-            statuses.append(429)
+            statuses.append(429 if int(exc.response.headers["retry-after"]) >= 1 else 0)
         watch()
 
     async with client(router) as via:
