@@ -253,7 +253,7 @@ async def test_a_client_that_leaves_while_queued_frees_its_place_at_once(
                 "prompt_cache_key": "a",
             }
         ).encode()
-        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", router.port)
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
