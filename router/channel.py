@@ -35,6 +35,7 @@ from hashring.shared import Record
 from .config import Config
 from .control.ops import Op
 from .responses import Learnt
+from .tenants import TenantDelta
 
 __all__ = [
     "Applied",
@@ -112,6 +113,8 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
     models: dict[str, int] = {}  # requests per model pool (Recorder.models)
     responses: dict[str, int] = {}  # ResponseIds.counts()
+    tenants: list[TenantDelta] = []  # per-tenant counts since the last report (router.tenants)
+    queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):

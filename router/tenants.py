@@ -411,6 +411,12 @@ class TenantCollector:
             ttft.add_metric([label], series.ttft.cumulative(), series.ttft.total)
             wait.add_metric([label], series.wait.cumulative(), series.wait.total)
         yield from (requests, queued, rejected, ttft, wait)
+        yield CounterMetricFamily(
+            "prefix_router_tenant_requests_retired",
+            "Requests counted in tenant series that ended (their tenant lost its label to a"
+            " busier one): the tenant series plus this add up to every request.",
+            value=tenants.retired,
+        )
         yield GaugeMetricFamily(
             "prefix_router_tenant_labels",
             "Tenants with a label of their own (at most [tenants] metrics_top).",
@@ -418,13 +424,14 @@ class TenantCollector:
         )
         queue = router.queue
         if queue is not None:
+            depth, waiting = router.reported_queue or (queue.depth, queue.tenants)
             yield GaugeMetricFamily(
                 "prefix_router_queue_depth",
                 "Requests waiting in the admission queue (this process, or the workers' sum).",
-                value=queue.depth,
+                value=depth,
             )
             yield GaugeMetricFamily(
                 "prefix_router_queue_tenants",
-                "Tenants with requests waiting in the admission queue.",
-                value=queue.tenants,
+                "Tenants with requests waiting in the admission queue (per worker, summed).",
+                value=waiting,
             )
