@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from loadtests.simserver import Timing
 from router.app import Router
-from tests.harness.backends import Backend, Seen, StartBackend
+from tests.harness.backends import Backend, Seen, StartBackend, hold
 from tests.harness.http import response
+from tests.harness.processes import ADMIN_PORTS, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter
 
 pytestmark = pytest.mark.timeout(60)
@@ -318,7 +322,7 @@ async def test_overload_loses_no_request_and_memory_stays_bounded(
     async with client(router) as via:
         tenants = ["t0", "t1", "t2", "t3"]
         await asyncio.gather(*(one(via, tenants[i % 4], i) for i in range(240)))
-    assert len(statuses) == 240  # every request answered: 200 or 429, nothing else
+    assert len(statuses) == REQUESTS0  # every request answered: 200 or 429, nothing else
     assert set(statuses) <= {200, 429}
     assert statuses.count(200) >= 4  # the fleet worked through its share
     assert 429 in statuses
@@ -329,3 +333,86 @@ async def test_overload_loses_no_request_and_memory_stays_bounded(
     assert not queue._pools
     assert router.fleet.loads.total == 0
     assert router.fleet.waiting.total == 0
+
+
+REQUESTS = 48
+QUEUE_DEPTH = re.compile(r"^prefix_router_queue_depth (\S+)$", re.M)
+
+
+async def test_two_workers_keep_the_bounds_and_admit_across_workers(
+    backends: StartBackend, tmp_path: Path
+) -> None:
+    """Each worker queues its own clients against the fleet-wide count: with one
+    place in the fleet and 2 places per tenant per worker, at most 2 + 2 x 2 of
+    REQUESTS requests of one tenant are admitted or queued, the rest are 429 at
+    once; once the backend answers, every queued request is admitted, also those
+    whose worker learns of the free place only from the other worker's row (a
+    fold: without that wake they would wait for max_wait, past the test's
+    timeout).  SO_REUSEPORT gives each worker at least 3 of the 48 connections
+    but with a chance below 10^-11: both queue."""
+    backend = await backends(hold)
+    config = tmp_path / "router.toml"
+    config.write_text("[admission]\nqueue = true\nmax_queued_per_tenant = 2\nmax_wait = 60.0\n")
+    proc, port = await spawn_router(
+        "--config",
+        str(config),
+        "--workers",
+        "2",
+        "--strategy",
+        "prefix",
+        "--concurrency-threshold",
+        "1",
+        "--concurrency-scope",
+        "IN_FLIGHT",
+        "--balance-mode",
+        "IN_FLIGHT",
+        "--no-health-checks",
+        "--backend",
+        "{}={}".format(*backend.spec),
+    )
+    answers: list[tuple[int, dict[str, Any], str | None]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def post(i: int) -> None:
+                async with http.post(
+                    f"http://127.0.0.1:{port}/generate",
+                    data=f"prompt {i}",
+                    headers={"X-Amzn-SageMaker-Prefix-Aware-Id": "one", "Connection": "close"},
+                ) as resp:
+                    body = await resp.json(content_type=None)
+                    answers.append((resp.status, body, resp.headers.get("Retry-After")))
+
+            tasks = [asyncio.create_task(post(i)) for i in range(REQUESTS)]
+
+            async def depth() -> int:
+                url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics"
+                async with http.get(url) as resp:
+                    found = QUEUE_DEPTH.search(await resp.text())
+                assert found is not None
+                return int(float(found.group(1)))
+
+            # Every request is answered 429, held by the backend or queued (read
+            # through /metrics, which asks both workers: a real read each time).
+            async with asyncio.timeout(30):
+                while len(answers) + len(backend.heads) + await depth() < REQUESTS:
+                    await asyncio.sleep(0.05)
+            held, queued = len(backend.heads), await depth()
+            backend.release.set()
+            await asyncio.gather(*tasks)
+    finally:
+        await stop(proc)
+    statuses = [status for status, _, _ in answers]
+    assert len(statuses) == REQUESTS
+    assert set(statuses) <= {200, 429}
+    # The fleet-wide bound: 1 in flight (2 if both workers decided within one fold
+    # period), at most 2 queued per worker.
+    assert held <= 2
+    assert queued == 4  # both workers queued their 2
+    assert statuses.count(200) == held + queued
+    assert statuses.count(429) >= REQUESTS - 2 - 4
+    for status, body, retry_after in answers:
+        if status == 429:
+            assert body["error"]["code"] == "queue_full"  # no wait bound passed
+            assert retry_after is not None
+            assert int(retry_after) >= 1
