@@ -87,6 +87,8 @@ class Router:
             self.queue = AdmissionQueue(self, config.admission)
             self.balancer.on_release = self.queue.wake  # a lease let go: a place may be free
         self.reported_queue: tuple[int, int] | None = None  # a supervisor's: the workers' sum
+        # metrics_top 0 and no queue: nothing per tenant to count (~2 us a request saved).
+        self._per_tenant = bool(tenants.metrics_top) or self.queue is not None
         self.collector.registry.register(TenantCollector(self))
         self.stopping = False
         self.active = 0  # exchanges started and not finished
@@ -276,13 +278,14 @@ class Router:
     def exchange_finished(self, exchange: Exchange) -> None:
         self.active -= 1
         self.recorder.observe(exchange)
-        self.tenants.observe(
-            exchange.tenant_key,
-            ttft=exchange.ttft - exchange.started if exchange.ttft else None,
-            queued=exchange.queued,
-            wait=exchange.queue_wait,
-            rejected=exchange.rejected,
-        )
+        if self._per_tenant:
+            self.tenants.observe(
+                exchange.tenant_key,
+                ttft=exchange.ttft - exchange.started if exchange.ttft else None,
+                queued=exchange.queued,
+                wait=exchange.queue_wait,
+                rejected=exchange.rejected,
+            )
         self.access.record(exchange)
         if exchange.span is not None:
             self.tracer.end(exchange)  # type: ignore[union-attr]  # a span means a tracer

@@ -20,6 +20,9 @@ Contract:
 - Reads: ``refresh()`` asks every worker for its accounting and adds it up
   into the supervisor's router (backend counters, the recorder, idle
   connections), whose views and metrics then read as one router's would.
+  Per-tenant series (``router.tenants``) come as deltas since the last
+  report and are absorbed into the supervisor's own bounded view; the
+  workers get one digest key in their ``Init``, so a tenant has one label.
   In-flight counts are read from the table (all rows, folded on read).
 - A worker that exits unexpectedly: its row is zeroed (its requests are
   gone with it: their clients saw the connection reset), it is started
