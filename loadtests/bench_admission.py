@@ -77,7 +77,7 @@ async def one(
             if resp.status == 200 and first:
                 record["ttft"] = time.perf_counter() - start
             await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         record["error"] = type(exc).__name__
     except asyncio.CancelledError:
         record["status"] = -1  # still open when the window closed
@@ -209,8 +209,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 await stop_checked(child)
     print_table(results, args)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        write_json(Path(args.out), {"args": vars(args), "results": results})
     return 0
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1))
 
 
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
