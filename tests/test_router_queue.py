@@ -418,3 +418,23 @@ async def test_two_workers_keep_the_bounds_and_admit_across_workers(
             assert body["error"]["code"] == "queue_full"  # no wait bound passed
             assert retry_after is not None
             assert int(retry_after) >= 1
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "path"),
+    [
+        ("admission", {"max_wait": 0}, "$.admission.max_wait"),
+        ("admission", {"max_queued_per_tenant": 0}, "$.admission.max_queued_per_tenant"),
+        ("admission", {"weights": {"gold": 0.0}}, "$.admission.weights"),
+        ("tenants", {"metrics_top": -1}, "$.tenants.metrics_top"),
+        ("tenants", {"header": "bad header"}, "$.tenants.header"),
+        ("tenants", {"label_key": "short"}, "$.tenants.label_key"),
+    ],
+)
+def test_bad_admission_and_tenant_settings_name_their_field(
+    section: str, value: dict[str, Any], path: str
+) -> None:
+    from router.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=re.escape(path)):
+        build_config({section: value})
