@@ -84,7 +84,7 @@ async def test_a_replica_queues_behind_another_replicas_request_and_admits_after
             flags += ["--no-health-checks", "--config", str(config)]
             flags += ["--backend", "{}={}".format(*backend.spec)]
             routers.append(await spawn_router(*flags))
-        (first, first_port), (second, second_port) = routers
+        (_, first_port), (second, second_port) = routers
         async with aiohttp.ClientSession() as http:
 
             async def post(port: int, tenant: str, body: str) -> int:
