@@ -39,6 +39,7 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
     finally:
         await server.kill()
 
+
 QUEUE_DEPTH = re.compile(r"^prefix_router_queue_depth (\S+)$", re.M)
 IN_FLIGHT = re.compile(r'^prefix_router_in_flight\{backend="[^"]*"\} (\S+)$', re.M)
 TENANT = re.compile(r'^prefix_router_tenant_requests_total\{tenant="([^"]*)"\} (\S+)$', re.M)
