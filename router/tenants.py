@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
@@ -231,9 +232,11 @@ class TenantMetrics:
             return self.other
         labelled = self.labels.get(key)
         summary = self.summary
-        count = summary.offer(key, n)
-        if labelled is not None:
+        if labelled is not None:  # the common case, inline: a labelled key is in the summary
+            counts = summary.counts
+            counts[key] += n
             return labelled[1]
+        count = summary.offer(key, n)
         if key == OTHER:
             return self.other
         labels = self.labels
@@ -280,10 +283,12 @@ class TenantMetrics:
         rejected: int | None = None,
     ) -> None:
         """Count one request (``rejected``: an index of ``REJECT_REASONS``)."""
-        series = self.series(key)
+        series = self._series(NONE if key is None else key, 1)
         series.requests += 1
         if ttft is not None:
-            series.ttft.observe(ttft)
+            histogram = series.ttft  # Histogram.observe, inline (once per request)
+            histogram.counts[bisect_left(histogram.bounds, ttft)] += 1
+            histogram.total += ttft
         if queued:
             series.queued += 1
             if wait is not None:
