@@ -215,6 +215,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="R",
         help="share of new traces sampled, 0-1 (1.0); a client's traceparent decides its own",
     )
+    serve.add_argument(
+        "--queue",
+        action="store_true",
+        default=None,
+        help="queue requests fairly per tenant when every backend is at its bound (off)",
+    )
+    serve.add_argument(
+        "--tenant-header", metavar="NAME", help="the header that names a request's tenant"
+    )
 
 
 # Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
@@ -309,6 +318,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
             cache_salt[field] = getattr(args, flag)
     if cache_salt:
         data["cache_salt"] = cache_salt
+    if args.queue:
+        data["admission"] = {**data.get("admission", {}), "queue": True}
+    if args.tenant_header is not None:
+        data["tenants"] = {**data.get("tenants", {}), "header": args.tenant_header}
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path

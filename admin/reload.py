@@ -57,6 +57,8 @@ RESTART_FIELDS = (
     "vnodes",
     "seed",
     "cache_salt",
+    "tenants",
+    "admission",
 )
 
 

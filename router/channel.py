@@ -35,6 +35,7 @@ from hashring.shared import Record
 from .config import Config
 from .control.ops import Op
 from .responses import Learnt
+from .tenants import TenantDelta
 
 __all__ = [
     "Applied",
@@ -113,6 +114,8 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     models: dict[str, int] = {}  # requests per model pool (Recorder.models)
     sources: dict[str, int] = {}  # requests per affinity key source (Recorder.sources)
     responses: dict[str, int] = {}  # ResponseIds.counts()
+    tenants: list[TenantDelta] = []  # per-tenant counts since the last report (router.tenants)
+    queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True):

@@ -35,6 +35,7 @@ from msgspec import Meta
 
 __all__ = [
     "SESSION_SOURCES",
+    "AdmissionConfig",
     "BackendSpec",
     "CacheSaltConfig",
     "Config",
@@ -47,6 +48,7 @@ __all__ = [
     "PrefixAwareRoutingConfig",
     "RoutingConfig",
     "Strategy",
+    "TenantsConfig",
     "Timeouts",
     "backend_address",
     "build_config",
@@ -273,6 +275,34 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scrape_interval: Seconds = 10.0
 
 
+TenantKey = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+
+
+class TenantsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Who a request's tenant is, and how tenants show in the metrics (router.tenants)."""
+
+    # A header naming the tenant, for metrics and the admission queue (the routing
+    # salt stays prompt_cache_key / X-Amzn-SageMaker-Prefix-Aware-Id); unset: the salt's key.
+    header: Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")] | None = None
+    metrics_top: Annotated[int, Meta(ge=0, le=1000)] = 20  # tenants with a label; 0: off
+    metrics_names: bool = False  # labels are the keys themselves, not keyed digests
+    # The digest's key (same on every replica for the same labels); unset: random per start.
+    label_key: Annotated[str, Meta(min_length=16, max_length=256)] | None = None
+
+
+class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The fair admission queue at saturation (router.queue); off: "least loaded" fallback."""
+
+    queue: bool = False
+    max_queued_per_tenant: Annotated[int, Meta(ge=1, le=100_000)] = 64
+    max_queued: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096  # all tenants, per process
+    max_wait: Seconds = 30.0  # queued longer: 429
+    # Deficit round robin weights per tenant key (absent: 1).
+    weights: dict[TenantKey, Annotated[float, Meta(ge=0.01, le=1000.0)]] = msgspec.field(
+        default_factory=dict
+    )
+
+
 class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Membership from a discovery source (router.discovery) instead of the admin API."""
 
@@ -390,6 +420,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     discover: DiscoverConfig | None = None
     otel: OtelConfig = msgspec.field(default_factory=OtelConfig)  # tracing, off by default
     cache_salt: CacheSaltConfig = msgspec.field(default_factory=CacheSaltConfig)  # off by default
+    tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

@@ -51,6 +51,13 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
   /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
   Where it declares none, nothing of this happens (no read of ``model``).
+- Tenants (``router.tenants``, ``router.queue``): ``tenant_key`` is the
+  ``[tenants] header`` when configured and sent, else the routing salt's key
+  (``prompt_cache_key`` or the SageMaker header), else None.  With the
+  admission queue on, a keyed request's first routing attempt that finds every
+  backend at its bound (or others of its pool already waiting) waits in the
+  queue (``queue_entered``) until ``admit`` places it, or is answered 429 with
+  ``Retry-After`` (``reject``); leaving while queued frees its place.
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
@@ -68,6 +75,7 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .balancer import SATURATED
 from .cachesalt import salted_body
 from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
@@ -89,6 +97,7 @@ from .heads import (
     read_response,
     upstream_head,
 )
+from .queue import QUEUE_FULL
 from .responses import IdScanner, response_id_of
 from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
 from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
@@ -102,6 +111,7 @@ if TYPE_CHECKING:
     from .client import ClientConnection
     from .fleet import ModelPool
     from .keyworker import Keyed
+    from .queue import AdmissionQueue
     from .tracing import Span
     from .upstream import UpstreamConnection
 
@@ -118,6 +128,7 @@ class Exchange(LazyDeadline):
         "_client_paused",
         "_conn",
         "_connecting",
+        "_entered",
         "_framing",
         "_hasher",
         "_head_sent",
@@ -125,6 +136,7 @@ class Exchange(LazyDeadline):
         "_last_read",
         "_listing",
         "_out",
+        "_queue_timer",
         "_read_timeout",
         "_replayable",
         "_request",
@@ -149,6 +161,9 @@ class Exchange(LazyDeadline):
         "model",
         "path",
         "pool",
+        "queue_wait",
+        "queued",
+        "rejected",
         "request_complete",
         "request_id",
         "reset_client",
@@ -156,6 +171,7 @@ class Exchange(LazyDeadline):
         "started",
         "status",
         "tenant",
+        "tenant_key",
         "ttft",
         "upstream",
     )
@@ -197,6 +213,18 @@ class Exchange(LazyDeadline):
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
+        self.tenant_key: str | None = None  # who the request is for (metrics, the queue)
+        tenant_header = conn.router.tenant_header
+        if tenant_header is not None:
+            for name, value in headers:
+                if name.lower() == tenant_header:
+                    self.tenant_key = value.decode("latin-1")
+                    break
+        self.queued = False  # waited in the admission queue
+        self.queue_wait: float | None = None  # seconds, once admitted
+        self.rejected: int | None = None  # answered 429 by the queue (REJECT_REASONS index)
+        self._queue_timer: asyncio.TimerHandle | None = None  # set while waiting in the queue
+        self._entered = 0.0
         self.request_id = b""
         self.choice: Choice | None = None
         self.upstream: UpstreamConnection | None = None
@@ -288,7 +316,12 @@ class Exchange(LazyDeadline):
                 return
         self._body.append(data)
         hasher = self._hasher
-        if hasher is not None and self.choice is None and hasher.feed(data):
+        if (
+            hasher is not None
+            and self.choice is None
+            and self._queue_timer is None
+            and hasher.feed(data)
+        ):
             self.key_hash = hasher.digest()
             self._route()
 
@@ -300,6 +333,8 @@ class Exchange(LazyDeadline):
             self._list_models()
         elif self.kind is Kind.OPENAI:
             self._route_openai()
+        elif self._queue_timer is not None:
+            pass  # queued: admission sends the body, its end included
         elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
             self._route()
@@ -409,13 +444,17 @@ class Exchange(LazyDeadline):
         ``field`` names the body field the key came from; None: the header.
         """
         try:
-            return tenant_seed(tenant_key)
+            seed = tenant_seed(tenant_key)
         except TenantKeyError as exc:
             if field is None:
                 self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
             else:
                 self._fail(400, f"invalid {field}: {exc}", param=field)
             return None
+        if self.tenant_key is None and tenant_key:
+            key = tenant_key
+            self.tenant_key = key if isinstance(key, str) else key.decode("latin-1")
+        return seed
 
     # -- routing and connecting ------------------------------------------------
 
@@ -438,7 +477,18 @@ class Exchange(LazyDeadline):
                 name = None  # held by a backend of another model: this one's pool decides
             choice = self._follow(name)
         if choice is None:
-            choice = router.balancer.choose(self.key_hash, self._tried, members)
+            queue = router.queue
+            if queue is not None and self.key_hash is not None and not self._tried:
+                # Others of this pool wait: behind them.  Else wait if saturated.
+                if queue.busy(self.pool):
+                    self._enqueue(queue)
+                    return
+                choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+                if choice is SATURATED:
+                    self._enqueue(queue)
+                    return
+            else:
+                choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
             serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
@@ -446,12 +496,76 @@ class Exchange(LazyDeadline):
             else:
                 self._fail(503, f"no backend{serving} is available")
             return
+        self._dispatch(choice)
+
+    def _dispatch(self, choice: Choice) -> None:
         self.choice = choice
-        conn = router.pools[choice.backend.name].take()
+        conn = self._router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
         else:
             self._connect()
+
+    # -- the admission queue (router.queue) ----------------------------------
+
+    def _enqueue(self, queue: AdmissionQueue) -> None:
+        if not queue.enter(self):
+            self.reject(QUEUE_FULL, queue.retry_after(self.tenant_key))
+
+    def queue_entered(self, now: float, timer: asyncio.TimerHandle) -> None:
+        """Waiting from ``now``; ``timer`` ends the wait (429)."""
+        self.queued = True
+        self._entered = now
+        self._queue_timer = timer
+        if not self.request_complete:
+            # A native body still streaming: hold what came, read no more meanwhile.
+            self._conn.pause_reading_for_upstream(True)
+
+    def admit(self, now: float) -> bool:
+        """The queue offers a place: route now if a backend is below its bound.
+        False: still saturated (stays queued); True: it left the queue."""
+        router = self._router
+        model = self.model
+        members = None if model is None else router.fleet.members_for(model)
+        if model is not None and members is None:
+            self._stop_queue_timer()
+            self._unknown_model(model)
+            return True
+        choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+        if choice is SATURATED:
+            return False
+        self._stop_queue_timer()
+        self.queue_wait = now - self._entered
+        if choice is None:
+            serving = "" if model is None else f" for model `{_shown(model)}`"
+            self._fail(503, f"no backend{serving} is available")
+        else:
+            self._dispatch(choice)
+        return True
+
+    def reject(self, reason: int, retry_after: int) -> None:
+        """Answer 429 for the queue: full (``QUEUE_FULL``) or waited too long."""
+        self._stop_queue_timer()
+        self.rejected = reason
+        if reason == QUEUE_FULL:
+            message = "too many requests of this tenant are waiting for a backend"
+            code = "queue_full"
+        else:
+            waited = self._router.config.admission.max_wait
+            message = f"no backend was below its bound within {waited:g} s"
+            code = "queue_timeout"
+        self._fail(
+            429,
+            f"{message}; retry after {retry_after} s",
+            code=code,
+            extra=b"retry-after: %d\r\n" % retry_after,
+        )
+
+    def _stop_queue_timer(self) -> None:
+        timer = self._queue_timer
+        if timer is not None:
+            timer.cancel()
+            self._queue_timer = None
 
     def _wait_for(self, response_id: str) -> bool:
         """Wait (once, bounded) for an id another process may be sharing right now;
@@ -780,7 +894,12 @@ class Exchange(LazyDeadline):
         self._finish(upstream_reusable=False)
 
     def _fail(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        extra: bytes = b"",
     ) -> None:
         """Answer with a JSON error; only possible before the response head left."""
         if self._head_sent:
@@ -800,6 +919,7 @@ class Exchange(LazyDeadline):
                 close=not keep_alive,
                 date=self._router.date.value,
                 request_id=self.request_id,
+                extra=extra,
             )
         )
         self._finish(upstream_reusable=False)
@@ -852,6 +972,10 @@ class Exchange(LazyDeadline):
         self._disarm()
         if self._id_wait is not None:
             self._stop_waiting()
+        if self._queue_timer is not None:  # gone while queued: its place is free at once
+            self._stop_queue_timer()
+            assert router.queue is not None
+            router.queue.leave(self)
         if self.choice is not None:
             self.choice.release()
         upstream, self.upstream = self.upstream, None

@@ -20,6 +20,9 @@ Contract:
 - Reads: ``refresh()`` asks every worker for its accounting and adds it up
   into the supervisor's router (backend counters, the recorder, idle
   connections), whose views and metrics then read as one router's would.
+  Per-tenant series (``router.tenants``) come as deltas since the last
+  report and are absorbed into the supervisor's own bounded view; the
+  workers get one digest key in their ``Init``, so a tenant has one label.
   In-flight counts are read from the table (all rows, folded on read).
 - A worker that exits unexpectedly: its row is zeroed (its requests are
   gone with it: their clients saw the connection reset), it is started
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -78,6 +82,7 @@ from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
 from .shared import PLANES, SharedLoadTracker, SharedTable
+from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -161,6 +166,12 @@ class Workers:
         self.router = router
         self.count = count
         self.stamp_base = stamp_base
+        # Every worker labels a tenant alike (router.tenants): one digest key for all.
+        tenants = router.config.tenants
+        self._tenants = msgspec.structs.replace(
+            tenants, label_key=tenants.label_key or os.urandom(16).hex()
+        )
+        router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
         self.table = SharedTable.create(count + remote, SLOTS, PLANES)
         self.slots: dict[str, int] = {}
@@ -250,7 +261,10 @@ class Workers:
             msgspec.structs.replace(b.spec, weight=b.weight) for b in fleet.backends.values()
         ]
         config = msgspec.structs.replace(
-            router.config, backends=backends, routing=router.balancer.config
+            router.config,
+            backends=backends,
+            routing=router.balancer.config,
+            tenants=self._tenants,
         )
         return Init(
             index=index,
@@ -475,6 +489,11 @@ class Workers:
         responses.learnt = responses.unread = 0
         for report in reports:
             responses.add_counts(report.responses)
+            router.tenants.absorb(report.tenants)
+        router.reported_queue = (
+            sum(report.queue[0] for report in reports),
+            sum(report.queue[1] for report in reports),
+        )
         self.tracing = dict(tracing)
 
 
