@@ -32,6 +32,7 @@ import msgspec
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
 from .balancer import Balancer
+from .cachecheck import Repeats
 from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
 from .health import HealthMonitor
@@ -71,6 +72,7 @@ class Router:
         self.recorder = Recorder()
         self.collector = RouterCollector(self)
         self.health = HealthMonitor(self.fleet, config.health)
+        self.repeats = Repeats()  # keys sent to each backend before (router.cachecheck)
         self.stopping = False
         self.active = 0  # exchanges started and not finished
         self._quiet = asyncio.Event()  # set while no exchange is active

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .cachecheck import MIN_KEY_BYTES
 from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
 from .extract import BadRequest, decode_openai, model_name, prompt_key
@@ -124,12 +125,14 @@ class Exchange(LazyDeadline):
         "done",
         "ended",
         "http10",
+        "key_bytes",
         "key_hash",
         "kind",
         "method",
         "model",
         "path",
         "pool",
+        "repeat",
         "request_complete",
         "request_id",
         "reset_client",
@@ -168,6 +171,8 @@ class Exchange(LazyDeadline):
         self.bytes_in = 0
         self.bytes_out = 0
         self.key_hash: int | None = None
+        self.key_bytes = 0  # the key's length (router.cachecheck counts long ones only)
+        self.repeat = False  # its key was sent to the chosen backend before (cachecheck)
         self.model: str | None = None  # the body's, where the fleet declares models
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
@@ -256,6 +261,7 @@ class Exchange(LazyDeadline):
         hasher = self._hasher
         if hasher is not None and self.choice is None and hasher.feed(data):
             self.key_hash = hasher.digest()
+            self.key_bytes = self._router.balancer.config.prefix_aware.prefix_length
             self._route()
 
     def request_end(self) -> None:
@@ -268,6 +274,7 @@ class Exchange(LazyDeadline):
             self._route_openai()
         elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
+            self.key_bytes = self.bytes_in
             self._route()
         elif self.upstream is not None:
             if self._request.chunked:
@@ -332,6 +339,7 @@ class Exchange(LazyDeadline):
             return
         self.tenant = seed != 0
         self.key_hash = hash_key(key, seed)
+        self.key_bytes = len(key)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
         if previous_response_id is not None and self.path == b"/v1/responses":
@@ -382,6 +390,9 @@ class Exchange(LazyDeadline):
                 self._fail(503, f"no backend{serving} is available")
             return
         self.choice = choice
+        key_hash = self.key_hash
+        if key_hash is not None and self.key_bytes >= MIN_KEY_BYTES:
+            self.repeat = router.repeats.sent(key_hash, choice.backend)
         conn = router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
@@ -589,8 +600,11 @@ class Exchange(LazyDeadline):
             self._router.responses.unread += 1
         if self._framing == CHUNKED:
             self._out.append(CHUNKED_END)
-        assert self.choice is not None
-        self._router.backend_answered(self.choice.backend, self.status)
+        choice = self.choice
+        assert choice is not None
+        if self.repeat and 200 <= self.status < 300:
+            choice.backend.repeats_answered += 1  # the engine has counted its hits by now
+        self._router.backend_answered(choice.backend, self.status)
         self._finish(upstream_reusable=keep_alive and self.request_complete)
 
     def upstream_lost(self, reason: str | None) -> None:
