@@ -107,12 +107,14 @@ class _Window:
         "queries",
         "reason",
         "status",
+        "verdicts",
         "warned",
     )
 
     def __init__(self) -> None:
         self.status: Status = "unknown"
         self.reason = "no scrape yet"
+        self.verdicts = 0
         self.warned = False  # suspect_off logged and not followed by an ok verdict yet
         self.base_hits: float | None = None  # the window's first scrape; None: none yet
         self.base_queries = 0.0
@@ -164,6 +166,7 @@ class CacheCheck:
             return
         window.evidence, window.hits, window.queries = evidence, hit_tokens, query_tokens
         window.base_hits, window.base_queries, window.base_sent = hits, queries, None
+        window.verdicts += 1
         if hit_tokens < evidence:
             reason = (
                 f"{evidence} requests repeated keys already sent to it and its prefix-cache"
@@ -215,6 +218,7 @@ class CacheCheck:
         return PrefixCacheView(
             window.status,
             window.reason,
+            verdicts=window.verdicts,
             evidence=max(window.evidence, 0),
             hit_tokens=window.hits,
             query_tokens=window.queries,

@@ -88,6 +88,7 @@ class PrefixCacheView(msgspec.Struct, frozen=True):
     status: Literal["ok", "suspect_off", "unknown"]
     reason: str
     # The window judged last (or, before any verdict, the one gathering evidence):
+    verdicts: int = 0  # windows judged ok or suspect_off since start
     evidence: int = 0  # repeated-key requests sent and answered within it
     hit_tokens: float = 0.0  # the backend's prefix-cache hits over it, in tokens
     query_tokens: float = 0.0  # and its prefix-cache queries (vLLM: 0 when caching is off)

@@ -1,0 +1,140 @@
+"""Is prefix caching on?  The real router process in front of a simulated fleet with
+one instance started without a prefix cache, driven as an operator would: the
+official ``openai`` client for traffic, the log, ``/admin/stats`` and ``/metrics``.
+
+With ``--workers 2`` every request comes on a connection of its own, so SO_REUSEPORT
+spreads them over both workers: the repeated-key counts the check judges on are the
+workers' added up by the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from loadtests.simserver import SimServer
+from tests.harness.http import WAIT
+from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet
+
+pytestmark = pytest.mark.timeout(120)
+
+REPEATS = 30  # per backend, each after the key's first request: over MIN_REPEATS
+
+
+def document(i: int) -> str:
+    """A system prompt of ~6,000 bytes: the whole routing key (PrefixLength 4,096)."""
+    return f"Handbook {i}.\n" + " ".join(f"clause {i}.{n} applies" for n in range(300))
+
+
+class Fleet:
+    def __init__(self, port: int, workers: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/v1"
+        # Several workers: a client (so a connection) per request, so all take some.
+        self.fresh = workers > 1
+        self.client = self._client()
+
+    def _client(self) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=self.url, api_key="unused", max_retries=0)
+
+    async def ask(self, system: str, n: int) -> str:
+        """One chat request; the name of the instance that answered it."""
+        if not self.fresh:
+            return await self._ask(self.client, system, n)
+        async with self._client() as client:
+            return await self._ask(client, system, n)
+
+    @staticmethod
+    async def _ask(client: AsyncOpenAI, system: str, n: int) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="sim-llama-3.1-70b",
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {n}"},
+            ],
+            max_tokens=2,
+        )
+        raw.parse()
+        return raw.headers["x-sim-instance"]
+
+
+async def stats(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> dict[str, Any]:
+    status, body = await admin_call(http, proc, "GET", "/admin/stats")
+    assert status == 200, body
+    return {b["name"]: b for b in body["backends"]}  # type: ignore[attr-defined]
+
+
+async def wait_verdicts(
+    http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, at_least: int
+) -> dict[str, Any]:
+    """Poll /admin/stats until both backends have had ``at_least`` verdicts (the
+    verdict is the router's own, on its scrape period; every poll is a real read)."""
+    async with asyncio.timeout(WAIT * 4):
+        while True:
+            backends = await stats(http, proc)
+            if all(b["prefix_cache_check"]["verdicts"] >= at_least for b in backends.values()):
+                return backends
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_an_instance_without_prefix_cache_is_flagged_once_and_a_caching_one_is_not(
+    sim_fleet: SimFleet, workers: int
+) -> None:
+    (cached,) = await sim_fleet(1, name="cached")
+    (uncached,) = await sim_fleet(1, name="nocache", prefix_caching=False)
+    sims: dict[str, SimServer] = {s.name: s for s in (cached, uncached)}
+    proc, port = await spawn_router(
+        *("--scrape-metrics", "--scrape-interval", "0.1", "--workers", str(workers)),
+        # The ring's walk alone (no traffic balancing): a key stays on its instance.
+        *("--balance-mode", "IN_FLIGHT"),
+        *(arg for s in sims.values() for arg in ("--backend", f"{s.name}={s.url}")),
+    )
+    fleet = Fleet(port, workers)
+    try:
+        # One document whose key the ring gives to each instance.
+        docs: dict[str, str] = {}
+        i = 0
+        while len(docs) < len(sims):
+            doc = document(i)
+            docs.setdefault(await fleet.ask(doc, 0), doc)
+            i += 1
+        sent = dict.fromkeys(sims, 1)
+        async with aiohttp.ClientSession() as http:
+            for rounds in (1, 2):
+                for name, doc in docs.items():
+                    for n in range(REPEATS):
+                        assert await fleet.ask(doc, n) == name
+                    sent[name] += REPEATS
+                backends = await wait_verdicts(http, proc, rounds)
+
+            on, off = backends["cached-0"], backends["nocache-0"]
+            assert off["prefix_cache"] == "suspect_off", off
+            assert on["prefix_cache"] == "ok", on
+            check = off["prefix_cache_check"]
+            assert check["evidence"] >= 20
+            assert check["hit_tokens"] == check["query_tokens"] == 0  # vLLM off counts nothing
+            assert on["prefix_cache_check"]["hit_tokens"] > 0
+            for name, backend in backends.items():
+                # Every request after a key's first one on a process is a repeat there:
+                # one process saw each key first once; two, once or twice.
+                answered = backend["prefix_cache_check"]["repeats_answered"]
+                assert sent[name] - workers <= answered <= sent[name] - 1, (name, answered)
+
+            async with http.get(f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics") as resp:
+                text = await resp.text()
+            assert 'prefix_router_backend_prefix_cache_suspect{backend="nocache-0"} 1.0' in text
+            assert 'prefix_router_backend_prefix_cache_suspect{backend="cached-0"} 0.0' in text
+    finally:
+        await fleet.client.close()
+        rest = await stop(proc)
+    events = [json.loads(line) for line in rest.decode().splitlines() if line.startswith("{")]
+    warned = [e for e in events if e["event"] == "prefix cache suspect off"]
+    assert [e["backend"] for e in warned] == ["nocache-0"]  # once, over two verdicts
+    assert "--enable-prefix-caching" in warned[0]["reason"]
+    assert not any(e["event"] == "prefix cache suspect off" for e in events if e is not warned[0])
