@@ -141,6 +141,8 @@ class CacheCheck:
             window = self._windows[backend.name] = _Window()
         if scraped is None:
             window.base_hits = None  # a gap: restart the window
+            if window.status == "unknown":
+                window.reason = "its /metrics could not be read"
             return
         hits, queries = scraped.hits, scraped.queries
         if hits is None:

@@ -104,6 +104,7 @@ class HealthMonitor:
         # Awaited before each scrape round (a supervisor adds up its workers' counts).
         self.before_round: Callable[[], Awaitable[None]] | None = None
         self._rounds: asyncio.Task[None] | None = None
+        self.rounds = 0  # scrape rounds done (``wait`` re-checks after each)
         self._watches: dict[str, _Watch] = {}
         self._session: aiohttp.ClientSession | None = None
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
@@ -276,10 +277,10 @@ class HealthMonitor:
         counts = [(b.repeats_sent, b.repeats_answered) for b in backends]
         read = await asyncio.gather(*(self._scrape(b.name) for b in backends))
         for backend, (sent, answered), ok in zip(backends, counts, read, strict=True):
-            if fresh and backend.name in self.scraped:
-                self.cache.judge(
-                    backend, sent, answered, self.scraped[backend.name] if ok else None
-                )
+            scraped = self.scraped.get(backend.name)  # None: removed meanwhile
+            if fresh and scraped is not None:
+                self.cache.judge(backend, sent, answered, scraped if ok else None)
+        self.rounds += 1
         self._changed()
 
     async def _scrape(self, name: str) -> bool:
