@@ -79,16 +79,17 @@ async def judge_through(
 async def test_each_replica_judges_on_its_own(etcd: EtcdServer, sim_fleet: SimFleet) -> None:
     (cached,) = await sim_fleet(1, name="cached")
     (uncached,) = await sim_fleet(1, name="nocache", prefix_caching=False)
-    started = []
-    for i in range(2):
-        started.append(
-            await spawn_router(
-                *("--etcd", etcd.url, "--etcd-prefix", "/check/", "--replica-id", f"r{i}"),
-                *("--scrape-metrics", "--scrape-interval", "0.1", "--balance-mode", "IN_FLIGHT"),
-                *(arg for s in (cached, uncached) for arg in ("--backend", f"{s.name}={s.url}")),
-            )
+    flags = (
+        *("--scrape-metrics", "--scrape-interval", "0.1", "--balance-mode", "IN_FLIGHT"),
+        *(arg for s in (cached, uncached) for arg in ("--backend", f"{s.name}={s.url}")),
+    )
+    started = [  # one after the other: the first seeds the fleet in etcd
+        await spawn_router(
+            "--etcd", etcd.url, "--etcd-prefix", "/check/", "--replica-id", f"r{i}", *flags
         )
-    (first, first_port), (second, _) = started
+        for i in range(2)
+    ]
+    (_, first_port), (second, _) = started
     logs = []
     try:
         async with aiohttp.ClientSession() as http:
