@@ -313,5 +313,5 @@ class HealthMonitor:
                 if sample.name.endswith(("_created", "_bucket")):
                     continue
                 sums[field] = sums.get(field, 0.0) + sample.value  # summed over engines
-        for field, value in sums.items():
-            setattr(scraped, field, value)
+        for field in Scraped.__slots__:  # absent now: None, never a stale (flat) figure
+            setattr(scraped, field, sums.get(field))

@@ -29,9 +29,12 @@ class SGLang:
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
+        self.exposed = True  # False: a /metrics without the counters
 
     async def __call__(self, backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
-        if seen.target == b"/metrics":
+        if seen.target == b"/metrics" and not self.exposed:
+            body = b"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0.0\n"
+        elif seen.target == b"/metrics":
             body = (
                 "# TYPE sglang:prompt_tokens_total counter\n"
                 f'sglang:prompt_tokens_total{{model_name="m"}} {self.prompt_tokens}.0\n'
@@ -107,6 +110,13 @@ async def test_sglang_without_radix_cache_is_suspect_and_a_backend_without_count
     assert plain_check is not None
     assert plain_check.reason == "its /metrics could not be read"
     assert plain_check.repeats_answered > 20  # counted, but nothing to judge them against
+
+    # Counters gone from a /metrics that still answers: unknown, not a flat figure.
+    engine.exposed = False
+    health = router.health
+    async with asyncio.timeout(WAIT):
+        await health.wait(lambda: health.cache.status(sglang.name) == "unknown")
+    assert health.scraped[sglang.name].hits is None
 
 
 async def router_stats(router: Router) -> list[Any]:
