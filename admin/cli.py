@@ -159,7 +159,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--no-health-checks", action="store_true", help="no active checks (passive ones stay)"
     )
     serve.add_argument(
-        "--scrape-metrics", action="store_true", help="read backends' vLLM metrics for stats"
+        "--scrape-metrics",
+        action="store_true",
+        help="read backends' vLLM or SGLang metrics for stats and the prefix-cache check",
+    )
+    serve.add_argument(
+        "--scrape-interval", type=float, metavar="S", help="between two scrape rounds (10)"
     )
     serve.add_argument(
         "--etcd",
@@ -331,6 +336,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         health["active"] = False
     if args.scrape_metrics:
         health["scrape_metrics"] = True
+    if args.scrape_interval is not None:
+        health["scrape_interval"] = args.scrape_interval
     if health:
         data["health"] = health
     routing = data.get("RoutingConfig", {})

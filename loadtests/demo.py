@@ -31,6 +31,15 @@ Parameters, and why (measured with seeds 1-5 and 7 before settling on them)
   a hot document overflows to the next instance of its walk, which warms up.
   Six Zipf-popular prefixes still cannot be spread evenly over 4 instances;
   the share column shows it.
+- Is prefix caching on? One more simulated instance, started with
+  ``--no-prefix-caching`` (as vLLM without ``--enable-prefix-caching``;
+  ``--time-scale 0.01``, so its cold prefills cost little), and ``sim-0``
+  are behind a third router with ``--scrape-metrics --scrape-interval
+  0.25``, started with the first measured one (so its start-up costs no
+  time of its own). After the two runs, batches of 32 requests about 6
+  other documents go through it until it has judged both
+  (``router.cachecheck``: 20 repeated keys each), and the demo prints its
+  verdicts and its warning: ~1-2 s more.
 - ``--time-scale 0.25``: a cold 3,000-token prefill is ~80 ms real against
   ~6 ms for a cache hit, far above the 1-2 ms of Python and loopback
   overhead even on 2 busy cores, and the whole demo takes ~7 s. TTFTs are
@@ -86,14 +95,31 @@ async def start_demo_fleet(
 
 
 async def start_demo_router(
-    children: list[Child], sims: dict[str, str], strategy: str
-) -> tuple[Child, str]:
-    child, url, _ = await start_router(
+    children: list[Child], sims: dict[str, str], strategy: str, *flags: str
+) -> tuple[Child, str, str]:
+    child, url, admin = await start_router(
         children, sims, "--strategy", strategy, "--prefix-length", "4096",
-        "--concurrency-threshold", "4", "--access-log", "off", label=f"router ({strategy})",
+        "--concurrency-threshold", "4", "--access-log", "off", *flags,
+        label=f"router ({strategy})",
     )  # fmt: skip
-    say(f"router: {url} --strategy {strategy}, pid {child.pid}")
-    return child, url
+    say(f"router: {url} --strategy {strategy} {' '.join(flags)}".rstrip() + f", pid {child.pid}")
+    return child, url, admin
+
+
+NO_CACHE = "sim-nocache"  # the instance started with --no-prefix-caching
+CHECK_BATCH = 32  # requests sent again until the router has judged both instances
+CHECK_DEADLINE_S = 30.0
+# Up from the start, beside the measured runs: 8 scrapes a second of 2 instances
+# cost them next to nothing; a verdict comes ~3 rounds after enough repeats.
+CHECK_SCRAPE_S = 0.25
+
+
+async def start_nocache(children: list[Child]) -> tuple[Child, dict[str, str]]:
+    child, sims = await start_sims(
+        children, 1, "--no-prefix-caching", "--time-scale", "0.01", name=NO_CACHE
+    )
+    say(f"one more instance, started with --no-prefix-caching, pid {child.pid}: {sims[NO_CACHE]}")
+    return child, sims
 
 
 # ---------------------------------------------------------------- workload
@@ -216,17 +242,94 @@ def report(runs: list[Run], names: list[str]) -> str:
 # ---------------------------------------------------------------- modes
 
 
+def _verdict(line: str) -> tuple[str, str] | None:
+    """(backend, status) of a router's prefix-cache verdict log line, else None."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    status = event.get("status") if isinstance(event, dict) else None
+    if event.get("event", "").startswith("prefix cache") and status in ("ok", "suspect_off"):
+        return str(event["backend"]), str(status)
+    return None
+
+
+async def start_check_router(children: list[Child], sims: dict[str, str]) -> tuple[Child, str, str]:
+    return await start_demo_router(
+        children, sims, "prefix", "--scrape-metrics", "--scrape-interval", str(CHECK_SCRAPE_S)
+    )
+
+
+async def cache_check(args: argparse.Namespace, checker: tuple[Child, str, str], n: int) -> str:
+    """Requests through the checking router (over ``n`` instances) until it judged all."""
+    router, url, admin = checker
+    started = time.perf_counter()
+    deadline = asyncio.get_running_loop().time() + CHECK_DEADLINE_S
+    judged: dict[str, str] = {}
+    warning = ""
+
+    def find(line: str) -> dict[str, str] | None:
+        nonlocal warning
+        verdict = _verdict(line)
+        if verdict is not None:
+            judged[verdict[0]] = verdict[1]
+            if verdict[1] == "suspect_off":
+                event = json.loads(line)
+                warning = " ".join(
+                    [f"{event['level']}: {event['event']}"]
+                    + [f"{k}={event[k]}" for k in ("backend", "repeats", "hit_tokens")]
+                )
+        return judged if len(judged) == n else None
+
+    waiting = asyncio.ensure_future(router.wait_line(find, "prefix-cache verdicts", deadline))
+    bodies, _ = workload(args.seed + 1, CHECK_BATCH)
+    try:
+        while not waiting.done():  # the verdicts need 20 repeated keys per instance
+            await run_workload(url, bodies, args.concurrency)
+        await waiting
+    finally:
+        waiting.cancel()
+    async with (
+        aiohttp.ClientSession(raise_for_status=True) as session,
+        session.get(f"{admin}/admin/stats") as resp,
+    ):
+        backends = (await resp.json())["backends"]
+    say(f"cache check: both instances judged in {time.perf_counter() - started:.1f} s")
+    await stop_checked(router)
+    lines = [
+        f"Is prefix caching on? ({NO_CACHE} was started with --no-prefix-caching; the"
+        " router, with --scrape-metrics, compares the keys it sends again to an"
+        " instance with that instance's prefix-cache counters)"
+    ]
+    for backend in backends:
+        check = backend["prefix_cache_check"]
+        lines.append(f"  {backend['name']}: {backend['prefix_cache']} - {check['reason']}")
+    lines.append(f"  router log: {warning}")
+    return "\n".join(lines)
+
+
 async def compare(args: argparse.Namespace, children: list[Child]) -> None:
-    fleet, sims = await start_demo_fleet(children, args)
+    (fleet, sims), (nocache, nocache_url) = await asyncio.gather(
+        start_demo_fleet(children, args), start_nocache(children)
+    )
     bodies, sizes = workload(args.seed, args.requests)
     say(
         f"workload: {len(sizes)} documents of {min(sizes)}-{max(sizes)} tokens, "
         f"{len(bodies)} requests, {args.concurrency} in flight, seed {args.seed}"
     )
+    first = sorted(sims)[0]
+    check_sims = {first: sims[first], **nocache_url}
+    checker = None
     runs = []
     for label, strategy in (("RANDOM", "random"), ("PREFIX_AWARE", "prefix")):
         await reset_caches(sims)
-        router, url = await start_demo_router(children, sims, strategy)
+        if checker is None:  # both start at once, before anything is measured
+            (router, url, _), checker = await asyncio.gather(
+                start_demo_router(children, sims, strategy),
+                start_check_router(children, check_sims),
+            )
+        else:
+            router, url, _ = await start_demo_router(children, sims, strategy)
         started = time.perf_counter()
         results = await run_workload(url, bodies, args.concurrency)
         run = Run(label, [t for t, _ in results], collections.Counter(i for _, i in results))
@@ -235,13 +338,17 @@ async def compare(args: argparse.Namespace, children: list[Child]) -> None:
         say(f"{label}: {len(results)} requests in {elapsed:.1f} s, hit rate {run.hit_rate:.0%}")
         runs.append(run)
         await stop_checked(router)
-    say("\n" + report(runs, sorted(sims)) + "\n")
+    assert checker is not None
+    await reset_caches({first: sims[first]})  # its counters: the check's traffic alone
+    check = await cache_check(args, checker, len(check_sims))
+    say("\n" + report(runs, sorted(sims)) + "\n\n" + check + "\n")
+    await stop_checked(nocache)
     await stop_checked(fleet)
 
 
 async def serve(args: argparse.Namespace, children: list[Child], stop: asyncio.Event) -> None:
     fleet, sims = await start_demo_fleet(children, args)
-    router, url = await start_demo_router(children, sims, "prefix")
+    router, url, _ = await start_demo_router(children, sims, "prefix")
     hello = '[{"role": "user", "content": "Hello!"}]'
     say(f"""
 Router (PREFIX_AWARE) at {url}  (pids: fleet {fleet.pid}, router {router.pid})

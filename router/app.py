@@ -32,6 +32,7 @@ import msgspec
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
 from .balancer import Balancer
+from .cachecheck import Repeats
 from .cachesalt import Salter
 from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
@@ -94,6 +95,7 @@ class Router:
         # metrics_top 0 and no queue: nothing per tenant to count (~2 us a request saved).
         self._per_tenant = bool(tenants.metrics_top) or self.queue is not None
         self.collector.registry.register(TenantCollector(self))
+        self.repeats = Repeats()  # keys sent to each backend before (router.cachecheck)
         self.stopping = False
         self.active = 0  # exchanges started and not finished
         self._quiet = asyncio.Event()  # set while no exchange is active

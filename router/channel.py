@@ -93,6 +93,8 @@ class BackendCounts(msgspec.Struct, array_like=True, frozen=True):
     fallback: int
     errors: int
     idle_connections: int
+    repeats_sent: int = 0  # router.cachecheck: requests repeating a key sent there
+    repeats_answered: int = 0
 
 
 class HistogramData(msgspec.Struct, array_like=True, frozen=True):

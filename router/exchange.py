@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 from .balancer import SATURATED
+from .cachecheck import MIN_KEY_BYTES
 from .cachesalt import salted_body
 from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
@@ -154,6 +155,7 @@ class Exchange(LazyDeadline):
         "done",
         "ended",
         "http10",
+        "key_bytes",
         "key_hash",
         "key_source",
         "kind",
@@ -164,6 +166,7 @@ class Exchange(LazyDeadline):
         "queue_wait",
         "queued",
         "rejected",
+        "repeat",
         "request_complete",
         "request_id",
         "reset_client",
@@ -209,6 +212,8 @@ class Exchange(LazyDeadline):
         self.bytes_out = 0
         self.key_hash: int | None = None
         self.key_source: str | None = None  # router.sessions.SOURCES, once keyed
+        self.key_bytes = 0  # the key's length (router.cachecheck counts long ones only)
+        self.repeat = False  # its key was sent to the chosen backend before (cachecheck)
         self.model: str | None = None  # the body's, where the fleet declares models
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
@@ -323,6 +328,7 @@ class Exchange(LazyDeadline):
             and hasher.feed(data)
         ):
             self.key_hash = hasher.digest()
+            self.key_bytes = self._router.balancer.config.prefix_aware.prefix_length
             self._route()
 
     def request_end(self) -> None:
@@ -337,6 +343,7 @@ class Exchange(LazyDeadline):
             pass  # queued: admission sends the body, its end included
         elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
+            self.key_bytes = self.bytes_in
             self._route()
         elif self.upstream is not None:
             if self._request.chunked:
@@ -427,6 +434,7 @@ class Exchange(LazyDeadline):
             key = conversation_key(conversation)
         self.key_source = source
         self.key_hash = hash_key(key, seed)
+        self.key_bytes = len(key)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
         salter = self._router.salter
@@ -500,7 +508,11 @@ class Exchange(LazyDeadline):
 
     def _dispatch(self, choice: Choice) -> None:
         self.choice = choice
-        conn = self._router.pools[choice.backend.name].take()
+        router = self._router
+        key_hash = self.key_hash
+        if key_hash is not None and self.key_bytes >= MIN_KEY_BYTES:
+            self.repeat = router.repeats.sent(key_hash, choice.backend)
+        conn = router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
         else:
@@ -778,8 +790,11 @@ class Exchange(LazyDeadline):
             self._router.responses.unread += 1
         if self._framing == CHUNKED:
             self._out.append(CHUNKED_END)
-        assert self.choice is not None
-        self._router.backend_answered(self.choice.backend, self.status)
+        choice = self.choice
+        assert choice is not None
+        if self.repeat and 200 <= self.status < 300:
+            choice.backend.repeats_answered += 1  # the engine has counted its hits by now
+        self._router.backend_answered(choice.backend, self.status)
         self._finish(upstream_reusable=keep_alive and self.request_complete)
 
     def upstream_lost(self, reason: str | None) -> None:

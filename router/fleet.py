@@ -36,6 +36,7 @@ from collections.abc import Generator, Iterable, Mapping
 from hashring import DEFAULT_VNODES, LoadTracker, Ring
 from hashring.ring import check_weight
 
+from .cachecheck import backend_tag
 from .config import BackendSpec
 
 __all__ = ["ANY_MODEL", "AdminState", "Backend", "Fleet", "ModelPool"]
@@ -60,9 +61,12 @@ class Backend:
         "name",
         "overflow",
         "port",
+        "repeats_answered",
+        "repeats_sent",
         "requests",
         "spec",
         "state",
+        "tag",
         "url",
         "weight",
     )
@@ -79,6 +83,11 @@ class Backend:
         self.overflow = 0  # routed here as an overflow from an earlier member of the walk
         self.fallback = 0  # routed here because every candidate was at its bound
         self.errors = 0
+        # router.cachecheck: requests that repeat a key sent here before, when sent
+        # and when their 2xx answer ended; ``tag`` marks this backend's keys.
+        self.repeats_sent = 0
+        self.repeats_answered = 0
+        self.tag = backend_tag(self.name)
 
     @property
     def available(self) -> bool:

@@ -13,8 +13,11 @@ Contract:
 - Down backends stay on the ring and are skipped by the walk (``Fleet``), so
   their keys go to the next backend and come back when they recover.  Every
   transition is logged and counted (``transitions``).
-- Scraping (``scrape_metrics``): each backend's ``/metrics`` is read every
-  ``scrape_interval`` for vLLM's prefix-cache and queue figures.
+- Scraping (``scrape_metrics``): every ``scrape_interval`` one round reads
+  every backend's ``/metrics`` at once for vLLM's (or SGLang's) prefix-cache
+  and queue figures.  Before it, ``before_round`` (a supervisor: add up the
+  workers' counts) runs and each backend's repeated-key counts are read;
+  after it ``cache`` (``router.cachecheck``) judges each backend.
 - Everything here runs on the control side of the loop: tasks and timers, no
   work on the request path beyond two integer updates per request.
 """
@@ -24,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from .cachecheck import CacheCheck
 from .log import get_logger
 
 if TYPE_CHECKING:
@@ -51,6 +55,10 @@ _SCRAPED = {
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:gpu_cache_usage_perc": "kv_usage",
 }
+# SGLang: prompt tokens (cached ones included) and cached prompt tokens, counters
+# whose cache_source label (device, host, storage) the sum below adds up.
+_SCRAPED["sglang:prompt_tokens"] = "queries"
+_SCRAPED["sglang:cached_tokens"] = "hits"
 # Without "# TYPE" lines the parser names a counter family after its sample.
 _SCRAPED.update({f"{name}_total": field for name, field in list(_SCRAPED.items())})
 
@@ -92,6 +100,11 @@ class HealthMonitor:
         self.config = config
         self.transitions: Counter[tuple[str, str]] = Counter()  # (backend, "up"/"down")
         self.scraped: dict[str, Scraped] = {}
+        self.cache = CacheCheck(config.scrape_metrics)
+        # Awaited before each scrape round (a supervisor adds up its workers' counts).
+        self.before_round: Callable[[], Awaitable[None]] | None = None
+        self._rounds: asyncio.Task[None] | None = None
+        self.rounds = 0  # scrape rounds done (``wait`` re-checks after each)
         self._watches: dict[str, _Watch] = {}
         self._session: aiohttp.ClientSession | None = None
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
@@ -108,8 +121,12 @@ class HealthMonitor:
         )
         for backend in self.fleet.backends.values():
             self.watch(backend)
+        if self.config.scrape_metrics:
+            self._rounds = asyncio.create_task(self._scrape_rounds())
 
     async def close(self) -> None:
+        if self._rounds is not None:
+            self._rounds.cancel()
         for name in list(self._watches):
             self.unwatch(name)
         if self._session is not None:
@@ -122,12 +139,12 @@ class HealthMonitor:
         if self.config.active:
             watch.tasks.append(asyncio.create_task(self._poll(backend, watch)))
         if self.config.scrape_metrics:
-            self.scraped[backend.name] = Scraped()
-            watch.tasks.append(asyncio.create_task(self._scrape(backend)))
+            self.scraped[backend.name] = Scraped()  # read from the next round on
 
     def unwatch(self, name: str) -> None:
         watch = self._watches.pop(name, None)
         self.scraped.pop(name, None)
+        self.cache.forget(name)
         if watch is None:
             return
         for task in watch.tasks:
@@ -238,18 +255,50 @@ class HealthMonitor:
 
     # -- scraping ---------------------------------------------------------------------
 
-    async def _scrape(self, backend: Backend) -> None:
-        assert self._session is not None
-        url = backend.url.rstrip("/") + "/metrics"
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+    async def _scrape_rounds(self) -> None:
         while True:
             try:
-                async with self._session.get(url, timeout=timeout) as response:
-                    if response.status == 200:
-                        self._parse(backend.name, await response.text())
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-                pass  # the health checks report an unreachable backend; keep the last figures
-            await asyncio.sleep(self.config.scrape_interval)
+                await self._round()
+            except Exception:  # a bug: logged, and the next round tries again
+                log.exception("scrape round failed")
+            await asyncio.sleep(self.config.scrape_interval)  # a period, not a synchronisation
+
+    async def _round(self) -> None:
+        fresh = True
+        if self.before_round is not None:
+            try:
+                async with asyncio.timeout(self.config.timeout):
+                    await self.before_round()
+            except TimeoutError:
+                fresh = False  # the counts are not read now: no verdict this round
+        known = self.fleet.backends
+        backends = [known[name] for name in self.scraped if name in known]
+        # Read before the scrapes: every repeat counted here reached its engine first.
+        counts = [(b.repeats_sent, b.repeats_answered) for b in backends]
+        read = await asyncio.gather(*(self._scrape(b.name) for b in backends))
+        for backend, (sent, answered), ok in zip(backends, counts, read, strict=True):
+            scraped = self.scraped.get(backend.name)  # None: removed meanwhile
+            if fresh and scraped is not None:
+                self.cache.judge(backend, sent, answered, scraped if ok else None)
+        self.rounds += 1
+        self._changed()
+
+    async def _scrape(self, name: str) -> bool:
+        """Read one backend's /metrics into ``scraped``; False if that failed."""
+        assert self._session is not None
+        backend = self.fleet.backends.get(name)
+        if backend is None:
+            return False
+        url = backend.url.rstrip("/") + "/metrics"
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+        try:
+            async with self._session.get(url, timeout=timeout) as response:
+                if response.status != 200:
+                    return False
+                self._parse(name, await response.text())
+                return True
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return False  # the health checks report an unreachable backend; keep the last figures
 
     def _parse(self, name: str, text: str) -> None:
         scraped = self.scraped.get(name)
@@ -264,6 +313,5 @@ class HealthMonitor:
                 if sample.name.endswith(("_created", "_bucket")):
                     continue
                 sums[field] = sums.get(field, 0.0) + sample.value  # summed over engines
-        for field, value in sums.items():
-            setattr(scraped, field, value)
-        self._changed()
+        for field in Scraped.__slots__:  # absent now: None, never a stale (flat) figure
+            setattr(scraped, field, sums.get(field))

@@ -215,6 +215,13 @@ class RouterCollector:
             "Keep-alive connections to the backend waiting in the pool.",
             labels=["backend"],
         )
+        cache_suspect = GaugeMetricFamily(
+            "prefix_router_backend_prefix_cache_suspect",
+            "1 if the backend's prefix-cache hits stay flat while it gets repeated keys"
+            " (prefix caching off, or a cache too small); 0 otherwise, unknown included.",
+            labels=["backend"],
+        )
+        cache = router.health.cache
         for name, count in sorted(router.idle_connections().items()):
             idle.add_metric([name], count)
         for name, backend in sorted(fleet.backends.items()):
@@ -225,7 +232,9 @@ class RouterCollector:
             overflow.add_metric([name], backend.overflow)
             fallback.add_metric([name], backend.fallback)
             errors.add_metric([name], backend.errors)
+            cache_suspect.add_metric([name], 1 if cache.status(name) == "suspect_off" else 0)
         yield from (in_flight, healthy, draining, weight, overflow, fallback, errors, idle)
+        yield cache_suspect
 
         for metric, source, text in (
             ("prefix_router_ttft_seconds", recorder.ttft, "Time to first response byte."),

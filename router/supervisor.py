@@ -195,6 +195,9 @@ class Workers:
         # the workers' placements and response ids, for the other replicas
         self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
         router.health.on_transition = self._health_changed
+        # The prefix-cache check judges on every worker's repeated keys, added up
+        # just before each scrape round (router.cachecheck).
+        router.health.before_round = self.refresh
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -460,11 +463,13 @@ class Workers:
         for report in reports:
             tracing.update(report.tracing)
             for name, counts in report.backends.items():
-                row = totals.setdefault(name, [0, 0, 0, 0])
+                row = totals.setdefault(name, [0, 0, 0, 0, 0, 0])
                 row[0] += counts.requests
                 row[1] += counts.overflow
                 row[2] += counts.fallback
                 row[3] += counts.errors
+                row[4] += counts.repeats_sent
+                row[5] += counts.repeats_answered
                 idle[name] += counts.idle_connections
             for name, kind, decision, status, count in report.requests:
                 recorder.requests[name, kind, decision, status] += count
@@ -479,9 +484,12 @@ class Workers:
             recorder.models.update(report.models)
             recorder.sources.update(report.sources)
         for backend in router.fleet.backends.values():
-            requests, overflow, fallback, errors = totals.get(backend.name, (0, 0, 0, 0))
+            requests, overflow, fallback, errors, sent, answered = totals.get(
+                backend.name, (0, 0, 0, 0, 0, 0)
+            )
             backend.requests, backend.overflow = requests, overflow
             backend.fallback, backend.errors = fallback, errors
+            backend.repeats_sent, backend.repeats_answered = sent, answered
         router.recorder = recorder
         router.reported_idle = dict(idle)
         responses = router.responses

@@ -119,7 +119,15 @@ def report(router: Router, seq: int) -> Report:
     return Report(
         seq=seq,
         backends={
-            name: BackendCounts(b.requests, b.overflow, b.fallback, b.errors, idle.get(name, 0))
+            name: BackendCounts(
+                b.requests,
+                b.overflow,
+                b.fallback,
+                b.errors,
+                idle.get(name, 0),
+                b.repeats_sent,
+                b.repeats_answered,
+            )
             for name, b in router.fleet.backends.items()
         },
         requests=[(*key, count) for key, count in recorder.requests.items()],

@@ -69,8 +69,12 @@ async def test_compare_prints_both_strategies_and_prefix_hits_more() -> None:
     random_hits, prefix_hits = (float(rows[s][2].rstrip("%")) for s in ("RANDOM", "PREFIX_AWARE"))
     assert prefix_hits > random_hits, out
     assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
+    # Is prefix caching on? The instance started without a cache is flagged, sim-0 not.
+    assert re.search(r"^  sim-0: ok - ", out, re.M), out
+    assert re.search(r"^  sim-nocache: suspect_off - .*--enable-prefix-caching", out, re.M), out
+    assert "router log: warning: prefix cache suspect off backend=sim-nocache" in out
     pids = {int(pid) for pid in PID.findall(out)}
-    assert len(pids) == 3, out  # the fleet and two routers
+    assert len(pids) == 5, out  # the fleet, the no-cache instance and three routers
     assert all(gone(pid) for pid in pids)
 
 
@@ -170,5 +174,7 @@ async def test_compare_interrupted_mid_run_stops_everything(ctrl_c: bool) -> Non
     assert proc.returncode == 130, output + err
     assert "interrupted" in out
     pids = {int(pid) for pid in PID.findall(output)}
-    assert len(pids) == 2, output  # the fleet and the first router
+    # The fleet, the no-cache instance, the first router, and the checking router
+    # if it was up first (the two start together).
+    assert len(pids) in (3, 4), output
     assert all(gone(pid) for pid in pids), pids

@@ -483,6 +483,33 @@ BAD_REQUESTS = [
 ]
 
 
+async def test_no_prefix_caching_instance_never_hits_and_keeps_its_counters_at_zero(
+    sim_fleet: Any, http: aiohttp.ClientSession
+) -> None:
+    (server,) = await sim_fleet(1, prefix_caching=False)
+    prompt = list(range(500))
+    for _ in range(3):
+        status, headers, body = await post(
+            http, f"{server.url}/v1/completions", {"prompt": prompt, "max_tokens": 2}
+        )
+        assert status == 200
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert headers["x-sim-cached-tokens"] == "0"
+    m = await metrics(http, server.url)
+    # As vLLM V1 exposes them with caching off: the series are there, at 0.
+    assert m["vllm:prefix_cache_queries_total", ""] == 0
+    assert m["vllm:prefix_cache_hits_total", ""] == 0
+    assert m["vllm:prompt_tokens_total", ""] == 1500
+
+
+def test_cli_flag_turns_prefix_caching_off() -> None:
+    from loadtests.simserver.__main__ import configs_from, parse_args
+
+    assert configs_from(parse_args([]))[0].prefix_caching
+    (config,) = configs_from(parse_args(["--no-prefix-caching"]))
+    assert not config.prefix_caching
+
+
 @pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
 async def test_bad_input_is_a_400_with_openai_error(
     sim: SimServer, http: aiohttp.ClientSession, path: str, body: Any, param: str | None

@@ -191,6 +191,28 @@ def test_zero_capacity_caches_nothing() -> None:
     assert cache.usage == 0.0
 
 
+def test_no_prefix_caching_serves_nothing_from_cache_and_counts_nothing() -> None:
+    # vLLM without --enable-prefix-caching: no lookup, so its prefix-cache counters
+    # stay at 0 while the blocks of a running request are still in use.
+    cache = KVCache(BS, 64, caching=False)
+    prompt = toks(0, 3 * BS + 1)
+    first = cache.admit(prompt)
+    assert cache.admit(prompt).cached_tokens == 0  # not even from a running request
+    assert cache.usage == 3 / 64
+    cache.release(first)
+    assert cache.admit(prompt).cached_tokens == 0
+    assert cache.lookup(prompt) == 0
+    assert (cache.queries, cache.hits) == (0, 0)
+
+
+def test_no_prefix_caching_frees_released_blocks() -> None:
+    cache = KVCache(BS, 64, caching=False)
+    allocation = cache.admit(toks(0, 3 * BS))
+    cache.release(allocation)
+    assert cache.resident_blocks == 0
+    assert cache.usage == 0.0
+
+
 # ---------------------------------------------------------------- timing and engine
 
 TIMING = Timing(

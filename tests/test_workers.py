@@ -48,10 +48,15 @@ async def stats(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -
     return body
 
 
-async def wait_stats(http, proc, predicate) -> dict:  # type: ignore[no-untyped-def]
+# A worker restart is a new Python process importing the router: ~1 s on a quiet
+# machine, several beside a parallel test suite on 2 cores (5 s was seen to run out).
+RESTART_WAIT = 30.0
+
+
+async def wait_stats(http, proc, predicate, bound: float = WAIT) -> dict:  # type: ignore[no-untyped-def]
     """Poll /admin/stats until ``predicate`` holds (a worker restart has no event to
-    await from outside the daemon; every poll is a real read, bounded by WAIT)."""
-    async with asyncio.timeout(WAIT):
+    await from outside the daemon; every poll is a real read, bounded by ``bound``)."""
+    async with asyncio.timeout(bound):
         while True:
             body = await stats(http, proc)
             if predicate(body):
@@ -211,6 +216,7 @@ async def test_a_killed_worker_is_restarted_and_its_in_flight_rows_are_cleared(
                 http,
                 proc,
                 lambda s: all(w["up"] and w["pid"] not in pids for w in s["workers"]),
+                bound=RESTART_WAIT,
             )
             assert [w["restarts"] for w in body["workers"]] == [1, 1]
             assert body["totals"]["in_flight"] == 0  # the dead rows were zeroed

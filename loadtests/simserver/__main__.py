@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--capacity-blocks", type=int, default=c.capacity_blocks, help="KV cache size in blocks"
     )
     p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="run as vLLM without --enable-prefix-caching: no hits, prefix-cache counters at 0",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=int,
         default=lim.default_max_tokens,
@@ -124,6 +129,7 @@ def configs_from(args: argparse.Namespace) -> list[SimConfig]:
         extra_ttft_s=args.extra_ttft_ms / 1000,
         extra_token_s=args.extra_token_ms / 1000,
         strict_model=args.strict_model,
+        prefix_caching=not args.no_prefix_caching,
     )
     if args.count == 1:
         return [base]

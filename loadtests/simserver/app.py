@@ -91,6 +91,8 @@ class SimConfig:
     # serves; off by default, as the workloads send any name.
     strict_model: bool = False
     responses_stored: int = 1024  # the Responses API store's bound (vLLM's has none)
+    # False: vLLM without --enable-prefix-caching (model.KVCache's contract).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.capacity_blocks < 0:
@@ -105,7 +107,10 @@ class SimInstance:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.name = config.name
-        self.engine = Engine(config.timing, KVCache(config.block_size, config.capacity_blocks))
+        self.engine = Engine(
+            config.timing,
+            KVCache(config.block_size, config.capacity_blocks, caching=config.prefix_caching),
+        )
         self.responses = responses.ResponseStore(config.responses_stored)
         self.healthy = True  # tests may flip it: /health and /ping then answer 503
         self._scale = config.timing.time_scale

@@ -39,6 +39,11 @@ Prefix cache (vLLM's automatic prefix caching, V1)
   anyway (vLLM would preempt instead; the simulator degrades instead).
 - Simplifications: generated tokens and the partial last block are neither
   cached nor charged against capacity, so ``usage`` counts pinned prompt blocks.
+- ``caching=False`` is vLLM without ``--enable-prefix-caching``: blocks are
+  still pinned while a request runs (``usage``), nothing is ever served from
+  cache, a released block is freed at once, and ``queries`` and ``hits`` stay
+  0, as vLLM V1's counters do when it skips the lookup
+  (``KVCacheManager.record_prefix_cache_stats``); ``prompt_tokens`` still grows.
 
 Scheduling
 ----------
@@ -140,13 +145,16 @@ class Allocation:
 class KVCache:
     """Block-level prefix cache with chained keys, pinning and LRU eviction."""
 
-    def __init__(self, block_size: int = 16, capacity_blocks: int = 16_384) -> None:
+    def __init__(
+        self, block_size: int = 16, capacity_blocks: int = 16_384, *, caching: bool = True
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
+        self.caching = caching  # False: prefix caching off (see the contract)
         self._refs: dict[int, int] = {}  # resident key -> number of requests pinning it
         # Resident keys nobody pins, least recently used first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -175,8 +183,9 @@ class KVCache:
     def lookup(self, tokens: array[int], salt: bytes = b"") -> int:
         """Like ``peek``, and counts the query and its hits in tokens."""
         cached = self.peek(tokens, salt)
-        self.queries += len(tokens)
-        self.hits += cached
+        if self.caching:
+            self.queries += len(tokens)
+            self.hits += cached
         return cached
 
     # -- pinning
@@ -191,8 +200,9 @@ class KVCache:
         """``lookup`` then ``allocate`` in one pass: what a scheduler does on admission."""
         keys = self.block_keys(tokens, salt)
         cached = self._hit_tokens(keys, len(tokens))
-        self.queries += len(tokens)
-        self.hits += cached
+        if self.caching:
+            self.queries += len(tokens)
+            self.hits += cached
         return Allocation(self._pin(keys), len(tokens), cached)
 
     def release(self, allocation: Allocation) -> None:
@@ -204,9 +214,13 @@ class KVCache:
         # prefix outlives its tails under pressure.
         for key in reversed(allocation.keys):
             refs = self._refs[key] - 1
-            self._refs[key] = refs
-            if refs == 0:
+            if refs:
+                self._refs[key] = refs
+            elif self.caching:
+                self._refs[key] = 0
                 self._lru[key] = None
+            else:
+                del self._refs[key]  # no cache: freed, never found again
 
     def reset(self) -> bool:
         """Drop every cached block and the counters, as vLLM's ``reset_prefix_cache``.
@@ -245,6 +259,8 @@ class KVCache:
     # -- internals
 
     def _hit_tokens(self, keys: list[int], prompt_tokens: int) -> int:
+        if not self.caching:
+            return 0  # blocks pinned by a running request are not shared either
         limit = min(len(keys), (prompt_tokens - 1) // self.block_size)
         hit = 0
         while hit < limit and keys[hit] in self._refs:

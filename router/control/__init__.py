@@ -36,6 +36,7 @@ __all__ = [
     "ModelView",
     "NotFound",
     "NotSaved",
+    "PrefixCacheView",
     "ResponseStats",
     "Stats",
     "Totals",
@@ -81,6 +82,21 @@ class BackendPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state: State | None = None
 
 
+class PrefixCacheView(msgspec.Struct, frozen=True):
+    """Is prefix caching on at this backend?  (router.cachecheck has the rule.)"""
+
+    status: Literal["ok", "suspect_off", "unknown"]
+    reason: str
+    # The window judged last (or, before any verdict, the one gathering evidence):
+    verdicts: int = 0  # windows judged ok or suspect_off since start
+    evidence: int = 0  # repeated-key requests sent and answered within it
+    hit_tokens: float = 0.0  # the backend's prefix-cache hits over it, in tokens
+    query_tokens: float = 0.0  # and its prefix-cache queries (vLLM: 0 when caching is off)
+    # Since start, summed over the workers: requests repeating a key sent here before.
+    repeats_sent: int = 0
+    repeats_answered: int = 0  # ... whose 2xx answer ended
+
+
 class BackendView(msgspec.Struct, frozen=True):
     name: str
     url: str
@@ -100,6 +116,8 @@ class BackendView(msgspec.Struct, frozen=True):
     num_requests_waiting: float | None = None
     kv_cache_usage: float | None = None
     models: list[str] = msgspec.field(default_factory=list)  # served; empty: any model
+    prefix_cache: Literal["ok", "suspect_off", "unknown"] = "unknown"  # see prefix_cache_check
+    prefix_cache_check: PrefixCacheView | None = None
 
 
 class DrainView(msgspec.Struct, frozen=True):

@@ -231,6 +231,8 @@ class RouterControl:
             num_requests_waiting=scraped.waiting if scraped else None,
             kv_cache_usage=scraped.kv_usage if scraped else None,
             models=list(backend.spec.models),
+            prefix_cache=router.health.cache.status(backend.name),
+            prefix_cache_check=router.health.cache.view(backend),
         )
 
     # -- changes -------------------------------------------------------------------
