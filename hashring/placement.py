@@ -162,6 +162,11 @@ class Placement:
     def window(self) -> int:
         return self._recent.maxlen or MIN_WINDOW
 
+    @property
+    def decisions(self) -> int:
+        """Decisions in the window now (at most ``window``)."""
+        return len(self._recent)
+
     def peek(
         self,
         ring: Ring,
@@ -329,7 +334,7 @@ class Placement:
         count = min(math.ceil(share), len(ring))
         wanted = min(count + len(avoid), len(ring))
         if peek:
-            replicas = self._replica_walk(ring, key_hash, home, wanted)
+            replicas = self.replicas_of(ring, key_hash, home, wanted)
         else:
             replicas = self._replica_list(ring, key_hash, home, wanted)
         if avoid:  # the first ``count`` that can take it: an avoided replica is replaced
@@ -381,14 +386,14 @@ class Placement:
             self._replica_ring = ring
         replicas = self._replicas.get(key_hash)
         if replicas is None or len(replicas) < count or replicas[0] != home:
-            replicas = self._replica_walk(ring, key_hash, home, count)
+            replicas = self.replicas_of(ring, key_hash, home, count)
             if len(self._replicas) >= len(ring):  # only a few keys are hot at a time
                 self._replicas.clear()
             self._replicas[key_hash] = replicas
         return replicas
 
     @staticmethod
-    def _replica_walk(ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
+    def replicas_of(ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
         """``home`` then the next members of the key's walk, ``count`` in all."""
         replicas = [home]
         for member in ring.walk(key_hash):

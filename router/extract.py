@@ -102,6 +102,7 @@ __all__ = [
     "BoundedRequest",
     "OpenAIRequest",
     "decode_openai",
+    "key_source",
     "model_name",
     "prompt_key",
     "prompt_text",
@@ -614,6 +615,11 @@ def prompt_key(request: OpenAIRequest | BoundedRequest, limit: int) -> bytes:
         except (TypeError, OverflowError):
             raise BadRequest("prompt token ids must be non-negative integers", "prompt") from None
     return prompt_text(request, limit).encode("utf-8", "surrogatepass")
+
+
+def key_source(request: OpenAIRequest | BoundedRequest, limit: int) -> str:
+    """What ``prompt_key`` keys ``request`` by: "token ids" or "prompt text"."""
+    return "token ids" if _token_ids(request, limit) is not None else "prompt text"
 
 
 def model_name(raw: bytes | Raw) -> str | None:
