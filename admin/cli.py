@@ -114,6 +114,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
     serve.add_argument(
+        "--decision-header",
+        action="store_true",
+        default=None,
+        help="X-Prefix-Router-Decision on proxied responses: decision and key digest",
+    )
+    serve.add_argument(
+        "--decision-header-backend",
+        action="store_true",
+        default=None,
+        help="... and the backend's name in it (implies --decision-header)",
+    )
+    serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help='admin API listener (127.0.0.1:9091) or "off"'
     )
     serve.add_argument(
@@ -234,6 +246,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["access_log"] = args.access_log
     if args.seed is not None:
         data["seed"] = args.seed
+    if args.decision_header or args.decision_header_backend:
+        data["decision_header"] = True
+    if args.decision_header_backend:
+        data["decision_header_backend"] = True
     if args.workers is not None:
         data["workers"] = args.workers
     if args.etcd is not None:
