@@ -1,0 +1,327 @@
+"""The dry run of a routing decision (``POST /admin/route``) and the decision header.
+
+Everything runs the real daemon (``prefix-router serve``, one process or a
+supervisor and two workers) in front of simulated instances, with the official
+``openai`` client where a client would use it.  The dry run's backend is checked
+against where the same request then goes (the instance named in the answer), its
+key digest against the access log's ``prefix_hash``, and "nothing changes" against
+``/admin/stats`` and a second dry run (a placement made by the first would show
+as the key's home, a random draw consumed as another backend).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPTS = [f"Document {i}: " + "the contract says " * 40 + f"question {i}" for i in range(6)]
+
+
+def chat(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], **extra}
+
+
+def dry(body: dict[str, Any], path: str = "/v1/chat/completions", **extra: Any) -> dict[str, Any]:
+    return {"method": "POST", "path": path, "body": json.dumps(body), **extra}
+
+
+def client(port: int) -> openai.AsyncOpenAI:
+    # One connection per request, so that with --workers 2 both workers take some.
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"Connection": "close"},
+    )
+
+
+async def served_by(via: openai.AsyncOpenAI, prompt: str) -> str:
+    """The simulated instance that answered (named in the completion's id)."""
+    reply = await via.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=1
+    )
+    return reply.id.removeprefix("chatcmpl-").rpartition("-")[0]
+
+
+async def explain(
+    http: aiohttp.ClientSession, proc: Any, body: dict[str, Any], query: str = ""
+) -> dict[str, Any]:
+    status, answer = await admin_call(http, proc, "POST", f"/admin/route{query}", body)
+    assert status == 200, answer
+    return answer
+
+
+def unchanging(stats: dict[str, Any]) -> dict[str, Any]:
+    """``/admin/stats`` without what moves with no request (worker restarts do not)."""
+    return stats
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing(
+    workers: int, sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    sims = await sim_fleet(3)
+    log = tmp_path / "access.log"
+    proc, port = await spawn_router(
+        *(f"--backend={s.name}={s.url}" for s in sims),
+        "--workers",
+        str(workers),
+        "--access-log",
+        str(log),
+    )
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            for prompt in PROMPTS:
+                status, before = await admin_call(http, proc, "GET", "/admin/stats")
+                first = await explain(http, proc, dry(chat(prompt)), "?k=3")
+                again = await explain(http, proc, dry(chat(prompt)), "?k=3")
+                status, after = await admin_call(http, proc, "GET", "/admin/stats")
+                assert status == 200
+                assert after == before  # no lease, counter or request
+                assert again == first  # no placement made: still a new key, same walk
+                assert first["kind"] == "openai"
+                assert first["key"]["source"] == "prompt text"
+                assert first["key"]["length"] == len("\x1euser\x1f" + prompt)
+                assert first["key"]["unit"] == "characters"
+                assert not first["key"]["tenant_salted"]
+                assert first["home"] is None
+                assert len(first["walk"]) == 3  # ?k=3
+                # A new key goes to the first backend of its walk below its share of
+                # recent traffic: the earlier keys decide which.
+                place = 0 if first["decision"] == "primary" else int(first["decision"][-1])
+                assert first["walk"][place]["backend"] == first["backend"]
+                assert first["reason"].startswith("a new key")
+                assert first["view"].startswith("worker" if workers > 1 else "this process")
+
+                assert await served_by(via, prompt) == first["backend"]
+                # A barrier: answering it, every worker has sent its placements and
+                # received the others'.
+                await admin_call(http, proc, "GET", "/admin/stats")
+                placed = await explain(http, proc, dry(chat(prompt)))
+                assert placed["home"] == first["backend"]
+                assert placed["backend"] == first["backend"]
+                assert placed["decision"] == "primary"
+                assert placed["reason"].startswith("the key's home is")
+
+            # Native, with a tenant key, sent as bytes (base64).
+            raw = json.dumps({"inputs": "native prefix " * 40, "max_tokens": 1}).encode()
+            tenant = {"X-Amzn-SageMaker-Prefix-Aware-Id": "tenant-7"}
+            native = await explain(
+                http,
+                proc,
+                {
+                    "method": "POST",
+                    "path": "/invocations",
+                    "headers": tenant,
+                    "body_base64": base64.b64encode(raw).decode(),
+                },
+            )
+            assert native["kind"] == "native"
+            assert native["key"]["source"] == "body bytes"
+            assert native["key"]["length"] == len(raw)
+            assert native["key"]["tenant_salted"]
+            assert native["key"]["tenant_source"] == "header"
+            url = f"http://127.0.0.1:{port}/invocations"
+            async with http.post(url, data=raw, headers=tenant) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-sim-instance"] == native["backend"]
+    finally:
+        await stop(proc)
+    # One source of truth: the digest is the access log's prefix_hash.
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    logged = [line for line in lines if line.get("path") == "/invocations"]
+    assert len(logged) == 1
+    assert logged[0]["prefix_hash"] == native["key"]["digest"]
+    assert logged[0]["tenant"] is True
+    assert logged[0]["decision"] == native["decision"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("mode", ["TRAFFIC", "IN_FLIGHT"])
+async def test_an_overflow_is_explained_after_its_home_is_loaded(
+    mode: str, workers: int, sim_fleet: SimFleet
+) -> None:
+    # Threshold 1 counted over every request in flight: one held stream loads the
+    # key's first backend; the dry run and then the request itself overflow.
+    sims = await sim_fleet(3, extra_token_s=30.0)  # a stream stalls after its first token
+    routing = {
+        "RoutingConfig": {
+            "PrefixAwareRoutingConfig": {
+                "ConcurrencyThreshold": 1,
+                "BalanceMode": mode,
+                "ConcurrencyScope": "IN_FLIGHT",
+            }
+        }
+    }
+    proc, port = await spawn_router(
+        *(f"--backend={s.name}={s.url}" for s in sims),
+        "--routing-config",
+        json.dumps(routing),
+        "--workers",
+        str(workers),
+    )
+    prompt = PROMPTS[0]
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            primary = (await explain(http, proc, dry(chat(prompt))))["backend"]
+            held = await via.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=3,
+                stream=True,
+            )
+            try:
+                async for _ in held:
+                    break  # the first token: in flight on its backend until closed
+                # A barrier: every worker folds every row and has every placement.
+                status, stats = await admin_call(http, proc, "GET", "/admin/stats")
+                assert stats["totals"]["in_flight"] == 1
+                loaded = {b["name"]: b["in_flight"] for b in stats["backends"]}
+                assert loaded[primary] == 1
+                answer = await explain(http, proc, dry(chat(prompt)))
+                assert answer["decision"] == "overflow 1"
+                assert answer["walk"][0]["backend"] == primary
+                assert answer["walk"][0]["in_flight"] == 1
+                assert answer["walk"][0]["eligible"] is False
+                assert answer["walk"][1]["backend"] == answer["backend"]
+                assert answer["walk"][1]["eligible"] is True
+                if mode == "TRAFFIC":
+                    assert answer["home"] == primary
+                    assert "keeps its home" in answer["reason"]
+                else:
+                    assert answer["home"] is None
+                    assert answer["walk"][0]["recent"] is None
+                assert await served_by(via, prompt) == answer["backend"]
+            finally:
+                await held.close()
+    finally:
+        await stop(proc)
+
+
+async def test_random_draws_are_not_consumed_by_the_dry_run(sim_fleet: SimFleet) -> None:
+    sims = await sim_fleet(4)
+    proc, port = await spawn_router(
+        *(f"--backend={s.name}={s.url}" for s in sims), "--strategy", "random", "--seed", "7"
+    )
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            seen = set()
+            for prompt in PROMPTS:
+                first = await explain(http, proc, dry(chat(prompt)))
+                assert first["decision"] == "random"
+                assert first["walk"] == []
+                assert (await explain(http, proc, dry(chat(prompt))))["backend"] == first["backend"]
+                assert await served_by(via, prompt) == first["backend"]
+                seen.add(first["backend"])
+            assert len(seen) > 1  # draws, not one backend
+    finally:
+        await stop(proc)
+
+
+async def test_what_the_data_port_refuses_is_a_400_naming_it(sim_fleet: SimFleet) -> None:
+    sims = await sim_fleet(2)
+    proc, port = await spawn_router(*(f"--backend={s.name}={s.url}" for s in sims))
+    tenant = "X-Amzn-SageMaker-Prefix-Aware-Id"
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            {"method": "POST", "path": "/v1/chat/completions", "body": "{"},
+            "the data port would answer 400: ",
+        ),
+        (dry({"model": "m", "messages": "hello"}), "messages"),
+        (dry(chat("x", prompt_cache_key="é")), "invalid prompt_cache_key"),
+        (
+            {"method": "POST", "path": "/invocations", "body": "x", "headers": {tenant: "t" * 65}},
+            f"invalid {tenant.lower()} header",
+        ),
+        (
+            {"method": "POST", "path": "/x", "headers": [[tenant, "a"], [tenant, "b"]]},
+            "must appear once",
+        ),
+        ({"method": "POST", "path": "/x", "headers": {"Expect": "later"}}, "answer 417"),
+        ({"method": "POST", "path": "/x#frag"}, "fragment"),
+        ({"method": "get", "path": "/x"}, "upper-case HTTP method"),
+        ({"method": "POST", "path": "no-slash"}, "must start with /"),
+        ({"method": "POST", "path": "/x", "body": "a", "body_base64": "YQ=="}, "not both"),
+        ({"method": "POST", "path": "/x", "body_base64": "!!"}, "not valid base64"),
+    ]
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, before = await admin_call(http, proc, "GET", "/admin/stats")
+            for body, words in cases:
+                status, answer = await admin_call(http, proc, "POST", "/admin/route", body)
+                assert status == 400, (body, answer)
+                assert answer["error"]["type"] == "bad_request"
+                assert words in answer["error"]["message"], (words, answer)
+            # The admin API's own conventions: a body of the wrong shape is 422.
+            status, answer = await admin_call(http, proc, "POST", "/admin/route", {"path": "/"})
+            assert status == 422
+            assert answer["error"]["fields"][0]["path"] == "$.method"
+            status, answer = await admin_call(
+                http, proc, "POST", "/admin/route?k=0", dry(chat("x"))
+            )
+            assert status == 422
+            assert answer["error"]["fields"][0]["path"] == "?k"
+            assert (await admin_call(http, proc, "GET", "/admin/stats"))[1] == before
+            # A GET has no key: the least loaded backend.
+            answer = await explain(http, proc, {"method": "GET", "path": "/v1/models"})
+            assert answer["kind"] == "passthrough"
+            assert answer["key"] is None
+            assert answer["decision"] == "passthrough"
+        # The data port itself agrees on the first case (same code).
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=b'{"model": "m", "messages": "hello"}',
+                headers={"Content-Type": "application/json"},
+            ) as resp,
+        ):
+            assert resp.status == 400
+            assert "messages" in (await resp.json())["error"]["message"]
+    finally:
+        await stop(proc)
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [((), None), (("--decision-header",), "key"), (("--decision-header-backend",), "backend")],
+)
+async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
+    flags: tuple[str, ...], shown: str | None, sim_fleet: SimFleet
+) -> None:
+    sims = await sim_fleet(2)
+    proc, port = await spawn_router(*(f"--backend={s.name}={s.url}" for s in sims), *flags)
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            expected = await explain(http, proc, dry(chat(PROMPTS[1])))
+            raw = await via.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=1
+            )
+            header = raw.headers.get("x-prefix-router-decision")
+            instance = raw.headers["x-sim-instance"]
+            assert instance == expected["backend"]
+            if shown is None:
+                assert header is None
+            else:
+                digest = expected["key"]["digest"]
+                wanted = f"decision=primary; key={digest}"
+                if shown == "backend":
+                    wanted += f"; backend={instance}"
+                assert header == wanted
+            # Not on the router's own answers.
+            async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{") as r:
+                assert r.status == 400
+                assert "x-prefix-router-decision" not in r.headers
+    finally:
+        await stop(proc)
