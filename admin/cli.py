@@ -2,6 +2,7 @@
 
     prefix-router serve --listen 127.0.0.1:8080 --backend a=http://10.0.0.1:8000 ...
     prefix-router demo [--serve]
+    prefix-router explain /v1/chat/completions body.json   (admin/explain_cli.py)
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
@@ -47,6 +48,8 @@ from router.config import (
     tls_context,
 )
 from router.state import State, StateError, StateFile
+
+from . import explain_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -627,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "check-config", help="validate a config file without starting (exit 2 on an error)"
     )
     check.add_argument("file", metavar="FILE", help="the TOML file serve --config would read")
+    explain_cli.add_parser(sub)
     sub.add_parser(
         "bench",
         add_help=False,
@@ -644,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_loadtests(args.command, [*extra, *rest])
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "explain":
+        return explain_cli.run(args)
     from admin import load_token, requires_token
 
     try:

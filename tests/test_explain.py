@@ -11,8 +11,10 @@ as the key's home, a random draw consumed as another backend).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,10 @@ import aiohttp
 import openai
 import pytest
 
-from tests.harness.processes import admin_call, spawn_router, stop
-from tests.harness.routers import SimFleet
+from router.explain import DryRequest
+from router.explain import explain as explain_now
+from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet, StartRouter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,11 +64,6 @@ async def explain(
     status, answer = await admin_call(http, proc, "POST", f"/admin/route{query}", body)
     assert status == 200, answer
     return answer
-
-
-def unchanging(stats: dict[str, Any]) -> dict[str, Any]:
-    """``/admin/stats`` without what moves with no request (worker restarts do not)."""
-    return stats
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -186,6 +185,7 @@ async def test_an_overflow_is_explained_after_its_home_is_loaded(
                     break  # the first token: in flight on its backend until closed
                 # A barrier: every worker folds every row and has every placement.
                 status, stats = await admin_call(http, proc, "GET", "/admin/stats")
+                assert status == 200
                 assert stats["totals"]["in_flight"] == 1
                 loaded = {b["name"]: b["in_flight"] for b in stats["backends"]}
                 assert loaded[primary] == 1
@@ -323,5 +323,108 @@ async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
             async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{") as r:
                 assert r.status == 400
                 assert "x-prefix-router-decision" not in r.headers
+    finally:
+        await stop(proc)
+
+
+# -- in the test's loop: the real Router, the dry run called as the admin API does -----
+
+
+def dry_request(body: dict[str, Any], path: str = "/v1/chat/completions") -> DryRequest:
+    return DryRequest("POST", path, body=json.dumps(body))
+
+
+async def test_a_hot_key_is_explained_as_served_by_its_replicas(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # One prompt in every request (a shared system prompt): after a few decisions
+    # its share is evidence enough, and its requests spread over its replicas.
+    sims = await sim_fleet(3)
+    router = await start_router(sims)
+    via = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0
+    )
+    async with via:
+        for _ in range(12):
+            await served_by(via, PROMPTS[2])
+        for _ in range(6):  # each explained, then sent: the same replica each time
+            answer = explain_now(router, dry_request(chat(PROMPTS[2])), 3)
+            assert answer.hot_key is not None
+            assert answer.hot_key.share > 1.5
+            assert answer.hot_key.replicas[0] == answer.home
+            assert len(answer.hot_key.replicas) == 3
+            assert answer.backend in answer.hot_key.replicas
+            assert answer.reason.startswith("a hot key")
+            assert await served_by(via, PROMPTS[2]) == answer.backend
+
+
+async def test_a_responses_follow_up_is_explained_as_pinned_to_its_backend(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(3)
+    router = await start_router(sims)
+    via = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0
+    )
+    async with via:
+        raw = await via.responses.with_raw_response.create(
+            model="m", input="what is a rocket?", max_output_tokens=2
+        )
+        first, where = raw.parse().id, raw.headers["x-sim-instance"]
+    follow = chat("x") | {"input": "and a comet?", "previous_response_id": first}
+    del follow["messages"]
+    answer = explain_now(router, dry_request(follow, "/v1/responses"), 3)
+    assert answer.response_id == first
+    assert answer.response_backend == where
+    assert answer.backend == where
+    assert answer.decision == "response_id"
+    by_id = explain_now(router, DryRequest("GET", f"/v1/responses/{first}"), 3)
+    assert by_id.kind == "passthrough"
+    assert by_id.backend == where
+    unknown = explain_now(router, DryRequest("GET", "/v1/responses/resp_unknown"), 3)
+    assert unknown.decision == "passthrough"
+    assert "not known here" in unknown.reason
+
+
+async def test_an_unknown_model_is_the_routers_own_404(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    sims = await sim_fleet(2)
+    router = await start_router(
+        [{"name": s.name, "url": s.url, "models": ["model-a"]} for s in sims]
+    )
+    answer = explain_now(router, dry_request(chat("x") | {"model": "model-b"}), 3)
+    assert answer.router_answer == 404
+    assert answer.backend is None
+    known = explain_now(router, dry_request(chat("x") | {"model": "model-a"}), 3)
+    assert known.pool == sorted(s.name for s in sims)
+    assert known.backend in known.pool
+
+
+async def test_the_explain_command_prints_the_decision(sim_fleet: SimFleet, tmp_path: Path) -> None:
+    sims = await sim_fleet(2)
+    proc, _ = await spawn_router(*(f"--backend={s.name}={s.url}" for s in sims))
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps(chat(PROMPTS[3])))
+    admin = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            expected = await explain(http, proc, dry(chat(PROMPTS[3])))
+        command = [sys.executable, "-m", "admin", "explain", "--admin", admin]
+        done = await asyncio.create_subprocess_exec(
+            *command, "/v1/chat/completions", str(body), stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await done.communicate()
+        assert done.returncode == 0
+        text = out.decode()
+        assert text.startswith(f"{expected['backend']}  (primary)")
+        assert expected["key"]["digest"] in text
+        body.write_text('{"messages": 3}')
+        done = await asyncio.create_subprocess_exec(
+            *command, "/v1/chat/completions", str(body), stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await done.communicate()
+        assert done.returncode == 1
+        assert err.decode().startswith("400: the data port would answer 400")
     finally:
         await stop(proc)
