@@ -140,7 +140,7 @@ def render(answer: dict[str, Any]) -> str:
         if step["balance_bound"] is not None:
             bounds += f", balance bound {step['balance_bound']}"
         if step["share_bound"] is not None:
-            bounds += f", recent {step['recent']} of share bound {step['share_bound']}"
+            bounds += f", recent {step['recent']} (share bound {step['share_bound']})"
         mark = "eligible" if step["eligible"] else "at its bound"
         if step["state"] != "available":
             mark = step["state"]

@@ -398,14 +398,21 @@ class _Answer:
 
     def _why(self, name: str, decision: str, position: int, placement: Placement | None) -> str:
         """One sentence for a PREFIX_AWARE decision."""
-        counted = "waiting" if self.router.balancer.prefill_scope else "in flight"
-        threshold = self.router.balancer.bound.threshold
+        balancer = self.router.balancer
+        fleet = self.router.fleet
+        unit = "waiting" if balancer.prefill_scope else "in flight"
+        threshold = balancer.bound.threshold
+
+        def counted(member: str) -> str:
+            tracker = fleet.waiting if balancer.prefill_scope else fleet.loads
+            return f"{tracker.get(member)} {unit}, threshold {threshold}"
+
         hot, home = self.hot, self.home
         if hot is not None and name in hot.replicas and decision != "fallback":
             return (
-                f"a hot key ({hot.share:g} average backends' shares of recent traffic): served by"
-                f" its {len(hot.replicas)} replicas {', '.join(hot.replicas)}; {name} has the"
-                f" fewest in flight among those below the threshold ({threshold} {counted})"
+                f"a hot key ({hot.share:g} average backends' shares of recent traffic) is served"
+                f" by its {len(hot.replicas)} replicas {', '.join(hot.replicas)}: {name} has the"
+                f" fewest in flight among those below the threshold ({counted(name)})"
             )
         if decision == "fallback":
             return (
@@ -416,12 +423,16 @@ class _Answer:
             if decision == "primary":
                 return (
                     f"the key's home is {name} (placed by an earlier request) and it is below"
-                    f" the threshold ({threshold} {counted})"
+                    f" the threshold ({counted(name)})"
                 )
+            state = fleet.backends[home].state if home in fleet.backends else None
+            if home in fleet.unavailable:
+                why = "is down" if state is AdminState.ACTIVE else "is draining"
+            else:
+                why = f"is at its threshold ({counted(home)})"
             return (
-                f"the key's home {home} is at its threshold ({threshold} {counted}) or not"
-                f" available: {name} is the next backend of the walk below it (place"
-                f" {position}); the key keeps its home"
+                f"the key's home {home} {why}: {name} is the next backend of the walk below the"
+                f" threshold (place {position}, {counted(name)}); the key keeps its home"
             )
         if placement is not None:
             if decision == "primary":
@@ -434,10 +445,13 @@ class _Answer:
                 f" traffic or at their threshold; {name} (place {position}) becomes its home"
             )
         if decision == "primary":
-            return f"{name} is the first backend of the key's walk and is below its bound"
+            return (
+                f"{name} is the first backend of the key's walk and is below its bound"
+                f" ({counted(name)})"
+            )
         return (
             f"the backends before it in the key's walk are at their bound: {name} is the first"
-            f" below it (place {position})"
+            f" below it (place {position}, {counted(name)})"
         )
 
 
