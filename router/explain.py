@@ -45,6 +45,7 @@ from hashring.bounded import exact_factor
 from .accesslog import prefix_hash
 from .balancer import decision_label
 from .config import Strategy
+from .exchange import _lists_models  # the data path's own test
 from .extract import BadRequest, decode_openai, key_source, model_name, prompt_key
 from .fleet import AdminState
 from .heads import TENANT_HEADER, Kind, read_request
@@ -484,10 +485,6 @@ def _seed(tenant_key: str | bytes | None, field: str | None) -> int:
         if field is None:
             raise Refused(400, f"invalid {TENANT_HEADER.decode()} header: {exc}") from None
         raise Refused(400, f"invalid {field}: {exc}", field) from None
-
-
-def _lists_models(path: bytes) -> bool:
-    return path == b"/v1/models" or path.startswith(b"/v1/models/")
 
 
 def _body(dry: DryRequest) -> bytes:

@@ -318,7 +318,7 @@ async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
                 assert header is None
             else:
                 digest = expected["key"]["digest"]
-                wanted = f"decision=primary; key={digest}"
+                wanted = f"decision={expected['decision']}; key={digest}"
                 if shown == "backend":
                     wanted += f"; backend={instance}"
                 assert header == wanted
