@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from router.cachesalt import Salter
 from router.config import (
     Config,
     ConfigError,
@@ -110,6 +111,31 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--concurrency-scope",
         choices=("IN_FLIGHT", "PREFILL"),
         help="what ConcurrencyThreshold counts: requests in flight, or only those not answered yet",
+    )
+    serve.add_argument(
+        "--session-keys",
+        type=_comma_list,
+        metavar="S,S,...",
+        help="affinity key sources in precedence order, prefix last (default"
+        " prompt_cache_key,header,conversation,prefix)",
+    )
+    serve.add_argument("--session-header", metavar="NAME", help="the session header (X-Session-Id)")
+    serve.add_argument(
+        "--cache-salt",
+        action="store_true",
+        default=None,
+        help="set each OpenAI body's cache_salt to its tenant's HMAC (engine cache isolation)",
+    )
+    serve.add_argument(
+        "--cache-salt-secret-file",
+        metavar="FILE",
+        help="the HMAC secret (else $PREFIX_ROUTER_CACHE_SALT_SECRET)",
+    )
+    serve.add_argument(
+        "--cache-salt-keep-client",
+        action="store_true",
+        default=None,
+        help="keep a body's own cache_salt instead of replacing it",
     )
     serve.add_argument("--retries", type=int, metavar="N", help="other backends tried (2)")
     serve.add_argument(
@@ -204,6 +230,15 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="R",
         help="share of new traces sampled, 0-1 (1.0); a client's traceparent decides its own",
     )
+    serve.add_argument(
+        "--queue",
+        action="store_true",
+        default=None,
+        help="queue requests fairly per tenant when every backend is at its bound (off)",
+    )
+    serve.add_argument(
+        "--tenant-header", metavar="NAME", help="the header that names a request's tenant"
+    )
 
 
 # Shortcut flags (argparse dests) for PrefixAwareRoutingConfig fields.
@@ -213,7 +248,13 @@ PREFIX_AWARE_FLAGS = (
     ("balance_factor", "BalanceFactor"),
     ("balance_mode", "BalanceMode"),
     ("concurrency_scope", "ConcurrencyScope"),
+    ("session_keys", "SessionKeys"),
+    ("session_header", "SessionHeader"),
 )
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 # Discovery flags (argparse dests) for DiscoverConfig fields.
@@ -231,8 +272,9 @@ DISCOVER_FLAGS = (
 
 
 def prefix_aware_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The PrefixAwareRoutingConfig fields the shortcut flags set (the rest absent)."""
-    values = ((field, getattr(args, flag)) for flag, field in PREFIX_AWARE_FLAGS)
+    """The PrefixAwareRoutingConfig fields the shortcut flags set (the rest absent);
+    a parser without some of the flags (``loadtests.offline``'s) sets none of those."""
+    values = ((field, getattr(args, flag, None)) for flag, field in PREFIX_AWARE_FLAGS)
     return {field: value for field, value in values if value is not None}
 
 
@@ -285,6 +327,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
             otel[field] = getattr(args, flag)
     if otel:
         data["otel"] = otel
+    cache_salt = dict(data.get("cache_salt", {}))
+    for flag, field in (
+        ("cache_salt", "enabled"),
+        ("cache_salt_secret_file", "secret_file"),
+        ("cache_salt_keep_client", "keep_client"),
+    ):
+        if getattr(args, flag) is not None:
+            cache_salt[field] = getattr(args, flag)
+    if cache_salt:
+        data["cache_salt"] = cache_salt
+    if args.queue:
+        data["admission"] = {**data.get("admission", {}), "queue": True}
+    if args.tenant_header is not None:
+        data["tenants"] = {**data.get("tenants", {}), "header": args.tenant_header}
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path
@@ -408,14 +464,8 @@ async def _serve(
                 pids=workers.pids,
                 replica=replicas.id if replicas is not None else None,
             )
-        if config.admin_listen != "off":
-            admin = AdminServer(admin_control, token=token)
-            host, port = parse_address(config.admin_listen, "admin_listen")
-            await admin.start(host, port)
-            control.admin_listeners = admin.listeners
-            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
-        if not replicated:
-            await _refuse_own_addresses(control, router, state_file if state else None)
+        # Before "admin listening", the line supervisors and tests wait for: a
+        # SIGHUP sent once it is logged must find its handler (not kill us).
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -424,6 +474,14 @@ async def _serve(
             owns = not (replicated or state_file or config.discover)  # the file: their source
             reloads = Reloads(reread, control, router, owns_membership=owns)
             loop.add_signal_handler(signal.SIGHUP, reloads.request)
+        if config.admin_listen != "off":
+            admin = AdminServer(admin_control, token=token)
+            host, port = parse_address(config.admin_listen, "admin_listen")
+            await admin.start(host, port)
+            control.admin_listeners = admin.listeners
+            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        if not replicated:
+            await _refuse_own_addresses(control, router, state_file if state else None)
         await stop.wait()
     finally:
         # A second signal while we drain must not kill us half-way (nor after the
@@ -609,6 +667,7 @@ def _check_config(path: str) -> int:
         if config.admin_listen != "off":
             parse_address(config.admin_listen, "admin_listen")
         tls_context(config)
+        Salter.from_config(config.cache_salt)
     except ConfigError as exc:
         print(f"{path}: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -663,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
                     " token (--admin-token-file or PREFIX_ROUTER_ADMIN_TOKEN)"
                 )
         tls = tls_context(config)
+        Salter.from_config(config.cache_salt)  # its secret, now rather than in a worker
         state_file = StateFile(config.state_file) if config.state_file else None
         if state_file is not None:
             state_file.check()  # a missing directory now, not a 500 at the first change

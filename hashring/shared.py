@@ -18,6 +18,16 @@ Contract:
   falls to zero (a drain waits for every replica's).  Folding the others'
   current rows before every read (period 0) gives every replica the exact
   fleet-wide counts; with nothing folded in it is a plain ``LoadTracker``.
+- With ``extrapolate`` (what live replicas do, ``router/replicas.py``), a row
+  is taken as what that replica had when it published, and the view adds,
+  per other row and member, what the own row gained since that row was
+  folded in (a loss counts as none).  A balancer in front spreads requests
+  evenly over the replicas, so the own gain is the best guess of each
+  other's; without it every replica sees the same stale counts below the
+  threshold and each adds its own requests on top (herding).  Its quantum
+  is R - 1 requests per own request: at R = 8 and ConcurrencyThreshold 10 it
+  overflows more than the requests warrant (``loadtests/RESULTS.md``).
+  Fold takes a new row object as a new publication: pass snapshots.
 - ``PlacementLog`` keeps a TRAFFIC ``Placement`` in step with the other
   replicas' without a round trip on the request path.  After each routed
   request the caller reports it (``decided``); ``publish`` hands over the
@@ -76,7 +86,6 @@ class SharedLoads(LoadTracker):
         "_others",
         "_others_total",
         "_rows",
-        "_step",
         "_view",
         "extrapolate",
         "own",
@@ -95,7 +104,6 @@ class SharedLoads(LoadTracker):
         # Each other row as last folded, and the own row when it was (its base).
         self._rows: list[Mapping[str, int]] = []
         self._bases: list[dict[str, int]] = []
-        self._step = 1  # what one own request adds to the view: 1 + the rows extrapolated
         self._extra_total = 0  # the extrapolated part of ``total``
 
     @property
@@ -106,24 +114,30 @@ class SharedLoads(LoadTracker):
         return self._view.get(member, 0)
 
     def acquire(self, member: str) -> Lease:
-        view, step = self._view, self._step
-        view[member] = view.get(member, 0) + step
-        if step != 1:
-            self._extra_total += step - 1
-            self.total += step - 1
+        extra = self._gaining(self._counts.get(member, 0) + 1, member)
+        view = self._view
+        view[member] = view.get(member, 0) + 1 + extra
+        self._extra_total += extra
+        self.total += extra
         return super().acquire(member)
 
     def _release(self, member: str) -> None:
+        extra = self._gaining(self._counts[member], member)
         view = self._view
-        count = view.get(member, 0)
-        gone = min(self._step, count)  # an estimate never falls below zero
-        if count > gone:
-            view[member] = count - gone
+        left = view[member] - 1 - extra
+        if left:
+            view[member] = left
         else:
-            view.pop(member, None)
-        self._extra_total -= gone - 1
-        self.total -= gone - 1
+            del view[member]
+        self._extra_total -= extra
+        self.total -= extra
         super()._release(member)
+
+    def _gaining(self, own: int, member: str) -> int:
+        """The rows whose estimate moves with the own count between ``own - 1`` and ``own``."""
+        if not self._bases:
+            return 0
+        return sum(1 for base in self._bases if base.get(member, 0) < own)
 
     @property
     def others(self) -> Mapping[str, int]:
@@ -135,20 +149,22 @@ class SharedLoads(LoadTracker):
         ``rows`` come in the same order at every call, one per other replica.
         A row object not seen at this position before is a new publication:
         with ``extrapolate``, the own row as it is now becomes that row's base,
-        and until its next publication the view adds, for each row, what the
-        own row gained since its base (see ``SharedLoads`` in the contract).
+        and until its next publication the view adds, for each row and
+        member, what the own row gained since its base, if it gained (see
+        ``SharedLoads`` in the contract).
         """
         rows = list(rows)
         own = self._counts
-        kept, bases = self._rows, self._bases
-        del kept[len(rows) :], bases[len(rows) :]
-        for i, row in enumerate(rows):
-            if i == len(kept):
-                kept.append(row)
-                bases.append(dict(own))
-            elif row is not kept[i]:
-                kept[i] = row
-                bases[i] = dict(own)
+        if self.extrapolate:
+            kept, bases = self._rows, self._bases
+            del kept[len(rows) :], bases[len(rows) :]
+            for i, row in enumerate(rows):
+                if i == len(kept):
+                    kept.append(row)
+                    bases.append(dict(own))
+                elif row is not kept[i]:
+                    kept[i] = row
+                    bases[i] = dict(own)
         others: dict[str, int] = {}
         for row in rows:
             for member, count in row.items():
@@ -164,17 +180,13 @@ class SharedLoads(LoadTracker):
             view[member] = view.get(member, 0) + count
         self.total = own_total + self._others_total
         self._extra_total = 0
-        if self.extrapolate:
-            for base in bases:
-                for member in own.keys() | base.keys():
-                    gained = own.get(member, 0) - base.get(member, 0)
-                    if gained:
-                        view[member] = view.get(member, 0) + gained
-            for member in [m for m, count in view.items() if count <= 0]:
-                del view[member]
-            self._extra_total = sum(view.values()) - self.total
-            self.total += self._extra_total
-            self._step = 1 + len(rows)
+        for base in self._bases:
+            for member, count in own.items():
+                gained = count - base.get(member, 0)
+                if gained > 0:
+                    view[member] += gained
+                    self._extra_total += gained
+        self.total += self._extra_total
 
 
 # A home whose stamp was forgotten is older than any remembered.

@@ -18,6 +18,8 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_placement_log  one TRAFFIC placement for all processes: ns to record, to apply
   bench_models      model pools: ns per decision with and without models; pool ring vs filtered walk
   bench_responses   Responses API follow-ups: ns to learn an id, to route by it; bytes an id
+  bench_admission   the fair admission queue, live: two tenants, one at 10x; TTFT and throughput
+  bench_tenants     per-tenant metrics: ns a request, entries and bytes after 100,000 keys
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
   report            re-print a saved run's tables (``--since`` for the warm part)

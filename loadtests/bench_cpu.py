@@ -2,6 +2,7 @@
 
     python -m loadtests.bench_cpu [--tree PATH] [--seconds 8] [--profile OUT]
     python -m loadtests.bench_cpu --otel [--rounds 5]
+    python -m loadtests.bench_cpu --cache-salt [--rounds 5]
 
 Runs a ``Router`` from ``--tree`` (a checkout; default this one) in this
 process on uvloop, in front of ``loadtests.fastbackend`` (2 instances, another
@@ -17,6 +18,13 @@ off then on (every request sampled, spans exported to the first backend's
 ``/v1/traces`` sink, in the backend process), and prints each run, the medians
 and the ratio on/off.  Tracing's exporter runs in the router's process, so its
 CPU is in the figure.
+
+``--cache-salt`` does the same for engine-side cache isolation
+(``router.cachesalt``): off and on, which goes first alternating by round (the
+body carries a ``prompt_cache_key`` both ways, so on, each request gets its
+tenant's ``cache_salt`` inserted); then, in this process, a request's keying
+work (decode, key, tenant seed, hash) without and with the salt step, 100
+tenants, median ns of 7 alternating runs of 20,000 requests.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +49,13 @@ def _use_tree(tree: Path) -> None:
     sys.path.insert(0, str(tree))
 
 
-async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = False) -> float:
+async def run(
+    seconds: float,
+    profile: Path | None,
+    body: bytes,
+    otel: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> float:
     """One wrk run against a fresh router; prints it and returns its CPU µs per request."""
     from router.app import Router
     from router.config import build_config
@@ -61,7 +76,7 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
             json.loads(await backend.line("a backend address", deadline, stdout=True))["url"]
             for _ in range(2)
         ]
-        config = {
+        config: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "access_log": "off",
             "backends": [{"name": f"fb-{i}", "url": url} for i, url in enumerate(urls)],
@@ -69,6 +84,7 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
         }
         if otel:
             config["otel"] = {"endpoint": urls[0], "sample": 1.0}
+        config.update(overrides or {})
         router = Router(build_config(config))
         await router.start()
         with tempfile.TemporaryDirectory() as scratch:
@@ -99,7 +115,9 @@ async def run(seconds: float, profile: Path | None, body: bytes, otel: bool = Fa
         served = next(line for line in out.decode().splitlines() if "requests in" in line)
         requests = int(served.split()[0])
         per_request = cpu / requests * 1e6
-        tracing = f"tracing on {spans} " if spans is not None else ""
+        tracing = f"tracing on {spans} " if spans is not None and otel else ""
+        if overrides:
+            tracing += f"{', '.join(overrides)} on "
         print(f"{tracing}{requests:,} requests, router CPU {cpu:.2f} s: {per_request:.1f} us/req")
         return per_request
     finally:
@@ -113,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile dump here")
     parser.add_argument("--otel", action="store_true", help="compare tracing off and on")
+    parser.add_argument("--cache-salt", action="store_true", help="compare cache_salt off and on")
     parser.add_argument("--rounds", type=int, default=5, help="with --otel: off/on pairs")
     args = parser.parse_args(argv)
     _use_tree(args.tree.resolve())
@@ -121,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     _, body = build_requests("a", 1)[0]
     import uvloop
 
+    if args.cache_salt:
+        return _cache_salt(args.seconds, args.rounds, body)
     if not args.otel:
         uvloop.run(run(args.seconds, args.profile, body))
         return 0
@@ -132,6 +153,65 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median of {args.rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
     print(f"tracing on: +{b - a:.1f} us/req, ratio on/off {b / a:.2f}")
     return 0
+
+
+def _cache_salt(seconds: float, rounds: int, body: bytes) -> int:
+    """Off/on pairs of the router with ``cache_salt`` (which goes first alternates: the
+    machine drifts), then the keying work of a request in this process, off and on."""
+    import uvloop
+
+    # A tenant key in the body both ways: only the salting differs.
+    body = body[:-1] + b',"prompt_cache_key":"tenant-0042"}'
+    off: list[float] = []
+    on: list[float] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        secret = Path(scratch) / "secret"
+        secret.write_bytes(SECRET)
+        salted: dict[str, Any] = {"cache_salt": {"enabled": True, "secret_file": str(secret)}}
+        for i in range(rounds):
+            for salt in (False, True) if i % 2 == 0 else (True, False):
+                figure = uvloop.run(run(seconds, None, body, overrides=salted if salt else None))
+                (on if salt else off).append(figure)
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"router CPU, median of {rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
+    print(f"cache_salt on: {b - a:+.1f} us/req, ratio on/off {b / a:.2f}")
+    _keying(body)
+    return 0
+
+
+SECRET = b"bench-secret-0123456789abcdef"
+
+
+def _keying(body: bytes, count: int = 20_000, repeats: int = 7) -> None:
+    """What an OpenAI request's keying costs in the exchange (decode, key, tenant
+    seed, hash), without and with the salt step (``Salter.member``, ``salted_body``);
+    100 tenants; runs alternate, medians of ``repeats``."""
+    from hashring import hash_key, tenant_seed
+    from router.cachesalt import Salter, salted_body
+    from router.extract import decode_openai, prompt_key
+
+    bodies = [body.replace(b"tenant-0042", b"tenant-%04d" % (i % 100)) for i in range(count)]
+    salter = Salter(SECRET)
+
+    def keying(salt: bool) -> None:
+        for piece in bodies:
+            request = decode_openai(piece, 4096)
+            tenant = request.prompt_cache_key
+            hash_key(prompt_key(request, 4096), tenant_seed(tenant))
+            if salt:
+                salted_body([piece], salter.member(tenant))
+
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for salt in (False, True):
+            started = time.perf_counter_ns()
+            keying(salt)
+            samples[salt].append((time.perf_counter_ns() - started) / count)
+    a, b = statistics.median(samples[False]), statistics.median(samples[True])
+    print(
+        f"keying a request, median of {repeats}: off {a:.0f} ns, on {b:.0f} ns"
+        f" ({b - a:+.0f} ns, ratio {b / a:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ Contract:
   tests/test_router_upstream.py have those).
 - ``stats`` counts connections per kind and how many faults ``fired`` (a
   fault whose offset lies past the end of its connection never acts).
+- ``kill`` resets every connection accepted before it, also one whose task has
+  not run yet when ``start`` listens again (a revival is a new instance).
 - Bounded: every task belongs to the proxy and ``close``/``kill`` cancel them.
   An upstream that refuses the connection is relayed as a reset.
 """
@@ -250,24 +252,33 @@ class FaultProxy:
                     conn, _ = await loop.sock_accept(listener)
                 except OSError:
                     return  # shut down by kill()
-                task = asyncio.create_task(self._connected(conn))
+                task = asyncio.create_task(self._connected(conn, listener))
                 self._accepted[task] = conn  # until the task runs: close() may cancel it first
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
             listener.close()
 
-    async def _connected(self, conn: socket.socket) -> None:
+    async def _connected(self, conn: socket.socket, listener: socket.socket) -> None:
         del self._accepted[asyncio.current_task()]  # type: ignore[arg-type]
+        if self._listener is not listener:  # killed since (perhaps started again): reset
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            self.stats["reset at kill"] += 1
+            return
         try:
             reader, writer = await asyncio.open_connection(sock=conn)
         except BaseException:
             conn.close()
             raise
-        await self._relay(reader, writer)
+        await self._relay(reader, writer, listener)
 
     def kill(self) -> None:
-        """The instance dies: stop listening and reset every connection, at once."""
+        """The instance dies: stop listening and reset every connection, at once.
+
+        A connection accepted but not yet relayed is reset when its task runs, even
+        if ``start`` has listened again by then: it belonged to the killed instance."""
         listener, self._listener = self._listener, None
         if listener is not None:
             with contextlib.suppress(OSError):
@@ -288,7 +299,12 @@ class FaultProxy:
             conn.close()
         self._accepted.clear()
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        listener: socket.socket,
+    ) -> None:
         number = len(self.faults)
         fault = self.plan(number)
         self.faults.append(fault)
@@ -304,7 +320,9 @@ class FaultProxy:
                 link.abort(rst=True)  # as the instance's kernel would have
                 return
             link.writers.append(up_writer)
-            if self._listener is None:  # killed while we connected
+            # Killed while we connected: reset, even if start() has listened again
+            # since (a revival is a new instance; this connection was the old one's).
+            if self._listener is not listener:
                 link.abort(rst=True)
                 return
             for w in link.writers:

@@ -43,6 +43,7 @@ class AccessRecord(msgspec.Struct, omit_defaults=False):
     path: str
     kind: str
     prefix_hash: str | None
+    key_source: str | None  # where the key came from (router.sessions), None: no key
     tenant: bool
     backend: str | None
     decision: str | None
@@ -99,6 +100,7 @@ class AccessLog:
             exchange.path.decode("latin-1"),
             exchange.kind,
             prefix_hash(key_hash) if key_hash is not None else None,
+            exchange.key_source,
             exchange.tenant,
             choice.backend.name if choice is not None else None,
             choice.label if choice is not None else None,

@@ -32,14 +32,18 @@ import msgspec
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
 from .balancer import Balancer
+from .cachesalt import Salter
 from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
 from .health import HealthMonitor
 from .keyworker import KeyWorker
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
+from .queue import AdmissionQueue
 from .responses import ResponseIds
 from .selfaddr import Listener
+from .sessions import SessionRule
+from .tenants import TenantCollector, TenantMetrics
 from .upstream import Pool
 from .wire import DateHeader
 
@@ -64,6 +68,8 @@ class Router:
         self.fleet = Fleet(config.backends, vnodes=config.vnodes)
         self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
         self.responses = ResponseIds(config.limits.response_ids)
+        self.sessions = SessionRule(config.routing.prefix_aware)  # router.sessions
+        self.salter = Salter.from_config(config.cache_salt)  # None: off (router.cachesalt)
         self.pools: dict[str, Pool] = {}
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
@@ -75,6 +81,23 @@ class Router:
         self.recorder = Recorder()
         self.collector = RouterCollector(self)
         self.health = HealthMonitor(self.fleet, config.health)
+        tenants = config.tenants
+        self.tenants = TenantMetrics(
+            tenants.metrics_top,
+            key=tenants.label_key.encode() if tenants.label_key else None,
+            show_names=tenants.metrics_names,
+        )
+        # [tenants] header: who a request's tenant is (metrics, the admission queue).
+        self.tenant_header = tenants.header.lower().encode() if tenants.header else None
+        # [admission] queue: requests wait, fairly per tenant, when every backend is at its bound.
+        self.queue: AdmissionQueue | None = None
+        if config.admission.queue:
+            self.queue = AdmissionQueue(self, config.admission)
+            self.balancer.on_release = self.queue.wake  # a lease let go: a place may be free
+        self.reported_queue: tuple[int, int] | None = None  # a supervisor's: the workers' sum
+        # metrics_top 0 and no queue: nothing per tenant to count (~2 us a request saved).
+        self._per_tenant = bool(tenants.metrics_top) or self.queue is not None
+        self.collector.registry.register(TenantCollector(self))
         self.stopping = False
         self.active = 0  # exchanges started and not finished
         self._quiet = asyncio.Event()  # set while no exchange is active
@@ -219,6 +242,8 @@ class Router:
         backend = self.fleet.add(spec)
         self._open_pool(backend)
         self.health.watch(backend)
+        if self.queue is not None:
+            self.queue.wake()
         return backend
 
     def remove_backend(self, name: str) -> Backend:
@@ -230,6 +255,9 @@ class Router:
 
     def configure_routing(self, routing: RoutingConfig) -> None:
         self.balancer.configure(routing)
+        self.sessions = SessionRule(routing.prefix_aware)
+        if self.queue is not None:
+            self.queue.wake()
 
     def configure_settings(self, timeouts: Timeouts, limits: Limits, retries: int) -> None:
         """A config reload: what requests read from ``config`` from now on, and the pools."""
@@ -259,6 +287,14 @@ class Router:
     def exchange_finished(self, exchange: Exchange) -> None:
         self.active -= 1
         self.recorder.observe(exchange)
+        if self._per_tenant:
+            self.tenants.observe(
+                exchange.tenant_key,
+                ttft=exchange.ttft - exchange.started if exchange.ttft else None,
+                queued=exchange.queued,
+                wait=exchange.queue_wait,
+                rejected=exchange.rejected,
+            )
         self.access.record(exchange)
         if exchange.span is not None:
             self.tracer.end(exchange)  # type: ignore[union-attr]  # a span means a tracer

@@ -34,20 +34,27 @@ Contract:
   pool, made on the pool's first request, so a key's home, the recent-traffic
   window and hot keys are the pool's.  ``publish_records`` and
   ``apply_records`` carry every log's records between processes.
+- Admission queue (``router.queue``): ``choose(..., queue=True)`` answers
+  ``SATURATED`` (takes no lease, counts nothing, records no placement) where
+  PREFIX_AWARE would fall back because every backend of the walk is at its
+  bound; other strategies never saturate.  With ``on_release`` set, every
+  ``Choice`` calls it when it lets go of a lease (``first_byte`` included), so
+  the queue wakes when a place frees up.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Set
-from typing import cast
+from collections.abc import Callable, Iterable, Mapping, Set
+from typing import Final, cast
 
 from hashring import (
     Decision,
     Lease,
     LoadBound,
     Placement,
+    Ring,
     pick,
 )
 from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
@@ -55,9 +62,9 @@ from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 from .config import RoutingConfig, Strategy
 from .fleet import ANY_MODEL, Backend, Fleet, ModelPool
 
-__all__ = ["Balancer", "Choice", "decision_label"]
+__all__ = ["SATURATED", "Balancer", "Choice", "decision_label"]
 
-_PRIMARY, _OVERFLOW = Decision.PRIMARY, Decision.OVERFLOW
+_PRIMARY, _OVERFLOW, _FALLBACK = Decision.PRIMARY, Decision.OVERFLOW, Decision.FALLBACK
 
 
 def decision_label(decision: str, position: int) -> str:
@@ -75,7 +82,7 @@ class Choice:
     the place in the walk.
     """
 
-    __slots__ = ("backend", "decision", "lease", "position", "waiting")
+    __slots__ = ("backend", "decision", "lease", "notify", "position", "waiting")
 
     def __init__(
         self,
@@ -84,22 +91,26 @@ class Choice:
         decision: str,
         position: int,
         waiting: Lease | None = None,
+        notify: Callable[[], None] | None = None,
     ):
         self.backend = backend
         self.lease = lease  # in flight until the response ends
         self.decision = decision
         self.position = position
         self.waiting = waiting  # ConcurrencyScope PREFILL: until the first body byte
+        self.notify = notify  # the admission queue's wake, when it is on
 
     def first_byte(self) -> None:
         """The backend answered: it is done with this request's prefill."""
-        if self.waiting is not None:
-            self.waiting.release()
+        if self.waiting is not None and self.waiting.release() and self.notify is not None:
+            self.notify()
 
     def release(self) -> None:
-        self.lease.release()
+        freed = self.lease.release()
         if self.waiting is not None:
-            self.waiting.release()
+            freed = self.waiting.release() or freed
+        if freed and self.notify is not None:
+            self.notify()
 
     @property
     def label(self) -> str:
@@ -109,6 +120,11 @@ class Choice:
 
 _Picked = tuple[Backend, str, int]
 Members = Fleet | ModelPool  # what a request routes over (Fleet.members_for)
+
+# What choose(..., queue=True) answers when every backend of the walk is at its
+# bound: a Choice that holds nothing (compared by identity, never used).
+SATURATED: Final[Choice] = Choice.__new__(Choice)
+_SATURATED_PICK: Final = cast(_Picked, ())
 
 
 class Balancer:
@@ -124,6 +140,7 @@ class Balancer:
         "_stamp",
         "config",
         "fleet",
+        "on_release",
         "placement_log",
     )
 
@@ -138,6 +155,7 @@ class Balancer:
         self._pools: dict[str, tuple[Placement, PlacementLog | None]] = {}
         self._stamp: int | None = None  # this process's id in placement stamps; None: alone
         self.placement_log: PlacementLog | None = None
+        self.on_release: Callable[[], None] | None = None  # the admission queue's wake
         self.configure(config)
 
     def share_placement(self, stamp: int) -> None:
@@ -243,10 +261,13 @@ class Balancer:
         key_hash: int | None,
         avoid: Set[str] = frozenset(),
         members: Members | None = None,
+        *,
+        queue: bool = False,
     ) -> Choice | None:
         """Pick a backend for a request and count it in flight (same step).
 
-        ``members``: the model pool the request routes over; None: the fleet."""
+        ``members``: the model pool the request routes over; None: the fleet.
+        ``queue``: answer ``SATURATED`` instead of a fallback (PREFIX_AWARE)."""
         if members is None:
             members = self.fleet
         if key_hash is None:
@@ -255,7 +276,12 @@ class Balancer:
                 return None
             backend, decision, position = picked[0], "passthrough", 0
         else:
-            picked = self._select_keyed(key_hash, avoid, members)
+            if queue and self.config.strategy is Strategy.PREFIX_AWARE:
+                picked = self._prefix_aware(key_hash, avoid, members, True)
+                if picked is _SATURATED_PICK:
+                    return SATURATED
+            else:
+                picked = self._select_keyed(key_hash, avoid, members)
             if picked is None:
                 return None
             backend, decision, position = picked
@@ -319,12 +345,25 @@ class Balancer:
         backend.requests += 1
         fleet = self.fleet
         waiting = fleet.waiting.acquire(backend.name) if self._prefill_scope else None
-        return Choice(backend, fleet.loads.acquire(backend.name), decision, position, waiting)
+        return Choice(
+            backend,
+            fleet.loads.acquire(backend.name),
+            decision,
+            position,
+            waiting,
+            self.on_release,
+        )
 
     # -- strategies: each returns (backend, decision, position) or None; none counts --
 
     def _prefix_aware(
-        self, key_hash: int, avoid: Set[str], members: Members, *, peek: bool = False
+        self,
+        key_hash: int,
+        avoid: Set[str],
+        members: Members,
+        queue: bool = False,
+        *,
+        peek: bool = False,
     ) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
@@ -351,6 +390,8 @@ class Balancer:
                 if members is not fleet:
                     model = cast(ModelPool, members).model
                     placement, log = self._pools.get(model) or self._pool_placement(model)
+                if queue and _all_at(ring, counts, self._bound.threshold, skip):
+                    return _SATURATED_PICK  # before route(): a fallback would count and record
                 before = placement.home(key_hash) if log is not None else None
                 chosen = placement.route(
                     ring,
@@ -386,6 +427,8 @@ class Balancer:
         if chosen is None:
             return None
         member, decision, position = chosen
+        if queue and decision is _FALLBACK:
+            return _SATURATED_PICK
         backend = fleet.backends[member]
         if decision is not _PRIMARY and not peek:
             if decision is _OVERFLOW:
@@ -434,3 +477,19 @@ class Balancer:
         if best is None:
             return None
         return best, "least_outstanding", 0
+
+
+def _all_at(ring: Ring, counts: Mapping[str, int], threshold: int, skip: Set[str]) -> bool:
+    """Every member of ``ring`` not in ``skip`` has ``threshold`` or more in ``counts``
+    (and there is one).  ``counts`` holds only members with a count: while it has
+    fewer entries than the ring has candidates, one of them is at zero (O(1))."""
+    if len(counts) < len(ring) - len(skip):
+        return False
+    candidates = 0
+    for name in ring.weights:
+        if name in skip:
+            continue
+        if counts.get(name, 0) < threshold:
+            return False
+        candidates += 1
+    return candidates > 0

@@ -39,6 +39,7 @@ from .config import Config
 from .control.ops import Op
 from .explain import DryRequest, Explanation
 from .responses import Learnt
+from .tenants import TenantDelta
 
 __all__ = [
     "Applied",
@@ -117,7 +118,10 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     refused: dict[int, int]
     tracing: dict[str, int] = {}  # Tracer.counts(); empty while tracing is off
     models: dict[str, int] = {}  # requests per model pool (Recorder.models)
+    sources: dict[str, int] = {}  # requests per affinity key source (Recorder.sources)
     responses: dict[str, int] = {}  # ResponseIds.counts()
+    tenants: list[TenantDelta] = []  # per-tenant counts since the last report (router.tenants)
+    queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
 
 
 class Explain(msgspec.Struct, tag=True, frozen=True):

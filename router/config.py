@@ -9,7 +9,13 @@ Contract:
   ``{"RoutingConfig": {"RoutingStrategy": "PREFIX_AWARE",
   "PrefixAwareRoutingConfig": {"PrefixLength": 4096, "ConcurrencyThreshold": 10}}}``
   with SageMaker's ranges (PrefixLength 1,024-65,536, ConcurrencyThreshold
-  1-1,024) and one extension, ``BalanceFactor`` (>= 1.0; absent = off).
+  1-1,024) and extensions: ``BalanceFactor`` (>= 1.0; absent = off),
+  ``BalanceMode``, ``ConcurrencyScope``, and the affinity key's sources,
+  ``SessionKeys`` (in precedence order, ``prefix`` last) with ``SessionHeader``
+  (router.sessions).
+- ``cache_salt``: the engine-side cache isolation (router.cachesalt); its
+  secret is read by that module, never held in ``Config`` (which the admin
+  API and the logs may show).
 - Nothing here does I/O except ``load_toml``; nothing is probed per request.
 """
 
@@ -28,7 +34,10 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "SESSION_SOURCES",
+    "AdmissionConfig",
     "BackendSpec",
+    "CacheSaltConfig",
     "Config",
     "ConfigError",
     "DiscoverConfig",
@@ -39,6 +48,7 @@ __all__ = [
     "PrefixAwareRoutingConfig",
     "RoutingConfig",
     "Strategy",
+    "TenantsConfig",
     "Timeouts",
     "backend_address",
     "build_config",
@@ -60,6 +70,23 @@ class Strategy(enum.Enum):
 
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
 
+# Where a request's affinity key comes from (router.sessions), in precedence order.
+SessionSource = Literal["prompt_cache_key", "header", "conversation", "prefix"]
+SESSION_SOURCES: tuple[SessionSource, ...] = (
+    "prompt_cache_key",
+    "header",
+    "conversation",
+    "prefix",
+)
+# Request headers the router reads or writes itself: a session header cannot be one.
+_RESERVED_HEADERS = frozenset(
+    {
+        "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+        "trailer", "upgrade", "expect", "via", "x-forwarded-for", "x-forwarded-proto",
+        "x-request-id", "traceparent", "tracestate", "x-amzn-sagemaker-prefix-aware-id",
+    }
+)  # fmt: skip
+
 
 class PrefixAwareRoutingConfig(
     msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True
@@ -79,6 +106,25 @@ class PrefixAwareRoutingConfig(
     # BalanceFactor always counts every request in flight.  SageMaker's exact
     # semantics: BalanceMode IN_FLIGHT and ConcurrencyScope IN_FLIGHT.
     concurrency_scope: Literal["IN_FLIGHT", "PREFILL"] = "PREFILL"
+    # The affinity key: the first source a request carries, in this order; prefix
+    # (always present) must come last.  See router.sessions.
+    session_keys: Annotated[tuple[SessionSource, ...], Meta(min_length=1)] = SESSION_SOURCES
+    session_header: Annotated[str, Meta(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")] = (
+        "X-Session-Id"
+    )
+
+    def __post_init__(self) -> None:
+        keys = self.session_keys
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"SessionKeys lists a source twice: {list(keys)}")
+        if keys[-1] != "prefix":
+            raise ValueError(
+                f"SessionKeys must end with prefix (the key every request has): {list(keys)}"
+            )
+        if self.session_header.lower() in _RESERVED_HEADERS:
+            raise ValueError(
+                f"SessionHeader {self.session_header!r} is a header the router reads or sets"
+            )
 
 
 class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True, frozen=True):
@@ -97,7 +143,10 @@ class RoutingConfig(msgspec.Struct, rename="pascal", forbid_unknown_fields=True,
 
     def document(self) -> dict[str, Any]:
         """The SageMaker-shaped JSON document, ``{"RoutingConfig": {...}}``."""
-        return {"RoutingConfig": msgspec.to_builtins(self)}
+        inner = msgspec.to_builtins(self)
+        aware = inner["PrefixAwareRoutingConfig"]
+        aware["SessionKeys"] = list(aware["SessionKeys"])  # JSON's shape, as it comes back
+        return {"RoutingConfig": inner}
 
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
@@ -226,6 +275,34 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scrape_interval: Seconds = 10.0
 
 
+TenantKey = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+
+
+class TenantsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Who a request's tenant is, and how tenants show in the metrics (router.tenants)."""
+
+    # A header naming the tenant, for metrics and the admission queue (the routing
+    # salt stays prompt_cache_key / X-Amzn-SageMaker-Prefix-Aware-Id); unset: the salt's key.
+    header: Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")] | None = None
+    metrics_top: Annotated[int, Meta(ge=0, le=1000)] = 20  # tenants with a label; 0: off
+    metrics_names: bool = False  # labels are the keys themselves, not keyed digests
+    # The digest's key (same on every replica for the same labels); unset: random per start.
+    label_key: Annotated[str, Meta(min_length=16, max_length=256)] | None = None
+
+
+class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The fair admission queue at saturation (router.queue); off: "least loaded" fallback."""
+
+    queue: bool = False
+    max_queued_per_tenant: Annotated[int, Meta(ge=1, le=100_000)] = 64
+    max_queued: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096  # all tenants, per process
+    max_wait: Seconds = 30.0  # queued longer: 429
+    # Deficit round robin weights per tenant key (absent: 1).
+    weights: dict[TenantKey, Annotated[float, Meta(ge=0.01, le=1000.0)]] = msgspec.field(
+        default_factory=dict
+    )
+
+
 class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Membership from a discovery source (router.discovery) instead of the admin API."""
 
@@ -294,6 +371,18 @@ class OtelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 raise ValueError(f"otel endpoint {self.endpoint!r} must not have a query")
 
 
+class CacheSaltConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Engine-side cache isolation (router.cachesalt): off unless ``enabled``."""
+
+    enabled: bool = False
+    # The HMAC key's file (its bytes, a trailing newline stripped); unset: the
+    # environment variable PREFIX_ROUTER_CACHE_SALT_SECRET.  Every worker and
+    # replica must have the same secret, so one tenant gets one salt everywhere.
+    secret_file: str | None = None
+    # A body's own cache_salt is kept rather than replaced.
+    keep_client: bool = False
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -334,6 +423,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Membership from Kubernetes EndpointSlices or DNS (router.discovery).
     discover: DiscoverConfig | None = None
     otel: OtelConfig = msgspec.field(default_factory=OtelConfig)  # tracing, off by default
+    cache_salt: CacheSaltConfig = msgspec.field(default_factory=CacheSaltConfig)  # off by default
+    tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

@@ -17,8 +17,17 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   (with shared ids, an unknown one is waited for, bounded), else by the
   strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
   in their first bytes only.
+- Session keys (``router.sessions``): the affinity key is the first of the
+  configured sources the request carries (``prompt_cache_key``, the session
+  header, the Responses API ``conversation``, the prefix), salted by the
+  tenant as before; the source is kept for the metrics and the access log.
+  A native request with a session header is routed at its head.
+- Cache salt (``router.cachesalt``, only when on): an OpenAI body is
+  forwarded with its tenant's ``cache_salt`` member inserted, as views of the
+  body held (no copy), its length adjusted.
 - Retries: a connect failure moves on to the next backend of the walk
-  (``avoid``), at most ``retries`` times; a reused keep-alive connection that
+  (``avoid``), at most ``retries`` times (a new connection already lost when
+  its connect's callback runs is one: nothing was sent on it); a reused keep-alive connection that
   dies before any response byte is replaced by a fresh one to the same
   backend, but only when the router still holds the whole request.  Nothing
   is replayed once the backend may have started on it otherwise.
@@ -46,6 +55,13 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
   /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
   Where it declares none, nothing of this happens (no read of ``model``).
+- Tenants (``router.tenants``, ``router.queue``): ``tenant_key`` is the
+  ``[tenants] header`` when configured and sent, else the routing salt's key
+  (``prompt_cache_key`` or the SageMaker header), else None.  With the
+  admission queue on, a keyed request's first routing attempt that finds every
+  backend at its bound (or others of its pool already waiting) waits in the
+  queue (``queue_entered``) until ``admit`` places it, or is answered 429 with
+  ``Retry-After`` (``reject``); leaving while queued frees its place.
 - One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
   moment the request head is sent to the response head (any progress either
   way, such as body bytes still being forwarded, defers it), then ``idle``
@@ -64,9 +80,18 @@ from typing import TYPE_CHECKING
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
 from .accesslog import prefix_hash
+from .balancer import SATURATED
+from .cachesalt import salted_body
 from .config import MAX_MODEL_NAME
 from .deadline import LazyDeadline
-from .extract import BadRequest, decode_openai, model_name, prompt_key
+from .extract import (
+    BadRequest,
+    conversation_id,
+    decode_openai,
+    has_cache_salt,
+    model_name,
+    prompt_key,
+)
 from .heads import (
     CHUNKED,
     NO_BODY,
@@ -77,7 +102,9 @@ from .heads import (
     read_response,
     upstream_head,
 )
+from .queue import QUEUE_FULL
 from .responses import IdScanner, response_id_of
+from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
 from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
@@ -89,6 +116,7 @@ if TYPE_CHECKING:
     from .client import ClientConnection
     from .fleet import ModelPool
     from .keyworker import Keyed
+    from .queue import AdmissionQueue
     from .tracing import Span
     from .upstream import UpstreamConnection
 
@@ -105,6 +133,7 @@ class Exchange(LazyDeadline):
         "_client_paused",
         "_conn",
         "_connecting",
+        "_entered",
         "_framing",
         "_hasher",
         "_head_sent",
@@ -112,6 +141,7 @@ class Exchange(LazyDeadline):
         "_last_read",
         "_listing",
         "_out",
+        "_queue_timer",
         "_read_timeout",
         "_replayable",
         "_request",
@@ -130,11 +160,15 @@ class Exchange(LazyDeadline):
         "ended",
         "http10",
         "key_hash",
+        "key_source",
         "kind",
         "method",
         "model",
         "path",
         "pool",
+        "queue_wait",
+        "queued",
+        "rejected",
         "request_complete",
         "request_id",
         "reset_client",
@@ -142,6 +176,7 @@ class Exchange(LazyDeadline):
         "started",
         "status",
         "tenant",
+        "tenant_key",
         "ttft",
         "upstream",
     )
@@ -160,7 +195,12 @@ class Exchange(LazyDeadline):
         self.method = method
         # The head's meaning, decided now (pure); acted on when the exchange starts.
         self._request = read_request(
-            method, target, headers, http10=http10, via_name=conn.router.via_name
+            method,
+            target,
+            headers,
+            http10=http10,
+            via_name=conn.router.via_name,
+            session_header=conn.router.sessions.header,
         )
         self.path = self._request.path  # as the backend's framework will see it
         self.client_keep_alive = keep_alive
@@ -173,10 +213,23 @@ class Exchange(LazyDeadline):
         self.bytes_in = 0
         self.bytes_out = 0
         self.key_hash: int | None = None
+        self.key_source: str | None = None  # router.sessions.SOURCES, once keyed
         self.model: str | None = None  # the body's, where the fleet declares models
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
+        self.tenant_key: str | None = None  # who the request is for (metrics, the queue)
+        tenant_header = conn.router.tenant_header
+        if tenant_header is not None:
+            for name, value in headers:
+                if name.lower() == tenant_header:
+                    self.tenant_key = value.decode("latin-1")
+                    break
+        self.queued = False  # waited in the admission queue
+        self.queue_wait: float | None = None  # seconds, once admitted
+        self.rejected: int | None = None  # answered 429 by the queue (REJECT_REASONS index)
+        self._queue_timer: asyncio.TimerHandle | None = None  # set while waiting in the queue
+        self._entered = 0.0
         self.request_id = b""
         self.choice: Choice | None = None
         self.upstream: UpstreamConnection | None = None
@@ -184,7 +237,8 @@ class Exchange(LazyDeadline):
         self.request_complete = False
         self.reset_client = False  # cut short where the framing cannot show it: reset
         self.span: Span | None = None  # tracing on: this request's trace context
-        self._body: list[bytes] = []  # body pieces held: not yet sent, or kept to resend
+        # body pieces held: not yet sent, or kept to resend
+        self._body: list[bytes | memoryview] = []
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
@@ -235,7 +289,15 @@ class Exchange(LazyDeadline):
             if seed is None:
                 return
             self.tenant = request.tenant is not None and seed != 0
-            self._hasher = PrefixHasher(router.balancer.config.prefix_aware.prefix_length, seed)
+            if request.session and router.sessions.native_header:
+                # The session decides: route now, stream the body unhashed.
+                self.key_source = HEADER
+                self.key_hash = hash_key(header_key(request.session), seed)
+                self._route()
+            else:
+                self.key_source = PREFIX
+                prefix_length = router.balancer.config.prefix_aware.prefix_length
+                self._hasher = PrefixHasher(prefix_length, seed)
         elif router.fleet.pools and self.method == b"GET" and _lists_models(self.path):
             self._listing = True  # answered at the request's end: keep-alive stays
         else:
@@ -259,7 +321,12 @@ class Exchange(LazyDeadline):
                 return
         self._body.append(data)
         hasher = self._hasher
-        if hasher is not None and self.choice is None and hasher.feed(data):
+        if (
+            hasher is not None
+            and self.choice is None
+            and self._queue_timer is None
+            and hasher.feed(data)
+        ):
             self.key_hash = hasher.digest()
             self._route()
 
@@ -271,6 +338,8 @@ class Exchange(LazyDeadline):
             self._list_models()
         elif self.kind is Kind.OPENAI:
             self._route_openai()
+        elif self._queue_timer is not None:
+            pass  # queued: admission sends the body, its end included
         elif self.choice is None and self._hasher is not None:
             self.key_hash = self._hasher.digest()  # the body was shorter than the prefix
             self._route()
@@ -294,11 +363,23 @@ class Exchange(LazyDeadline):
         self._body = [body]
         try:
             request = decode_openai(body, limit)
-            key = prompt_key(request, limit)
+            conversation = conversation_id(request.conversation)
+            source = router.sessions.openai_source(
+                request.prompt_cache_key, self._request.session, conversation
+            )
+            # A session key needs no prompt: the prompt is rendered only for the prefix.
+            key = b"" if source in (HEADER, CONVERSATION) else prompt_key(request, limit)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
-        self._route_key(key, request.prompt_cache_key, request.previous_response_id, request.model)
+        self._route_key(
+            key,
+            request.prompt_cache_key,
+            request.previous_response_id,
+            request.model,
+            conversation,
+            has_cache_salt(request),
+        )
 
     def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
@@ -319,10 +400,15 @@ class Exchange(LazyDeadline):
         prompt_cache_key: str | None,
         previous_response_id: str | None,
         model: bytes | Raw,
+        conversation: str | None = None,
+        client_salt: bool = False,
     ) -> None:
         """Salt an OpenAI request's key with its tenant and route it (a Responses
         API follow-up to its previous response's backend, if known; to its
-        model's pool where the fleet declares models: ``model`` is raw JSON)."""
+        model's pool where the fleet declares models: ``model`` is raw JSON).
+        ``key`` is the prompt's key; a session source, when one decides, replaces
+        it (router.sessions).  With the cache salt on, the body gets its
+        tenant's (router.cachesalt)."""
         if self._router.fleet.pools:
             try:
                 self.model = model_name(model)
@@ -336,9 +422,23 @@ class Exchange(LazyDeadline):
         if seed is None:
             return
         self.tenant = seed != 0
+        session = self._request.session
+        source = self._router.sessions.openai_source(prompt_cache_key, session, conversation)
+        if source == HEADER:
+            assert session is not None
+            key = header_key(session)
+        elif source == CONVERSATION:
+            assert conversation is not None
+            key = conversation_key(conversation)
+        self.key_source = source
         self.key_hash = hash_key(key, seed)
         self._request.content_length = self.bytes_in  # forwarded with a length now
         self._request.chunked = False
+        salter = self._router.salter
+        if salter is not None and not (client_salt and salter.keep_client):
+            tenant_key = prompt_cache_key if prompt_cache_key is not None else self._request.tenant
+            self._body, added = salted_body(self._body, salter.member(tenant_key))
+            self._request.content_length += added
         if previous_response_id is not None and self.path == b"/v1/responses":
             self._response_id = previous_response_id
         self._route()
@@ -349,13 +449,17 @@ class Exchange(LazyDeadline):
         ``field`` names the body field the key came from; None: the header.
         """
         try:
-            return tenant_seed(tenant_key)
+            seed = tenant_seed(tenant_key)
         except TenantKeyError as exc:
             if field is None:
                 self._fail(400, f"invalid {TENANT_HEADER.decode()} header: {exc}")
             else:
                 self._fail(400, f"invalid {field}: {exc}", param=field)
             return None
+        if self.tenant_key is None and tenant_key:
+            key = tenant_key
+            self.tenant_key = key if isinstance(key, str) else key.decode("latin-1")
+        return seed
 
     # -- routing and connecting ------------------------------------------------
 
@@ -378,7 +482,18 @@ class Exchange(LazyDeadline):
                 name = None  # held by a backend of another model: this one's pool decides
             choice = self._follow(name)
         if choice is None:
-            choice = router.balancer.choose(self.key_hash, self._tried, members)
+            queue = router.queue
+            if queue is not None and self.key_hash is not None and not self._tried:
+                # Others of this pool wait: behind them.  Else wait if saturated.
+                if queue.busy(self.pool):
+                    self._enqueue(queue)
+                    return
+                choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+                if choice is SATURATED:
+                    self._enqueue(queue)
+                    return
+            else:
+                choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
             serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
@@ -386,12 +501,76 @@ class Exchange(LazyDeadline):
             else:
                 self._fail(503, f"no backend{serving} is available")
             return
+        self._dispatch(choice)
+
+    def _dispatch(self, choice: Choice) -> None:
         self.choice = choice
-        conn = router.pools[choice.backend.name].take()
+        conn = self._router.pools[choice.backend.name].take()
         if conn is not None:
             self._attach(conn)
         else:
             self._connect()
+
+    # -- the admission queue (router.queue) ----------------------------------
+
+    def _enqueue(self, queue: AdmissionQueue) -> None:
+        if not queue.enter(self):
+            self.reject(QUEUE_FULL, queue.retry_after(self.tenant_key))
+
+    def queue_entered(self, now: float, timer: asyncio.TimerHandle) -> None:
+        """Waiting from ``now``; ``timer`` ends the wait (429)."""
+        self.queued = True
+        self._entered = now
+        self._queue_timer = timer
+        if not self.request_complete:
+            # A native body still streaming: hold what came, read no more meanwhile.
+            self._conn.pause_reading_for_upstream(True)
+
+    def admit(self, now: float) -> bool:
+        """The queue offers a place: route now if a backend is below its bound.
+        False: still saturated (stays queued); True: it left the queue."""
+        router = self._router
+        model = self.model
+        members = None if model is None else router.fleet.members_for(model)
+        if model is not None and members is None:
+            self._stop_queue_timer()
+            self._unknown_model(model)
+            return True
+        choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+        if choice is SATURATED:
+            return False
+        self._stop_queue_timer()
+        self.queue_wait = now - self._entered
+        if choice is None:
+            serving = "" if model is None else f" for model `{_shown(model)}`"
+            self._fail(503, f"no backend{serving} is available")
+        else:
+            self._dispatch(choice)
+        return True
+
+    def reject(self, reason: int, retry_after: int) -> None:
+        """Answer 429 for the queue: full (``QUEUE_FULL``) or waited too long."""
+        self._stop_queue_timer()
+        self.rejected = reason
+        if reason == QUEUE_FULL:
+            message = "too many requests of this tenant are waiting for a backend"
+            code = "queue_full"
+        else:
+            waited = self._router.config.admission.max_wait
+            message = f"no backend was below its bound within {waited:g} s"
+            code = "queue_timeout"
+        self._fail(
+            429,
+            f"{message}; retry after {retry_after} s",
+            code=code,
+            extra=b"retry-after: %d\r\n" % retry_after,
+        )
+
+    def _stop_queue_timer(self) -> None:
+        timer = self._queue_timer
+        if timer is not None:
+            timer.cancel()
+            self._queue_timer = None
 
     def _wait_for(self, response_id: str) -> bool:
         """Wait (once, bounded) for an id another process may be sharing right now;
@@ -459,7 +638,17 @@ class Exchange(LazyDeadline):
             self._router.backend_failed(self.choice.backend, f"connect failed: {exc!r}")
             self._connect_failed("could not connect to backend")
             return
-        self._attach(future.result())
+        upstream = future.result()
+        if not upstream.open:
+            # Lost between the connect and this callback, a few loop turns later (a
+            # backend dying as it accepted: a reset).  Its connection_lost found no
+            # owner, so nothing would ever end an exchange attached to it now; and
+            # nothing was sent: the next backend of the walk may take the request.
+            assert self.choice is not None
+            self._router.backend_failed(self.choice.backend, "connection lost at once")
+            self._connect_failed("could not connect to backend")
+            return
+        self._attach(upstream)
 
     def _connect_failed(self, reason: str) -> None:
         """Give the lease back and try the next backend of the walk (bounded)."""
@@ -481,7 +670,7 @@ class Exchange(LazyDeadline):
             upstream.transport.pause_reading()
         self._upstream_bytes = False
         span = self.span
-        pieces = [
+        pieces: list[bytes | memoryview] = [
             upstream_head(
                 self._request,
                 host=upstream.pool.authority,
@@ -723,7 +912,12 @@ class Exchange(LazyDeadline):
         self._finish(upstream_reusable=False)
 
     def _fail(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        extra: bytes = b"",
     ) -> None:
         """Answer with a JSON error; only possible before the response head left."""
         if self._head_sent:
@@ -743,6 +937,7 @@ class Exchange(LazyDeadline):
                 close=not keep_alive,
                 date=self._router.date.value,
                 request_id=self.request_id,
+                extra=extra,
             )
         )
         self._finish(upstream_reusable=False)
@@ -795,6 +990,10 @@ class Exchange(LazyDeadline):
         self._disarm()
         if self._id_wait is not None:
             self._stop_waiting()
+        if self._queue_timer is not None:  # gone while queued: its place is free at once
+            self._stop_queue_timer()
+            assert router.queue is not None
+            router.queue.leave(self)
         if self.choice is not None:
             self.choice.release()
         upstream, self.upstream = self.upstream, None

@@ -54,7 +54,9 @@ Contract (the README's "Routing key" section says the same for users):
   naming the field (``param`` such as ``messages[0].content``): the
   top-level types of ``messages``, ``input``, ``prompt``, ``instructions``,
   ``tools``, ``prompt_cache_key``, ``stream``, ``previous_response_id`` (not
-  part of the key: ``router.responses`` routes by it); each message and part the key
+  part of the key: ``router.responses`` routes by it), ``conversation`` (an id
+  or an object with a string ``id``: ``router.sessions`` may route by it);
+  each message and part the key
   reads (role, content, part type and text); the first ``ceil(PrefixLength /
   2)`` messages are objects with a string role; the first ``PrefixLength //
   4`` prompt elements are ints, strings or arrays (ints in ``prompt[0]``);
@@ -63,6 +65,8 @@ Contract (the README's "Routing key" section says the same for users):
   tools past the prefix, every other field) is only checked to be JSON
   syntax: the backend validates it.  Strings routing does not decode are not
   checked for valid UTF-8.
+- ``cache_salt`` is kept as raw JSON, unchecked: only whether a body has one
+  matters (``router.cachesalt``).
 - ``model`` is kept as raw JSON (``Raw``), unchecked: ``model_name`` reads it
   (a string, or absent/null) only where the fleet declares models, so a fleet
   that does not pays no check and forwards any ``model`` as before.  Either
@@ -101,7 +105,9 @@ __all__ = [
     "BadRequest",
     "BoundedRequest",
     "OpenAIRequest",
+    "conversation_id",
     "decode_openai",
+    "has_cache_salt",
     "key_source",
     "model_name",
     "prompt_key",
@@ -139,6 +145,12 @@ class Message(msgspec.Struct):
     content: str | list[ContentPart] | None = None
 
 
+class Conversation(msgspec.Struct):
+    """The Responses API ``conversation`` as an object; only its id routes."""
+
+    id: str
+
+
 class OpenAIRequest(msgspec.Struct):
     """The routing view of an OpenAI request; every other field is skipped unread."""
 
@@ -150,6 +162,8 @@ class OpenAIRequest(msgspec.Struct):
     prompt_cache_key: str | None = None
     stream: bool | None = None
     previous_response_id: str | None = None  # Responses API follow-ups (router.responses)
+    conversation: str | Conversation | None = None  # a session key (router.sessions)
+    cache_salt: Raw = _NULL  # whether the client sent one (router.cachesalt)
     model: Raw = _NULL  # read only where the fleet declares models (``model_name``)
 
 
@@ -229,6 +243,8 @@ class _Reader:
                 ("prompt_cache_key", str | None, None),
                 ("stream", bool | None, None),
                 ("previous_response_id", str | None, None),
+                ("conversation", str | Conversation | None, None),
+                ("cache_salt", Raw, _NULL),
                 ("model", Raw, _NULL),
             ],
             gc=False,
@@ -283,6 +299,8 @@ class BoundedRequest:
         "_body",
         "_envelope",
         "_reader",
+        "cache_salt",
+        "conversation",
         "model",
         "previous_response_id",
         "prompt_cache_key",
@@ -296,6 +314,8 @@ class BoundedRequest:
         self.prompt_cache_key: str | None = envelope.prompt_cache_key
         self.stream: bool | None = envelope.stream
         self.previous_response_id: str | None = envelope.previous_response_id
+        self.conversation: str | Conversation | None = envelope.conversation
+        self.cache_salt: Raw = envelope.cache_salt
         self.model: Raw = envelope.model
 
     def envelope_for(self, limit: int) -> Any:
@@ -620,6 +640,18 @@ def prompt_key(request: OpenAIRequest | BoundedRequest, limit: int) -> bytes:
 def key_source(request: OpenAIRequest | BoundedRequest, limit: int) -> str:
     """What ``prompt_key`` keys ``request`` by: "token ids" or "prompt text"."""
     return "token ids" if _token_ids(request, limit) is not None else "prompt text"
+
+
+def conversation_id(conversation: str | Conversation | None) -> str | None:
+    """The id of a Responses API ``conversation`` (a string, or an object's ``id``)."""
+    if conversation is None or isinstance(conversation, str):
+        return conversation
+    return conversation.id
+
+
+def has_cache_salt(request: OpenAIRequest | BoundedRequest) -> bool:
+    """Whether the body has a ``cache_salt`` (null counts as none)."""
+    return request.cache_salt != _NULL
 
 
 def model_name(raw: bytes | Raw) -> str | None:

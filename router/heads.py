@@ -16,7 +16,8 @@ Contract:
   ``refusal`` set to (status, message), checked in this order — our own
   ``Via`` entry (508: a loop), not exactly one ``Host`` on HTTP/1.1 or more
   than one on HTTP/1.0 (400, RFC 9112 3.2), a repeated tenant header (400:
-  the backend and the router could read different values), a transfer
+  the backend and the router could read different values; the session
+  header too, ``router.sessions``), a transfer
   coding other than ``chunked`` (501, RFC 9112 6.1), a ``#fragment`` (400),
   an ``Expect`` other than ``100-continue`` (417).
 - ``path`` is the path the backend's framework routes on
@@ -85,6 +86,7 @@ class Request:
         "path",
         "refusal",
         "request_id",
+        "session",
         "target",
         "tenant",
         "xff",
@@ -101,6 +103,7 @@ class Request:
         self.expect_continue = False
         self.has_host = False
         self.tenant: bytes | None = None
+        self.session: bytes | None = None  # the session header's value (router.sessions)
         self.xff = b""  # every X-Forwarded-For line, in order, each followed by ", "
         self.request_id = b""
         self.refusal: tuple[int, str] | None = None
@@ -118,6 +121,7 @@ def read_request(
     *,
     http10: bool,
     via_name: bytes,
+    session_header: bytes = b"",
 ) -> Request:
     """What a request head means and what of it is forwarded (see the contract)."""
     request = Request(method, target)
@@ -125,7 +129,7 @@ def read_request(
     expect: bytes | None = None
     drop: set[bytes] = set()
     codings = b""
-    hosts = tenants = 0
+    hosts = tenants = sessions = 0
     looped = False
     for name, value in headers:
         lower = name.lower()
@@ -143,6 +147,9 @@ def read_request(
         if lower == TENANT_HEADER:
             request.tenant = value
             tenants += 1
+        elif lower == session_header:
+            request.session = value
+            sessions += 1
         elif lower == b"x-forwarded-for":
             request.xff += value + b", "
             continue
@@ -173,6 +180,8 @@ def read_request(
         request.refusal = (400, "a request must carry exactly one Host header")
     elif tenants > 1:
         request.refusal = (400, f"the {TENANT_HEADER.decode()} header must appear once")
+    elif sessions > 1:
+        request.refusal = (400, f"the {session_header.decode()} header must appear once")
     elif codings and codings.replace(b" ", b"").replace(b"\t", b"").lower() != b"chunked,":
         request.refusal = (501, "transfer codings other than chunked are not supported")
     elif path is None:

@@ -13,14 +13,17 @@ Contract:
   It reads frames from stdin and answers each on stdout, in order:
   request ``<II`` (PrefixLength, body length) + the body; answer ``<I``
   (length) + msgpack ``["ok", key, prompt_cache_key, previous_response_id,
-  model]`` (``model``: the raw JSON of the body's field) or ``["error",
-  message, param, null, null]``: exactly what ``decode_openai`` +
+  model, conversation, salted]`` (``model``: the raw JSON of the body's
+  field; ``conversation``: its id; ``salted``: the body has a ``cache_salt``)
+  or ``["error", message, param, null, null, null, null]``: exactly what
+  ``decode_openai`` +
   ``prompt_key`` give on the loop (the same module does the work).
 - The loop never copies or joins the body: its pieces are written to the
   pipe as they are (uvloop keeps references, no copy), and reading the
   small answers is all the loop does.
 - ``key(pieces, size, limit)`` returns a future: a ``Keyed``
-  ``(key, prompt_cache_key, previous_response_id, model)`` or ``BadRequest``;
+  ``(key, prompt_cache_key, previous_response_id, model, conversation,
+  salted)`` or ``BadRequest``;
   ``WorkerLost`` when the child died or could not start (the exchange
   answers 503 and blames no backend).  At most ``MAX_PENDING_BYTES`` wait at
   once; past that ``WorkerBusy`` at once.
@@ -40,16 +43,17 @@ from typing import Any, cast
 
 import msgspec
 
-from .extract import BadRequest, decode_openai, prompt_key
+from .extract import BadRequest, conversation_id, decode_openai, has_cache_salt, prompt_key
 from .log import get_logger
 
 __all__ = ["MAX_PENDING_BYTES", "KeyWorker", "Keyed", "WorkerBusy", "WorkerLost"]
 
 log = get_logger("keyworker")
 
-# What a body is routed by: key, prompt_cache_key, previous_response_id, and its
-# ``model`` as raw JSON (read only where the fleet declares models).
-Keyed = tuple[bytes, str | None, str | None, bytes]
+# What a body is routed by: key, prompt_cache_key, previous_response_id, its
+# ``model`` as raw JSON (read only where the fleet declares models), its
+# conversation id (router.sessions), and whether it has a cache_salt.
+Keyed = tuple[bytes, str | None, str | None, bytes, str | None, bool]
 
 _REQUEST = struct.Struct("<II")
 _ANSWER = struct.Struct("<I")
@@ -57,7 +61,7 @@ MAX_PENDING_BYTES = 256 * 1024 * 1024  # bodies waiting for a key at once
 CLOSE_TIMEOUT = 2.0
 
 _encode = msgspec.msgpack.encode
-_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any, Any, Any]).decode
+_decode = msgspec.msgpack.Decoder(tuple[str, Any, Any, Any, Any, Any, Any]).decode
 
 
 class WorkerLost(Exception):
@@ -77,9 +81,18 @@ def answer(body: bytes, limit: int) -> bytes:
         request = decode_openai(body, limit)
         key = prompt_key(request, limit)
     except BadRequest as exc:
-        return _encode(("error", str(exc), exc.param, None, None))
-    model = bytes(request.model)
-    return _encode(("ok", key, request.prompt_cache_key, request.previous_response_id, model))
+        return _encode(("error", str(exc), exc.param, None, None, None, None))
+    return _encode(
+        (
+            "ok",
+            key,
+            request.prompt_cache_key,
+            request.previous_response_id,
+            bytes(request.model),
+            conversation_id(request.conversation),
+            has_cache_salt(request),
+        )
+    )
 
 
 def main() -> None:
@@ -129,13 +142,13 @@ class KeyWorker:
         self._loop = loop
         self._transport: asyncio.SubprocessTransport | None = None
         self._starting: asyncio.Task[None] | None = None
-        self._waiting: list[list[bytes]] = []  # frames written once the child is up
+        self._waiting: list[list[bytes | memoryview]] = []  # frames written once the child is up
         self._exited = asyncio.Event()
         # (future, body size) per frame written, in order
         self._pending: deque[tuple[asyncio.Future[Keyed], int]] = deque()
         self._pending_bytes = 0
 
-    def key(self, pieces: list[bytes], size: int, limit: int) -> asyncio.Future[Keyed]:
+    def key(self, pieces: list[bytes | memoryview], size: int, limit: int) -> asyncio.Future[Keyed]:
         future: asyncio.Future[Keyed] = self._loop.create_future()
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             future.set_exception(WorkerBusy())
@@ -151,7 +164,7 @@ class KeyWorker:
                 self._starting = self._loop.create_task(self._spawn())
         return future
 
-    def _write(self, frame: list[bytes]) -> None:
+    def _write(self, frame: list[bytes | memoryview]) -> None:
         assert self._transport is not None
         # uvloop's pipe transports implement WriteTransport without subclassing it.
         stdin = cast(asyncio.WriteTransport, self._transport.get_pipe_transport(0))
@@ -190,14 +203,16 @@ class KeyWorker:
             end = _ANSWER.size + length
             if len(buffer) < end:
                 return
-            status, first, second, third, fourth = _decode(bytes(buffer[_ANSWER.size : end]))
+            status, first, second, third, fourth, fifth, sixth = _decode(
+                bytes(buffer[_ANSWER.size : end])
+            )
             del buffer[:end]
             future, size = self._pending.popleft()
             self._pending_bytes -= size
             if future.done():
                 continue  # its caller stopped caring
             if status == "ok":
-                future.set_result((first, second, third, fourth))
+                future.set_result((first, second, third, fourth, fifth, sixth))
             else:
                 future.set_exception(BadRequest(first, second))
 

@@ -30,6 +30,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from .sessions import SOURCES
+
 if TYPE_CHECKING:
     from .app import Router
     from .exchange import Exchange
@@ -103,6 +105,7 @@ class Recorder:
         "no_backend",
         "refused",
         "requests",
+        "sources",
         "ttft",
         "windows",
     )
@@ -117,10 +120,13 @@ class Recorder:
         self.no_backend = 0
         self.refused: Counter[int] = Counter()  # status -> requests refused while parsed
         self.models: Counter[str] = Counter()  # model pool -> requests routed over it
+        self.sources: Counter[str] = Counter()  # affinity key source -> requests (sessions)
 
     def observe(self, exchange: Exchange) -> None:
         if exchange.pool is not None:
             self.models[exchange.pool] += 1
+        if exchange.key_source is not None:
+            self.sources[exchange.key_source] += 1
         choice = exchange.choice
         if choice is None:
             self.requests["", exchange.kind, "none", exchange.status] += 1
@@ -247,6 +253,16 @@ class RouterCollector:
         for model, count in sorted(recorder.models.items()):
             models.add_metric([model or "*"], count)
         yield models
+
+        sources = CounterMetricFamily(
+            "prefix_router_routing_key_source",
+            "Requests routed by a key, by where the key came from (SessionKeys):"
+            " prompt_cache_key, header, conversation or prefix.",
+            labels=["source"],
+        )
+        for key_source in SOURCES:
+            sources.add_metric([key_source], recorder.sources[key_source])
+        yield sources
 
         yield GaugeMetricFamily(
             "prefix_router_ring_members", "Backends on the hash ring.", value=len(fleet.ring)

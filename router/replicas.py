@@ -18,8 +18,9 @@ Contract:
   fleet, not one replica (SageMaker's semantics).  The remote row is written
   by this process alone, so it needs no atomics.
 - The estimate: another replica's row as published, plus what this replica's
-  own counts gained (or lost) per backend since that row arrived, floored at
-  zero; rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
+  own counts gained per backend since that row arrived (a loss counts as
+  none: no replica's request is taken as finished before its row says so);
+  rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
   Why: a published row is up to ``PERIOD`` + the watch's delay old, and every
   replica reads the same old rows, so all of them see the first members of a
   hot key's walk below the threshold and each adds its own requests on top
@@ -28,7 +29,7 @@ Contract:
   ``loadtests/RESULTS.md``).  A load balancer in front spreads requests
   evenly over the replicas, so what this replica added to a backend since
   another's row is what that one most likely added too; with it the same
-  run is within 7 % of one router's P90 and inside its share range.  A
+  run is within 9 % of one router's P90 and inside its share range.  A
   replica that takes more than its share is underestimated until its next
   row, as with no estimate at all.
 - TRAFFIC placement: the row also carries the placement records this
@@ -278,10 +279,12 @@ class Replicas:
             for replica, row in self.others.items():
                 published: dict[str, int] = getattr(row, field)
                 base = self._bases[replica][plane] if replica in self._bases else now
-                for name in published.keys() | now.keys() | base.keys():
-                    count = published.get(name, 0) + now.get(name, 0) - base.get(name, 0)
-                    if count > 0:
-                        sums[name] += count
+                for name, count in published.items():
+                    sums[name] += count
+                for name, count in now.items():
+                    gained = count - base.get(name, 0)
+                    if gained > 0:
+                        sums[name] += gained
             planes.append(sums)
         return planes
 

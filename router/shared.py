@@ -67,6 +67,7 @@ import fcntl
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from itertools import compress
 
 from hashring import Lease, LoadTracker
@@ -223,6 +224,7 @@ class SharedLoadTracker(LoadTracker):
         "_span",
         "_starts",
         "_writes",
+        "on_fold",
         "plane",
         "row",
         "table",
@@ -252,6 +254,8 @@ class SharedLoadTracker(LoadTracker):
         self._folded = 0  # their sum: one 64-bit lane per slot
         self._others: list[int] = []  # the same, per slot
         self._handle: asyncio.TimerHandle | None = None
+        # Called after a timed fold that changed a count (the admission queue's wake).
+        self.on_fold: Callable[[], None] | None = None
 
     # -- the request path (LoadTracker's interface) ------------------------------
 
@@ -424,7 +428,8 @@ class SharedLoadTracker(LoadTracker):
 
     def _tick(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
         self._handle = loop.call_later(period, self._tick, loop, period)
-        self.fold()
+        if self.fold() and self.on_fold is not None:
+            self.on_fold()
 
     def stop(self) -> None:
         if self._handle is not None:

@@ -20,6 +20,9 @@ Contract:
 - Reads: ``refresh()`` asks every worker for its accounting and adds it up
   into the supervisor's router (backend counters, the recorder, idle
   connections), whose views and metrics then read as one router's would.
+  Per-tenant series (``router.tenants``) come as deltas since the last
+  report and are absorbed into the supervisor's own bounded view; the
+  workers get one digest key in their ``Init``, so a tenant has one label.
   In-flight counts are read from the table (all rows, folded on read).
 - ``explain`` (the admin API's dry run, ``router.explain``) is answered by
   the first worker up, not here: a worker holds what the data path decides
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -85,6 +89,7 @@ from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
 from .shared import PLANES, SharedLoadTracker, SharedTable
+from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -169,6 +174,12 @@ class Workers:
         self.router = router
         self.count = count
         self.stamp_base = stamp_base
+        # Every worker labels a tenant alike (router.tenants): one digest key for all.
+        tenants = router.config.tenants
+        self._tenants = msgspec.structs.replace(
+            tenants, label_key=tenants.label_key or os.urandom(16).hex()
+        )
+        router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
         self.table = SharedTable.create(count + remote, SLOTS, PLANES)
         self.slots: dict[str, int] = {}
@@ -258,7 +269,10 @@ class Workers:
             msgspec.structs.replace(b.spec, weight=b.weight) for b in fleet.backends.values()
         ]
         config = msgspec.structs.replace(
-            router.config, backends=backends, routing=router.balancer.config
+            router.config,
+            backends=backends,
+            routing=router.balancer.config,
+            tenants=self._tenants,
         )
         return Init(
             index=index,
@@ -501,6 +515,7 @@ class Workers:
             recorder.no_backend += report.no_backend
             recorder.refused.update(report.refused)
             recorder.models.update(report.models)
+            recorder.sources.update(report.sources)
         for backend in router.fleet.backends.values():
             requests, overflow, fallback, errors = totals.get(backend.name, (0, 0, 0, 0))
             backend.requests, backend.overflow = requests, overflow
@@ -512,6 +527,11 @@ class Workers:
         responses.learnt = responses.unread = 0
         for report in reports:
             responses.add_counts(report.responses)
+            router.tenants.absorb(report.tenants)
+        router.reported_queue = (
+            sum(report.queue[0] for report in reports),
+            sum(report.queue[1] for report in reports),
+        )
         self.tracing = dict(tracing)
 
 

@@ -133,6 +133,7 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     414: "invalid_request_error",
     417: "invalid_request_error",
+    429: "rate_limit_error",
     431: "invalid_request_error",
     501: "invalid_request_error",
     502: "bad_gateway",
@@ -153,10 +154,12 @@ def error_response(
     close: bool = False,
     date: bytes = b"",
     request_id: bytes = b"",
+    extra: bytes = b"",
 ) -> bytes:
     """A complete response with an OpenAI-style JSON error body (``code``: the
-    status unless given, e.g. ``model_not_found``)."""
-    error_type = "invalid_request_error" if code is not None else None
+    status unless given, e.g. ``model_not_found``; ``extra``: header lines, each
+    ending in CRLF, such as ``retry-after``)."""
+    error_type = "invalid_request_error" if code is not None and status != 429 else None
     body = {
         "error": {
             "message": message,
@@ -165,7 +168,7 @@ def error_response(
             "code": status if code is None else code,
         }
     }
-    return json_response(status, body, close=close, date=date, request_id=request_id)
+    return json_response(status, body, close=close, date=date, request_id=request_id, extra=extra)
 
 
 def json_response(
@@ -175,6 +178,7 @@ def json_response(
     close: bool = False,
     date: bytes = b"",
     request_id: bytes = b"",
+    extra: bytes = b"",
 ) -> bytes:
     """A complete response carrying ``body`` as JSON."""
     payload = _encoder.encode(body)
@@ -186,5 +190,7 @@ def json_response(
     ]
     if request_id:
         head.append(b"x-request-id: " + request_id + b"\r\n")
+    if extra:
+        head.append(extra)
     head.append(b"connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(head) + payload

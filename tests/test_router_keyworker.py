@@ -113,9 +113,20 @@ async def test_the_key_worker_is_restarted_after_it_dies(
 
 
 def test_the_worker_answers_what_the_loop_computes() -> None:
-    body = chat("z" * 10_000, "q", prompt_cache_key="tenant", previous_response_id="resp_1")
-    status, key, tenant, previous, model = msgspec.msgpack.decode(answer(body, 4096))
+    body = chat(
+        "z" * 10_000,
+        "q",
+        prompt_cache_key="tenant",
+        previous_response_id="resp_1",
+        conversation={"id": "conv_1"},
+        cache_salt="s",
+    )
+    decoded = msgspec.msgpack.decode(answer(body, 4096))
+    status, key, tenant, previous, model, conversation, salted = decoded
     request = decode_openai(body, 4096)
     assert (status, key, tenant) == ("ok", prompt_key(request, 4096), "tenant")
     assert previous == request.previous_response_id == "resp_1"
     assert model == bytes(request.model) == b'"m"'
+    assert (conversation, salted) == ("conv_1", True)
+    plain = msgspec.msgpack.decode(answer(chat("z" * 10_000, "q"), 4096))
+    assert plain[5:] == [None, False]

@@ -8,7 +8,8 @@ request, from client after client; an idle connection the backend closed is
 replaced; trailers never leak into the next response on a pooled connection;
 a HEAD or 204 answer ends at its head, and the next pipelined request is
 answered; a response head or trailer section without end is cut at 64 KiB
-(a 502, or a visibly cut response).
+(a 502, or a visibly cut response); a new connection the backend resets before
+the exchange that opened it takes it sends the request on to the next backend.
 
 Raw-socket clients and recording backends (``tests/harness/``): exact bytes both ways.
 """
@@ -16,11 +17,12 @@ Raw-socket clients and recording backends (``tests/harness/``): exact bytes both
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from router.upstream import Pool, UpstreamConnection
-from tests.harness.backends import Backend, Seen, StartBackend, echo
+from tests.harness.backends import Backend, Seen, StartBackend, echo, reset
 from tests.harness.http import (
     COMPLETION,
     NATIVE_BODY,
@@ -261,4 +263,65 @@ async def test_endless_response_trailers_cut_the_response(
     backend.release.set()
     assert resp.status == 200
     assert not resp.complete  # no last chunk: visibly cut
+    await quiet(router)
+
+
+# -- connecting -----------------------------------------------------------------------
+
+
+async def test_a_connection_reset_before_its_exchange_takes_it_fails_over_at_once(
+    backends: StartBackend, start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend dying as it accepts resets the connection just made.  On a busy loop
+    that reset can be read before the connect's callback runs, a few loop turns
+    later (tests/test_churn.py killed instances under load): the request must go to
+    the next backend then, not wait out ``first_byte`` on a connection already gone."""
+    accepted: list[int] = []
+
+    def accept_and_reset(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        reset(writer)
+
+    dying = await asyncio.start_server(accept_and_reset, "127.0.0.1", 0)
+    dying_port = dying.sockets[0].getsockname()[1]
+    lost = asyncio.Event()
+    connection_lost = UpstreamConnection.connection_lost
+    pool_connect = Pool.connect
+
+    def lost_and_told(conn: UpstreamConnection, exc: Exception | None) -> None:
+        connection_lost(conn, exc)
+        lost.set()
+
+    async def after_the_reset(future: asyncio.Future[UpstreamConnection]) -> UpstreamConnection:
+        conn = await future
+        async with asyncio.timeout(WAIT):
+            while conn.open:
+                lost.clear()
+                await lost.wait()
+        return conn  # the busy loop's order: connected, reset, and only then the callback
+
+    def connect_late(pool: Pool, timeout: float) -> asyncio.Future[UpstreamConnection]:
+        future = pool_connect(pool, timeout)
+        return asyncio.ensure_future(after_the_reset(future)) if pool.port == dying_port else future
+
+    monkeypatch.setattr(UpstreamConnection, "connection_lost", lost_and_told)
+    monkeypatch.setattr(Pool, "connect", connect_late)
+    alive = await backends(echo, name="alive")
+    try:
+        router = await start_router(
+            [("dying", f"http://127.0.0.1:{dying_port}"), alive.spec],
+            health={"active": False, "passive_failures": 1000},  # dying stays in the walk
+        )
+        async with connect(router) as client:
+            for i in range(8):
+                body = json.dumps({"model": "m", "prompt": f"request {i} " * 20}).encode()
+                await client.send(req(b"POST", b"/v1/completions", body=body))
+                resp = await client.response()  # bounded by WAIT: not first_byte's 300 s
+                assert resp.status == 200, resp
+        assert accepted  # some requests went to dying first, and on from there
+        assert len(alive.requests) == 8
+        assert router.fleet.backends["dying"].errors == len(accepted)
+    finally:
+        dying.close()
+        await dying.wait_closed()
     await quiet(router)

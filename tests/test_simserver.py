@@ -159,6 +159,37 @@ async def test_shared_prefix_is_cached_and_prefills_faster(
     assert one.headers["x-sim-instance"] == two.headers["x-sim-instance"] == sim.name
 
 
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+async def test_cache_salt_separates_cache_entries_as_vllm(client: AsyncOpenAI, api: str) -> None:
+    """One prompt under two salts: no hit across them; the same salt hits (vLLM's field)."""
+
+    async def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        if api == "chat":
+            messages: Any = [{"role": "user", "content": SYSTEM}]
+            chat = await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=2, **extra
+            )
+            assert chat.usage is not None
+            assert chat.usage.prompt_tokens_details is not None
+            return chat.usage.prompt_tokens_details.cached_tokens or 0
+        if api == "completions":
+            text = await client.completions.create(model="m", prompt=SYSTEM, max_tokens=2, **extra)
+            assert text.usage is not None
+            assert text.usage.prompt_tokens_details is not None
+            return text.usage.prompt_tokens_details.cached_tokens or 0
+        response = await client.responses.create(
+            model="m", input=SYSTEM, max_output_tokens=2, **extra
+        )
+        assert response.usage is not None
+        return response.usage.input_tokens_details.cached_tokens
+
+    assert await cached("tenant-a") == 0
+    assert await cached("tenant-b") == 0  # same prompt, another salt: a miss
+    assert await cached(None) == 0  # no salt is a salt of its own
+    assert await cached("tenant-a") > 500  # same salt: the prompt's blocks hit
+
+
 async def test_token_id_prompts_give_exact_block_arithmetic(client: AsyncOpenAI) -> None:
     base = list(range(1000, 2000))  # 1,000 tokens
     longer = [*base, *range(5000, 5050)]  # same 1,000 then 50 more
@@ -429,6 +460,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": ["hi"]}, "messages[0]"),
     (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, "cache_salt"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "cache_salt": 7}, "cache_salt"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
     (CHAT, {"messages": OK_MESSAGES, "max_tokens": "8"}, "max_tokens"),

@@ -289,3 +289,31 @@ def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
     assert histogram.cumulative() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
     assert histogram.total == pytest.approx(3.65)
     assert histogram.count == 4
+
+
+# ---------------------------------------------------------------- cache_salt
+
+
+def test_cache_salt_enters_the_first_block_so_salts_share_nothing() -> None:
+    cache = KVCache(BS, 1000)
+    prompt = toks(0, 10 * BS + 1)
+    assert cache.block_keys(prompt) == cache.block_keys(prompt, b"")  # no salt: as before
+    salted = cache.block_keys(prompt, b"tenant-a")
+    assert not set(salted) & set(cache.block_keys(prompt))
+    assert not set(salted) & set(cache.block_keys(prompt, b"tenant-b"))
+    cache.release(cache.admit(prompt, b"tenant-a"))
+    assert cache.peek(prompt, b"tenant-a") == 10 * BS  # one salt: cached as usual
+    assert cache.peek(prompt, b"tenant-b") == 0  # another: nothing
+    assert cache.peek(prompt) == 0
+
+
+def test_engine_admits_with_the_ticket_salt() -> None:
+    engine = Engine(Timing(), KVCache(BS, 1000))
+    prompt = toks(0, 4 * BS + 1)
+    first = engine.submit(prompt, 1, 0.0, b"a")
+    engine.finish(first, 1.0)
+    same = engine.submit(prompt, 1, 2.0, b"a")
+    other = engine.submit(prompt, 1, 2.0, b"b")
+    assert same.plan is not None
+    assert other.plan is not None
+    assert (same.plan.cached_tokens, other.plan.cached_tokens) == (4 * BS, 0)

@@ -16,7 +16,9 @@ Contract
 - Response headers on generations, sent when the first token is ready (so a
   router's time to first byte is the model's TTFT; vLLM would send headers
   earlier): ``x-sim-ttft-ms`` (model TTFT, independent of ``time_scale``),
-  ``x-sim-queue-ms``, ``x-sim-prompt-tokens``, ``x-sim-cached-tokens``. Every
+  ``x-sim-queue-ms``, ``x-sim-prompt-tokens``, ``x-sim-cached-tokens``. A
+  ``cache_salt`` (chat, completions, responses: vLLM's field) separates cache
+  entries as vLLM's does (``model.KVCache``). Every
   response, errors and ``/metrics`` included, carries ``x-sim-instance``.
 - Test hooks, in real (unscaled) seconds, outside the model and not in
   ``x-sim-ttft-ms``: ``extra_ttft_s`` delays every first byte, ``extra_token_s``
@@ -122,9 +124,11 @@ class SimInstance:
         return self._epoch + model_t * self._scale
 
     @contextlib.asynccontextmanager
-    async def generate(self, tokens: Any, max_tokens: int) -> AsyncIterator[Generation]:
+    async def generate(
+        self, tokens: Any, max_tokens: int, salt: bytes = b""
+    ) -> AsyncIterator[Generation]:
         """Run one request through the engine; the ticket is retired on exit."""
-        ticket = self.engine.submit(tokens, max_tokens, self.model_now())
+        ticket = self.engine.submit(tokens, max_tokens, self.model_now(), salt)
         generation = Generation(self, ticket)
         self._changed()
         try:
@@ -418,7 +422,7 @@ async def _serve(
     gen: wire.GenRequest,
     kind: str | Callable[[Ticket], wire.Reply],
 ) -> web.StreamResponse:
-    async with instance.generate(gen.tokens, gen.max_tokens) as generation:
+    async with instance.generate(gen.tokens, gen.max_tokens, gen.cache_salt) as generation:
         plan = await generation.start()
         if isinstance(kind, str):
             reply = _reply(kind, instance, generation.ticket, gen.include_usage)

@@ -23,6 +23,9 @@ Prefix cache (vLLM's automatic prefix caching, V1)
 - Only full blocks of ``block_size`` tokens are cached. A block's key is a
   128-bit MurmurHash3 of (parent block's key, the block's token ids), so a key
   names the whole prefix up to the end of its block.
+- A request's ``cache_salt`` (vLLM's: bytes, empty for none) enters the first
+  block's key, as vLLM adds it to the first block's extra keys: requests with
+  different salts share no block, with one salt they share as without.
 - A request's cached tokens are the longest run of resident blocks from the
   start, looked for only within its first ``prompt_tokens - 1`` tokens: like
   vLLM, the last prompt token is always recomputed to get logits.
@@ -152,39 +155,41 @@ class KVCache:
 
     # -- queries
 
-    def block_keys(self, tokens: array[int]) -> list[int]:
-        """Chained keys of the full blocks of ``tokens``."""
+    def block_keys(self, tokens: array[int], salt: bytes = b"") -> list[int]:
+        """Chained keys of the full blocks of ``tokens`` (``salt``: in the first one)."""
         raw = _le_bytes(tokens)
         step = self.block_size * _TOKEN_BYTES
         keys: list[int] = []
         parent = 0
+        extra = salt
         for start in range(0, len(raw) - step + 1, step):
-            parent = mmh3.hash128(parent.to_bytes(16, "little") + raw[start : start + step])
+            parent = mmh3.hash128(parent.to_bytes(16, "little") + raw[start : start + step] + extra)
+            extra = b""
             keys.append(parent)
         return keys
 
-    def peek(self, tokens: array[int]) -> int:
+    def peek(self, tokens: array[int], salt: bytes = b"") -> int:
         """Tokens of ``tokens`` that would be served from cache; changes nothing."""
-        return self._hit_tokens(self.block_keys(tokens), len(tokens))
+        return self._hit_tokens(self.block_keys(tokens, salt), len(tokens))
 
-    def lookup(self, tokens: array[int]) -> int:
+    def lookup(self, tokens: array[int], salt: bytes = b"") -> int:
         """Like ``peek``, and counts the query and its hits in tokens."""
-        cached = self.peek(tokens)
+        cached = self.peek(tokens, salt)
         self.queries += len(tokens)
         self.hits += cached
         return cached
 
     # -- pinning
 
-    def allocate(self, tokens: array[int]) -> Allocation:
+    def allocate(self, tokens: array[int], salt: bytes = b"") -> Allocation:
         """Pin the blocks of ``tokens``, inserting missing ones; no stats."""
-        keys = self.block_keys(tokens)
+        keys = self.block_keys(tokens, salt)
         cached = self._hit_tokens(keys, len(tokens))
         return Allocation(self._pin(keys), len(tokens), cached)
 
-    def admit(self, tokens: array[int]) -> Allocation:
+    def admit(self, tokens: array[int], salt: bytes = b"") -> Allocation:
         """``lookup`` then ``allocate`` in one pass: what a scheduler does on admission."""
-        keys = self.block_keys(tokens)
+        keys = self.block_keys(tokens, salt)
         cached = self._hit_tokens(keys, len(tokens))
         self.queries += len(tokens)
         self.hits += cached
@@ -369,6 +374,7 @@ class Ticket:
     state: str = "waiting"
     plan: Plan | None = None
     allocation: Allocation | None = None
+    salt: bytes = b""  # cache_salt (KVCache.block_keys)
 
 
 @dataclass(slots=True)
@@ -407,14 +413,14 @@ class Engine:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, tokens: array[int], max_tokens: int, now: float) -> Ticket:
+    def submit(self, tokens: array[int], max_tokens: int, now: float, salt: bytes = b"") -> Ticket:
         """A request arrives; it is admitted at once if a slot is free."""
         if len(tokens) == 0:
             raise ValueError("a request needs at least one prompt token")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         self._next_id += 1
-        ticket = Ticket(self._next_id, tokens, max_tokens, now)
+        ticket = Ticket(self._next_id, tokens, max_tokens, now, salt=salt)
         if not self._waiting and len(self._running) < self.timing.max_num_seqs:
             self._admit(ticket, now)
         else:
@@ -467,7 +473,7 @@ class Engine:
         return admitted
 
     def _admit(self, ticket: Ticket, now: float) -> None:
-        allocation = self.cache.admit(ticket.tokens)
+        allocation = self.cache.admit(ticket.tokens, ticket.salt)
         uncached = allocation.prompt_tokens - allocation.cached_tokens
         prefill_start = max(now, self._prefill_free_at)
         first_token_at = prefill_start + self.timing.prefill_s(uncached)

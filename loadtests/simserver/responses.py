@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .model import tokenize
-from .wire import BadRequest, Ending, GenRequest, Limits, Reply, render_chat
+from .wire import BadRequest, Ending, GenRequest, Limits, Reply, cache_salt, render_chat
 
 __all__ = [
     "NotFound",
@@ -157,7 +157,8 @@ def parse_responses(body: Any, limits: Limits, store: ResponseStore) -> Response
     keep = body.get("store", True)
     if not isinstance(keep, bool):
         raise BadRequest("'store' must be a boolean", "store")
-    gen = GenRequest(tokens, max_tokens, bool(stream), include_usage=True)
+    salt = cache_salt(body)
+    gen = GenRequest(tokens, max_tokens, bool(stream), include_usage=True, cache_salt=salt)
     return ResponsesRequest(gen, messages, body, keep)
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "NativeReply",
     "Reply",
     "TextReply",
+    "cache_salt",
     "decode_json",
     "detokenize",
     "error_body",
@@ -109,6 +110,7 @@ class GenRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    cache_salt: bytes = b""  # vLLM's cache_salt, UTF-8; empty: none
 
 
 # ---------------------------------------------------------------- parsing
@@ -130,7 +132,7 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits)
     _check_length(len(tokens), max_tokens, limits, "messages")
     stream, include_usage = _stream(body)
-    return GenRequest(tokens, max_tokens, stream, include_usage)
+    return GenRequest(tokens, max_tokens, stream, include_usage, cache_salt(body))
 
 
 def parse_completion(body: Any, limits: Limits) -> GenRequest:
@@ -139,7 +141,7 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     max_tokens = _max_tokens(body, ("max_tokens",), limits)
     _check_length(len(tokens), max_tokens, limits, "prompt")
     stream, include_usage = _stream(body)
-    return GenRequest(tokens, max_tokens, stream, include_usage)
+    return GenRequest(tokens, max_tokens, stream, include_usage, cache_salt(body))
 
 
 def parse_native(body: Any, limits: Limits) -> GenRequest:
@@ -157,6 +159,17 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
     max_tokens = _max_tokens(parameters, ("max_new_tokens", "max_tokens"), limits)
     _check_length(len(tokens), max_tokens, limits, param)
     return GenRequest(tokens, max_tokens, _flag(body, "stream"), include_usage=True)
+
+
+def cache_salt(body: dict[str, Any]) -> bytes:
+    """vLLM's ``cache_salt``: absent or null, else a non-empty string (400 otherwise)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return b""
+    if not isinstance(salt, str) or not salt:
+        message = "Parameter 'cache_salt' must be a non-empty string if provided."
+        raise BadRequest(message, "cache_salt")
+    return salt.encode("utf-8", "surrogatepass")
 
 
 def render_chat(

@@ -1,0 +1,288 @@
+"""``python -m loadtests.bench_admission``: fair admission at saturation, live.
+
+    python -m loadtests.bench_admission --instances 4 --duration 30 --repeat 2
+
+Contract:
+- One simulated fleet (``loadtests.simserver``, every prompt unique so every
+  request pays a full prefill: the fleet's capacity is ``instances /
+  prefill`` requests a second) and, per run, a fresh ``prefix-router serve``
+  (PREFIX_AWARE, ``--concurrency-threshold``, the default ConcurrencyScope
+  PREFILL) in front of it.  Two tenants send streaming chat requests,
+  open loop (Poisson arrivals, seeded), through one ``aiohttp`` client:
+  ``light`` at ``--light-share`` of the fleet's capacity, ``heavy`` at
+  ``--heavy-factor`` times that (10x its share: together well above what the
+  fleet can take).  Keys: ``prompt_cache_key`` = the tenant.
+- Runs, back to back in each pass (``--repeat`` passes, the order of the
+  three reversed on every other pass):
+  ``alone``        light alone, queue on;
+  ``both, queue``  light and heavy, ``--queue`` (``[admission]`` settings below);
+  ``both, off``    light and heavy, queue off: today's least-loaded fallback.
+- Figures per run: light's TTFT P50/P90 (nearest rank, client side: request
+  sent to first body byte, every 200 of the measured window), heavy's 200s and
+  429s, fleet throughput (200 answers completed per second in the window),
+  and every status seen (anything but 200 and 429 is a lost request).  Then,
+  per pass, the ratios the issue asks for: light's TTFT P90 with heavy (queue)
+  against alone (must be <= 1.10), fleet throughput with the queue against
+  without (must not drop); the medians over passes close the output.
+- Every process is started and stopped by PID (``loadtests.supervisor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from router.metrics import percentile
+
+from .fleet import Child, start_router, start_sims, stop_checked
+from .supervisor import say
+
+__all__ = ["main"]
+
+RUNS = ("alone", "both, queue", "both, off")
+
+
+def prompt(rng: random.Random, tokens: int) -> str:
+    """A unique prompt of about ``tokens`` simulated tokens (4 bytes each)."""
+    head = f"{rng.getrandbits(64):016x} "
+    return head + "x" * max(0, tokens * 4 - len(head))
+
+
+async def one(
+    http: aiohttp.ClientSession, url: str, tenant: str, text: str, out: list[dict[str, Any]]
+) -> None:
+    body = {
+        "model": "sim-llama-3.1-70b",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        "stream": True,
+        "prompt_cache_key": tenant,
+    }
+    start = time.perf_counter()
+    record: dict[str, Any] = {"tenant": tenant, "start": start, "status": 0, "ttft": None}
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            record["status"] = resp.status
+            first = await resp.content.readany()
+            if resp.status == 200 and first:
+                record["ttft"] = time.perf_counter() - start
+            await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        record["error"] = type(exc).__name__
+    except asyncio.CancelledError:
+        record["status"] = -1  # still open when the window closed
+        out.append(record)
+        raise
+    record["end"] = time.perf_counter()
+    out.append(record)
+
+
+async def drive(
+    url: str, rates: dict[str, float], duration: float, tokens: int, seed: int
+) -> tuple[list[dict[str, Any]], float, float]:
+    """Open-loop Poisson arrivals per tenant for ``duration`` seconds; (records, t0, t1)."""
+    out: list[dict[str, Any]] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+
+        async def tenant(name: str, rate: float, rng: random.Random) -> None:
+            due = loop.time()
+            end = due + duration
+            while True:
+                due += rng.expovariate(rate)
+                if due >= end:
+                    return
+                delay = due - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(one(http, url, name, prompt(rng, tokens), out))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        await asyncio.gather(
+            *(
+                tenant(name, rate, random.Random(seed * 1_000 + i))
+                for i, (name, rate) in enumerate(rates.items())
+            )
+        )
+        t1 = time.perf_counter()
+        # Requests still open: their answers come after the window (queue off piles
+        # them up in the engines); wait a bounded while, then leave.
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks), timeout=30)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    return out, t0, t1
+
+
+def summarize(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    light = [r["ttft"] for r in records if r["tenant"] == "light" and r["status"] == 200]
+    light = [t for t in light if t is not None]
+    statuses: dict[str, int] = {}
+    for r in records:
+        key = str(r["status"]) if "error" not in r else r["error"]
+        statuses[key] = statuses.get(key, 0) + 1
+    completed = [r for r in records if r["status"] == 200 and r.get("end", t1 + 1) <= t1]
+    heavy = [r for r in records if r["tenant"] == "heavy"]
+    return {
+        "light_n": len(light),
+        "light_p50": percentile(light, 0.5),
+        "light_p90": percentile(light, 0.9),
+        "heavy_200": sum(1 for r in heavy if r["status"] == 200),
+        "heavy_429": sum(1 for r in heavy if r["status"] == 429),
+        "throughput": len(completed) / (t1 - t0),
+        "statuses": statuses,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
+async def run_once(
+    args: argparse.Namespace, sims: dict[str, str], name: str, seed: int, config: Path
+) -> dict[str, Any]:
+    children: list[Child] = []
+    flags = ["--strategy", "prefix", "--concurrency-threshold", str(args.threshold)]
+    flags += ["--access-log", "off", "--no-health-checks", "--config", str(config)]
+    if name != "both, off":
+        flags.append("--queue")
+    if args.workers > 1:
+        flags += ["--workers", str(args.workers)]
+    router, url, _ = await start_router(children, sims, *flags, label=f"router ({name})")
+    try:
+        rates = {"light": args.light_rate}
+        if name != "alone":
+            rates["heavy"] = args.light_rate * args.heavy_factor
+        records, t0, t1 = await drive(url, rates, args.duration, args.prompt_tokens, seed)
+    finally:
+        await stop_checked(router)
+    return summarize(records, t0, t1)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    children: list[Child] = []
+    scale = ["--time-scale", str(args.time_scale), "--max-num-seqs", "256"]
+    prefill = 0.020 + args.prompt_tokens / 10_000  # simserver's defaults, model seconds
+    capacity = args.instances / (prefill * args.time_scale)
+    if args.light_rate is None:
+        args.light_rate = args.light_share * capacity
+    say(
+        f"fleet: {args.instances} instances, prefill {prefill * args.time_scale * 1000:.0f} ms"
+        f" real, capacity ~{capacity:.1f} req/s; light {args.light_rate:.1f} req/s,"
+        f" heavy {args.light_rate * args.heavy_factor:.1f} req/s"
+    )
+    _, sims = await start_sims(children, args.instances, *scale)
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "router.toml"
+        config.write_text(
+            "[admission]\n"
+            f"max_queued_per_tenant = {args.max_queued_per_tenant}\n"
+            f"max_wait = {args.max_wait}\n"
+        )
+        results: list[dict[str, Any]] = []
+        try:
+            for p in range(args.repeat):
+                order = RUNS if p % 2 == 0 else tuple(reversed(RUNS))
+                row: dict[str, Any] = {"pass": p + 1}
+                for name in order:
+                    row[name] = await run_once(args, sims, name, args.seed + p, config)
+                    say(f"pass {p + 1} {name}: {json.dumps(row[name])}")
+                results.append(row)
+        finally:
+            for child in children:
+                await stop_checked(child)
+    print_table(results, args)
+    if args.out:
+        write_json(Path(args.out), {"args": vars(args), "results": results})
+    return 0
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        "| pass | run | light TTFT P50 | light TTFT P90 | light n | heavy 200 / 429"
+        " | fleet 200/s | statuses |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    p90_ratios, throughput_ratios = [], []
+    for row in results:
+        for name in RUNS:
+            r = row[name]
+            heavy = "-" if name == "alone" else f"{r['heavy_200']} / {r['heavy_429']}"
+            print(
+                f"| {row['pass']} | {name} | {_ms(r['light_p50'])} | {_ms(r['light_p90'])}"
+                f" | {r['light_n']} | {heavy} | {r['throughput']:.1f} | {r['statuses']} |"
+            )
+        alone, queued, off = row["alone"], row["both, queue"], row["both, off"]
+        if alone["light_p90"] and queued["light_p90"]:
+            p90_ratios.append(queued["light_p90"] / alone["light_p90"])
+        if off["throughput"]:
+            throughput_ratios.append(queued["throughput"] / off["throughput"])
+    print()
+    for i, row in enumerate(results):
+        p90 = p90_ratios[i] if i < len(p90_ratios) else None
+        tp = throughput_ratios[i] if i < len(throughput_ratios) else None
+        print(
+            f"pass {row['pass']}: light P90 with heavy (queue) / alone = "
+            f"{'-' if p90 is None else f'{p90:.3f}'}; fleet throughput queue / off = "
+            f"{'-' if tp is None else f'{tp:.3f}'}; light P90 with heavy, queue off / alone = "
+            f"{_ratio(row['both, off']['light_p90'], row['alone']['light_p90'])}"
+        )
+    if p90_ratios:
+        print(
+            f"median over {len(p90_ratios)} passes: light P90 ratio "
+            f"{statistics.median(p90_ratios):.3f} (target <= 1.10), throughput ratio "
+            f"{statistics.median(throughput_ratios):.3f} (target >= 1.00)"
+        )
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench_admission")
+    parser.add_argument("--instances", type=int, default=4)
+    parser.add_argument("--time-scale", type=float, default=0.25)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--threshold", type=int, default=1, help="ConcurrencyThreshold (1)")
+    parser.add_argument(
+        "--light-share", type=float, default=0.3, help="light's rate, share of capacity (0.3)"
+    )
+    parser.add_argument("--light-rate", type=float, default=None, help="req/s; overrides share")
+    parser.add_argument("--heavy-factor", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per run")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--max-queued-per-tenant", type=int, default=32)
+    parser.add_argument("--max-wait", type=float, default=10.0)
+    parser.add_argument("--out", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Fair admission at saturation: a bounded per-tenant queue, served by deficit round robin.
+
+Contract:
+- Off (``[admission] queue = false``, the default) nothing here exists and a
+  request whose every backend is at its bound goes to the least loaded one
+  (``fallback``), as before.  On, such a request waits here instead
+  (``Balancer.choose(..., queue=True)`` answers ``SATURATED``), and so does
+  every new keyed request of its model pool while others wait, so that a
+  newcomer cannot overtake them.  Only a request's first routing attempt
+  queues (a retry after a connect failure takes the fallback); Responses API
+  follow-ups pinned to their backend and passthroughs never queue.
+- Tenants: the request's tenant key (``Exchange.tenant_key``; requests
+  without one share the tenant ``None``).  Each tenant has a FIFO; tenants
+  with waiting requests are served by deficit round robin (Shreedhar and
+  Varghese 1995) with a quantum of ``weights[key]`` (default 1) requests a
+  round: over any busy period each tenant gets its weight's share of the
+  places that free up, whatever it sends.
+- Event-driven: a place frees up when a lease is released (``Choice.release``
+  or, under ConcurrencyScope PREFILL, ``Choice.first_byte``), when another
+  worker's or replica's counts fall (``SharedLoadTracker.on_fold``), or when
+  a backend or routing config changes; each calls ``wake()``, which runs one
+  ``_pump`` at the end of the loop iteration.  ``_pump`` offers the head of
+  the tenant whose turn it is to the balancer, and stops at the first
+  ``SATURATED`` of each pool.  No timer polls.
+- Bounds: ``max_queued_per_tenant`` per tenant and ``max_queued`` in all;
+  past either the request is answered 429 at once (``queue_full``).  A
+  request waits at most ``max_wait`` seconds (one timer each), then 429
+  (``wait_timeout``).  Both 429s carry ``Retry-After`` (whole seconds, at
+  least 1, at most ``max_wait``): the time the requests ahead of the tenant
+  would take to drain at the recent admission rate.  Memory is bounded by
+  ``max_queued`` requests (each holds its body: OpenAI bodies are complete
+  and at most ``max_body_bytes``; a native one holds what it sent before its
+  key, the client's reading is paused meanwhile).
+- A client that goes away while its request waits (``Exchange.client_gone``
+  through ``_finish``) leaves at once: ``leave()`` frees its place.
+- Several workers: each worker queues its own clients and admits them
+  against the fleet-wide counts (its own at once, the others' within a fold
+  period); fairness and the bounds are per worker (with SO_REUSEPORT
+  spreading connections, the fleet-wide queue is N of these).  Several
+  replicas: the same, each replica's workers against the counts of all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .log import get_logger
+
+if TYPE_CHECKING:
+    from .app import Router
+    from .config import AdmissionConfig
+    from .exchange import Exchange
+
+__all__ = ["QUEUE_FULL", "WAIT_TIMEOUT", "AdmissionQueue"]
+
+QUEUE_FULL = 0  # indexes of router.tenants.REJECT_REASONS
+WAIT_TIMEOUT = 1
+RATE_SAMPLES = 64  # admissions the Retry-After estimate looks back on
+
+log = get_logger("router")
+
+
+class _Tenant:
+    __slots__ = ("deficit", "granted", "items", "key", "weight")
+
+    def __init__(self, key: str | None, weight: float):
+        self.key = key
+        self.weight = weight
+        self.items: deque[Exchange] = deque()
+        self.deficit = 0.0
+        self.granted = False  # its quantum for the current turn has been added
+
+
+class _Pool:
+    """The waiting requests of one model pool (None: the fleet)."""
+
+    __slots__ = ("active", "tenants")
+
+    def __init__(self) -> None:
+        self.tenants: dict[str | None, _Tenant] = {}
+        self.active: deque[_Tenant] = deque()  # tenants with waiting requests, in turn order
+
+
+class AdmissionQueue:
+    __slots__ = (
+        "_admitted",
+        "_counts",
+        "_pools",
+        "_scheduled",
+        "config",
+        "depth",
+        "router",
+    )
+
+    def __init__(self, router: Router, config: AdmissionConfig):
+        self.router = router
+        self.config = config
+        self.depth = 0  # requests waiting
+        self._pools: dict[str | None, _Pool] = {}
+        self._counts: dict[str | None, int] = {}  # waiting per tenant (all pools)
+        self._scheduled = False
+        self._admitted: deque[float] = deque(maxlen=RATE_SAMPLES)  # loop times
+
+    @property
+    def tenants(self) -> int:
+        return len(self._counts)
+
+    def busy(self, pool: str | None) -> bool:
+        """Requests of ``pool`` wait: a new one goes behind them."""
+        return bool(self.depth) and pool in self._pools
+
+    def enter(self, exchange: Exchange) -> bool:
+        """Queue ``exchange`` (its tenant and pool); False if a bound refuses it."""
+        key = exchange.tenant_key
+        config = self.config
+        waiting = self._counts.get(key, 0)
+        if waiting >= config.max_queued_per_tenant or self.depth >= config.max_queued:
+            return False
+        pool = self._pools.get(exchange.pool)
+        if pool is None:
+            pool = self._pools[exchange.pool] = _Pool()
+        tenant = pool.tenants.get(key)
+        if tenant is None:
+            weight = config.weights.get(key, 1.0) if key is not None else 1.0
+            tenant = pool.tenants[key] = _Tenant(key, weight)
+        if not tenant.items:
+            pool.active.append(tenant)
+        tenant.items.append(exchange)
+        self._counts[key] = waiting + 1
+        self.depth += 1
+        loop = self.router.loop
+        exchange.queue_entered(
+            loop.time(), loop.call_later(config.max_wait, self._expire, exchange)
+        )
+        self.wake()  # a place may be free already (a newcomer behind others)
+        return True
+
+    def leave(self, exchange: Exchange) -> None:
+        """Take a waiting request out (gone, expired); no-op if it is not waiting."""
+        pool = self._pools.get(exchange.pool)
+        tenant = None if pool is None else pool.tenants.get(exchange.tenant_key)
+        if tenant is None or exchange not in tenant.items:
+            return
+        assert pool is not None
+        tenant.items.remove(exchange)
+        self._left(pool, tenant)
+
+    def _left(self, pool: _Pool, tenant: _Tenant) -> None:
+        key = tenant.key
+        self.depth -= 1
+        left = self._counts[key] - 1
+        if left:
+            self._counts[key] = left
+        else:
+            del self._counts[key]
+        if not tenant.items:
+            if tenant in pool.active:
+                pool.active.remove(tenant)
+            del pool.tenants[key]
+            if not pool.tenants:
+                del self._pools[next(k for k, p in self._pools.items() if p is pool)]
+
+    def _expire(self, exchange: Exchange) -> None:
+        self.leave(exchange)
+        exchange.reject(WAIT_TIMEOUT, self.retry_after(exchange.tenant_key))
+
+    def retry_after(self, key: str | None) -> int:
+        """Seconds until the requests ahead of tenant ``key`` would be admitted."""
+        admitted = self._admitted
+        ceiling = max(1, math.ceil(self.config.max_wait))
+        if len(admitted) < 2 or admitted[-1] <= admitted[0]:
+            return 1
+        rate = (len(admitted) - 1) / (admitted[-1] - admitted[0])
+        # Round robin: the tenant's next place comes after one of every waiting tenant's.
+        ahead = min(self.depth, (self._counts.get(key, 0) + 1) * max(1, len(self._counts)))
+        return min(ceiling, max(1, math.ceil(ahead / rate)))
+
+    # -- admission -------------------------------------------------------------
+
+    def wake(self) -> None:
+        """A place may have freed up: pump at the end of this loop iteration."""
+        if self.depth and not self._scheduled:
+            self._scheduled = True
+            self.router.loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._scheduled = False
+        for name in list(self._pools):
+            pool = self._pools.get(name)
+            if pool is not None:
+                self._serve(pool)
+
+    def _serve(self, pool: _Pool) -> None:
+        """Deficit round robin over the pool's tenants until the balancer says saturated."""
+        active = pool.active
+        now = self.router.loop.time()
+        while active:
+            tenant = active[0]
+            if not tenant.granted:
+                tenant.deficit += tenant.weight
+                tenant.granted = True
+            items = tenant.items
+            while tenant.deficit >= 1 and items:
+                exchange = items[0]
+                if not exchange.admit(now):
+                    return  # saturated: the next wake resumes this very turn
+                items.popleft()
+                tenant.deficit -= 1
+                self._admitted.append(now)
+                self._left(pool, tenant)
+                if not active or active[0] is not tenant:
+                    break  # it emptied and left
+            if active and active[0] is tenant:
+                active.rotate(-1)  # its turn is over (out of deficit)
+                tenant.granted = False
+                if not items:  # pragma: no cover - _left removed it
+                    active.remove(tenant)
+            if not tenant.items:
+                tenant.deficit = 0.0
