@@ -107,6 +107,8 @@ def render(answer: dict[str, Any]) -> str:
     lines = []
     if answer["backend"] is not None:
         lines.append(f"{answer['backend']}  ({answer['decision']})")
+    elif answer["admission"] == "wait":
+        lines.append("waits in the admission queue")
     else:
         lines.append(f"answered by the router: {answer['router_answer']}")
     lines.append(f"  why: {answer['reason']}")
@@ -116,9 +118,12 @@ def render(answer: dict[str, Any]) -> str:
         lines.append(f"  request: {kind}, no routing key")
     else:
         salt = f", salted by {key['tenant_source']}" if key["tenant_salted"] else ""
+        if key["prefix_length"] is None:  # a session key: its whole value
+            what = f"{key['content']} {key['session']!r}, {key['length']} {key['unit']}"
+        else:
+            what = f"{key['content']}, {key['length']} of {key['prefix_length']} {key['unit']}"
         lines.append(
-            f"  request: {kind}; key: {key['source']}, {key['length']} of"
-            f" {key['prefix_length']} {key['unit']}{salt}, digest {key['digest']}"
+            f"  request: {kind}; key ({key['source']}): {what}{salt}, digest {key['digest']}"
         )
     if answer["model"] is not None:
         lines.append(f"  model: {answer['model']}, pool {', '.join(answer['pool'] or [])}")

@@ -19,7 +19,8 @@ Contract:
   placement (``Placement.peek``), no placement record, and no draw of the
   random generator consumed (RANDOM and LEAST_OUTSTANDING_REQUESTS ties draw
   from a copy: the answer is the draw the next request of this process would
-  make, if it came next).
+  make, if it came next).  ``saturated`` is the admission queue's test the
+  same way: what ``choose(..., queue=True)`` would answer.
 - BalanceMode TRAFFIC keeps a key -> home table (``hashring.Placement``).  With
   ``share_placement(stamp)`` (several workers or replicas), every decision is
   also recorded in a ``hashring.shared.PlacementLog`` (``placement_log``) that
@@ -322,6 +323,21 @@ class Balancer:
             return self._select_keyed(key_hash, frozenset(), members)
         finally:
             self._rng = rng
+
+    def saturated(self, key_hash: int, members: Members | None = None) -> bool:
+        """Whether ``choose(key_hash, members=members, queue=True)`` would answer
+        ``SATURATED`` now (the same tests, read only); changes nothing."""
+        if self.config.strategy is not Strategy.PREFIX_AWARE:
+            return False  # only the bounded walk saturates
+        if members is None:
+            members = self.fleet
+        fleet = self.fleet
+        if self._placement is not None:
+            counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts
+            if _all_at(members.ring, counts, self._bound.threshold, fleet.unavailable):
+                return True
+        picked = self.peek(key_hash, members)
+        return picked is not None and picked[1] is _FALLBACK
 
     @property
     def bound(self) -> LoadBound:

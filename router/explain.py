@@ -5,11 +5,15 @@ Contract:
   to the data port (``DryRequest``: method, path, headers, body) and says
   where the router would send it now and why (``Explanation``).  It runs
   the data path's own pieces in the data path's order (``exchange.py``):
-  ``heads.read_request`` (kind, refusals, tenant header), ``extract``
-  (``decode_openai``, ``prompt_key``, ``model_name``), ``hashring``
+  ``heads.read_request`` (kind, refusals, tenant and session headers),
+  ``extract`` (``decode_openai``, ``prompt_key``, ``model_name``,
+  ``conversation_id``), the session rule (``router.sessions``:
+  ``openai_source``, ``header_key``, ``conversation_key``), ``hashring``
   (``tenant_seed``, ``hash_key``, ``PrefixHasher``), the model pool, the
-  Responses API id, then ``Balancer.peek``: no second parser, and the key's
-  digest is the access log's ``prefix_hash`` (``accesslog.prefix_hash``).
+  Responses API id, then the admission queue's tests (``AdmissionQueue.busy``,
+  ``Balancer.saturated``, ``AdmissionQueue.full``) and ``Balancer.peek``: no
+  second parser.  The key's ``source`` is the access log's ``key_source`` and
+  its digest the access log's ``prefix_hash`` (``accesslog.prefix_hash``).
 - Nothing changes: nothing is sent to a backend, no lease is taken, no
   counter moves, no TRAFFIC placement is made or refreshed
   (``Placement.peek``), no random draw is consumed, no response id is made
@@ -21,8 +25,12 @@ Contract:
   a body over ``max_body_bytes``) raises ``Refused`` with the data path's
   status and message; the admin API answers it 400.  What the router would
   answer itself on routing (an unknown model: 404; no backend available:
-  503; ``GET /v1/models`` of a fleet that declares models: 200) is an
-  explanation with ``router_answer`` set and no backend.
+  503; ``GET /v1/models`` of a fleet that declares models: 200; the
+  admission queue full: 429) is an explanation with ``router_answer`` set
+  and no backend.  With the admission queue on, a keyed request that would
+  wait in it (every backend of its walk at its bound, or others of its pool
+  waiting already) has ``admission`` "wait" and no backend: where it then
+  goes depends on what frees up first.
 - Framing is the body's: ``Content-Length`` is set from the body (any
   ``Content-Length`` or ``Transfer-Encoding`` given is dropped), and a
   ``Host`` is added if none is given, as every HTTP/1.1 client sends one.
@@ -35,7 +43,7 @@ import binascii
 import math
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
 
@@ -46,16 +54,26 @@ from .accesslog import prefix_hash
 from .balancer import decision_label
 from .config import Strategy
 from .exchange import _lists_models  # the data path's own test
-from .extract import BadRequest, decode_openai, key_source, model_name, prompt_key
+from .extract import (
+    BadRequest,
+    conversation_id,
+    decode_openai,
+    key_source,
+    model_name,
+    prompt_key,
+)
 from .fleet import AdminState
 from .heads import TENANT_HEADER, Kind, read_request
 from .responses import response_id_of
+from .sessions import CONVERSATION, HEADER, PREFIX, PROMPT_CACHE_KEY, conversation_key, header_key
 
 if TYPE_CHECKING:
     from hashring import Placement
 
     from .app import Router
     from .balancer import Members
+    from .fleet import ModelPool
+    from .queue import AdmissionQueue
 
 __all__ = [
     "DEFAULT_K",
@@ -98,11 +116,17 @@ class DryRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     body_base64: str | None = None  # or bytes, base64 (standard alphabet)
 
 
+Source = Literal["prompt_cache_key", "header", "conversation", "prefix"]
+Content = Literal["body bytes", "prompt text", "token ids", "session header", "conversation id"]
+
+
 class KeyView(msgspec.Struct, frozen=True):
-    source: Literal["body bytes", "prompt text", "token ids"]
-    length: int  # in ``unit``, as hashed (at most ``prefix_length``)
+    source: Source  # the access log's key_source (router.sessions: the first one present)
+    content: Content  # what was hashed
+    session: str | None  # header: the session header's value; conversation: the id
+    length: int  # in ``unit``, as hashed (a prefix: at most ``prefix_length``)
     unit: Literal["bytes", "characters", "token ids"]
-    prefix_length: int  # PrefixLength, in ``unit`` (token ids: PrefixLength / 4)
+    prefix_length: int | None  # PrefixLength, in ``unit`` (token ids: / 4); None: a session
     cut: bool  # the key reached PrefixLength: what follows does not count
     digest: str  # the access log's prefix_hash
     tenant_salted: bool  # the access log's tenant
@@ -147,6 +171,8 @@ class Explanation(msgspec.Struct, frozen=True):
     decision: str | None  # the access log's decision ("primary", "overflow 1", ...)
     router_answer: int | None  # the router would answer itself, with this status
     reason: str
+    # The admission queue (on): "wait" (it would queue), "full" (429); None: routed now.
+    admission: Literal["wait", "full"] | None = None
     view: str = "this process"  # whose counts these are
 
 
@@ -157,16 +183,19 @@ def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "")
     fleet = router.fleet
     limit = balancer.config.prefix_aware.prefix_length
     body = _body(dry)
+    headers = _headers(dry, len(body))
     request = read_request(
         dry.method.encode(),
         _target(dry.path),
-        _headers(dry, len(body)),
+        headers,
         http10=False,
         via_name=router.via_name,
+        session_header=router.sessions.header,
     )
     if request.refusal is not None:
         raise Refused(*request.refusal)
     method, path = dry.method, request.path.decode("latin-1")
+    tenant_key = _tenant_key(router, headers)  # who it is for (the admission queue)
     kind = request.kind
     key: KeyView | None = None
     key_hash: int | None = None
@@ -182,42 +211,73 @@ def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "")
             raise Refused(413, f"request body is larger than {config.limits.max_body_bytes} bytes")
         try:
             decoded = decode_openai(body, limit)
-            raw = prompt_key(decoded, limit)
+            conversation = conversation_id(decoded.conversation)
+            source = router.sessions.openai_source(
+                decoded.prompt_cache_key, request.session, conversation
+            )
+            # As the data path: the prompt is rendered (and checked) only for the prefix.
+            raw = b"" if source in (HEADER, CONVERSATION) else prompt_key(decoded, limit)
             if fleet.pools:
                 model = model_name(decoded.model)
         except BadRequest as exc:
             raise Refused(400, str(exc), exc.param) from None
         if decoded.prompt_cache_key is not None:
             seed = _seed(decoded.prompt_cache_key, "prompt_cache_key")
-            source: Literal["prompt_cache_key", "header"] | None = "prompt_cache_key"
+            salt: Literal["prompt_cache_key", "header"] | None = "prompt_cache_key"
+            if tenant_key is None:
+                tenant_key = decoded.prompt_cache_key or None
         else:
             seed = _seed(request.tenant, None)
-            source = "header" if request.tenant else None
-        key_hash = hash_key(raw, seed)
-        if key_source(decoded, limit) == "token ids":
-            length, unit, most = len(raw) // 4, "token ids", limit // 4
-            key = _key("token ids", length, unit, most, key_hash, seed, source)
+            salt = "header" if request.tenant else None
+            if tenant_key is None:
+                tenant_key = _latin1(request.tenant)
+        if source == HEADER:
+            assert request.session is not None
+            key_hash = hash_key(header_key(request.session), seed)
+            key = _session_key(HEADER, request.session, key_hash, seed, salt)
+        elif source == CONVERSATION:
+            assert conversation is not None
+            key_hash = hash_key(conversation_key(conversation), seed)
+            key = _session_key(CONVERSATION, conversation, key_hash, seed, salt)
         else:
-            chars = len(raw.decode("utf-8", "surrogatepass"))
-            key = _key("prompt text", chars, "characters", limit, key_hash, seed, source)
+            key_hash = hash_key(raw, seed)
+            # prompt_cache_key or prefix: the prompt's prefix either way.
+            keyed = PROMPT_CACHE_KEY if source == PROMPT_CACHE_KEY else PREFIX
+            if key_source(decoded, limit) == "token ids":
+                length, most = len(raw) // 4, limit // 4
+                key = _key(keyed, "token ids", length, "token ids", most, key_hash, seed, salt)
+            else:
+                chars = len(raw.decode("utf-8", "surrogatepass"))
+                key = _key(keyed, "prompt text", chars, "characters", limit, key_hash, seed, salt)
         if decoded.previous_response_id is not None and request.path == b"/v1/responses":
             response_id = decoded.previous_response_id
     elif kind is Kind.NATIVE:
         seed = _seed(request.tenant, None)
-        hasher = PrefixHasher(limit, seed)
-        hasher.feed(body)
-        key_hash = hasher.digest()
-        key = _key(
-            "body bytes",
-            min(len(body), limit),
-            "bytes",
-            limit,
-            key_hash,
-            seed,
-            "header" if request.tenant is not None and seed else None,
-        )
+        if tenant_key is None:
+            tenant_key = _latin1(request.tenant)
+        salt = "header" if request.tenant is not None and seed else None
+        if request.session and router.sessions.native_header:
+            # The data path routes it at its head by the session; the body is not hashed.
+            key_hash = hash_key(header_key(request.session), seed)
+            key = _session_key(HEADER, request.session, key_hash, seed, salt)
+        else:
+            hasher = PrefixHasher(limit, seed)
+            hasher.feed(body)
+            key_hash = hasher.digest()
+            length = min(len(body), limit)
+            key = _key(PREFIX, "body bytes", length, "bytes", limit, key_hash, seed, salt)
     answer = _Answer(router, k, view)
     answer.head(kind, method, path, key, model, response_id)
+    answer.tenant_key = tenant_key
+    if key is not None and key.session is not None:
+        if key.source == HEADER:
+            named = f"the {balancer.config.prefix_aware.session_header} header"
+        else:
+            named = "the Responses API conversation"
+        answer.note = (
+            f"keyed by its session ({named}, {key.session[:64]!r}: every request of it has"
+            " this key, whatever its prompt); "
+        )
     if fleet.pools and method == "GET" and _lists_models(request.path):
         return answer.answered(200, "the router answers GET /v1/models itself: the declared models")
     members = None if model is None else fleet.members_for(model)
@@ -237,9 +297,9 @@ def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "")
                     f"a Responses API follow-up: {holder} answered {response_id} and holds its"
                     " state",
                 )
-            answer.note = f"{holder} holds {response_id} but is not available: "
+            answer.note += f"{holder} holds {response_id} but is not available: "
         elif holder is None:
-            answer.note = (
+            answer.note += (
                 f"{response_id} is not known here (with workers or replicas, the data path"
                 " first waits a moment for it to be shared): "
             )
@@ -259,6 +319,7 @@ class _Answer:
         self.walk: list[WalkStep] = []
         self.home: str | None = None
         self.hot: HotKey | None = None
+        self.tenant_key: str | None = None  # the admission queue's tenant
 
     def head(
         self,
@@ -273,7 +334,12 @@ class _Answer:
         self.key, self.model, self.response_id = key, model, response_id
 
     def _done(
-        self, backend: str | None, decision: str | None, answer: int | None, reason: str
+        self,
+        backend: str | None,
+        decision: str | None,
+        answer: int | None,
+        reason: str,
+        admission: Literal["wait", "full"] | None = None,
     ) -> Explanation:
         return Explanation(
             kind=self.kind.value,
@@ -293,6 +359,7 @@ class _Answer:
             router_answer=answer,
             reason=self.note + reason,
             view=self.view,
+            admission=admission,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -309,6 +376,11 @@ class _Answer:
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
+            queue = self.router.queue
+            if queue is not None:  # a first attempt, keyed: the data path's _route
+                waits = self._queued(queue, key_hash, members)
+                if waits is not None:
+                    return waits
         picked = balancer.peek(key_hash, members)
         if picked is None:
             serving = "" if self.model is None else f" for model `{self.model[:256]}`"
@@ -329,6 +401,42 @@ class _Answer:
         else:
             why = self._why(name, decision, position, placement)
         return self.chosen(name, decision, position, why)
+
+    def _queued(
+        self, queue: AdmissionQueue, key_hash: int, members: Members | None
+    ) -> Explanation | None:
+        """The admission queue's answer (the data path's order), or None: routed now."""
+        pool = None if members is None else cast("ModelPool", members).model
+        if queue.busy(pool):
+            why = (
+                "other requests of its pool wait in the admission queue already"
+                f" ({queue.depth} waiting in all): it would go behind them"
+            )
+        elif self.router.balancer.saturated(key_hash, members):
+            why = "every backend of the walk is at its bound"
+        else:
+            return None
+        tenant = "no tenant" if self.tenant_key is None else f"tenant {self.tenant_key[:64]!r}"
+        config = queue.config
+        if queue.full(self.tenant_key):
+            return self._done(
+                None,
+                None,
+                429,
+                f"{why}, and the admission queue is full ({queue.waiting(self.tenant_key)}"
+                f" of {config.max_queued_per_tenant} waiting for {tenant},"
+                f" {queue.depth} of {config.max_queued} in all): the router would answer 429"
+                " (queue_full)",
+                "full",
+            )
+        return self._done(
+            None,
+            None,
+            None,
+            f"{why}: it would wait in the admission queue ({tenant}) until a backend of its"
+            f" walk is below its bound, at most {config.max_wait:g} s (then 429)",
+            "wait",
+        )
 
     def _walk(self, key_hash: int, members: Members, placement: Placement | None) -> None:
         """The first ``k`` backends of the key's walk with their counts and bounds."""
@@ -457,24 +565,69 @@ class _Answer:
 
 
 def _key(
-    source: Literal["body bytes", "prompt text", "token ids"],
+    source: str,
+    content: Content,
     length: int,
-    unit: str,
+    unit: Literal["bytes", "characters", "token ids"],
     most: int,
     key_hash: int,
     seed: int,
     tenant: Literal["prompt_cache_key", "header"] | None,
 ) -> KeyView:
+    """A prompt's (or a native body's) prefix key; ``source``: router.sessions'."""
     return KeyView(
-        source=source,
+        source=cast(Source, source),
+        content=content,
+        session=None,
         length=length,
-        unit=unit,  # type: ignore[arg-type]  # one of the Literal's, by the callers
+        unit=unit,
         prefix_length=most,
         cut=length >= most,
         digest=prefix_hash(key_hash),
         tenant_salted=seed != 0,
         tenant_source=tenant if seed != 0 else None,
     )
+
+
+def _session_key(
+    source: str,
+    session: bytes | str,
+    key_hash: int,
+    seed: int,
+    tenant: Literal["prompt_cache_key", "header"] | None,
+) -> KeyView:
+    """A session key (router.sessions' HEADER or CONVERSATION): the whole value
+    counts, no prefix cut."""
+    if isinstance(session, bytes):
+        shown, length, unit = session.decode("latin-1"), len(session), "bytes"
+    else:
+        shown, length, unit = session, len(session), "characters"
+    return KeyView(
+        source=cast(Source, source),
+        content="session header" if source == HEADER else "conversation id",
+        session=shown,
+        length=length,
+        unit=unit,  # type: ignore[arg-type]  # one of the Literal's
+        prefix_length=None,
+        cut=False,
+        digest=prefix_hash(key_hash),
+        tenant_salted=seed != 0,
+        tenant_source=tenant if seed != 0 else None,
+    )
+
+
+def _tenant_key(router: Router, headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The ``[tenants] header``'s value when configured and sent (``Exchange``)."""
+    wanted = router.tenant_header
+    if wanted is not None:
+        for name, value in headers:
+            if name.lower() == wanted:
+                return value.decode("latin-1")
+    return None
+
+
+def _latin1(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value else None
 
 
 def _seed(tenant_key: str | bytes | None, field: str | None) -> int:

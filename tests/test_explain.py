@@ -93,7 +93,8 @@ async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing
                 assert after == before  # no lease, counter or request
                 assert again == first  # no placement made: still a new key, same walk
                 assert first["kind"] == "openai"
-                assert first["key"]["source"] == "prompt text"
+                assert first["key"]["source"] == "prefix"  # the access log's key_source
+                assert first["key"]["content"] == "prompt text"
                 assert first["key"]["length"] == len("\x1euser\x1f" + prompt)
                 assert first["key"]["unit"] == "characters"
                 assert not first["key"]["tenant_salted"]
@@ -130,7 +131,8 @@ async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing
                 },
             )
             assert native["kind"] == "native"
-            assert native["key"]["source"] == "body bytes"
+            assert native["key"]["source"] == "prefix"
+            assert native["key"]["content"] == "body bytes"
             assert native["key"]["length"] == len(raw)
             assert native["key"]["tenant_salted"]
             assert native["key"]["tenant_source"] == "header"
@@ -145,6 +147,7 @@ async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing
     logged = [line for line in lines if line.get("path") == "/invocations"]
     assert len(logged) == 1
     assert logged[0]["prefix_hash"] == native["key"]["digest"]
+    assert logged[0]["key_source"] == native["key"]["source"]
     assert logged[0]["tenant"] is True
     assert logged[0]["decision"] == native["decision"]
 
@@ -328,6 +331,113 @@ async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
                 assert "x-prefix-router-decision" not in r.headers
     finally:
         await stop(proc)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_session_keys_are_explained_as_the_data_path_keys_them(
+    workers: int, sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    # The default SessionKeys (prompt_cache_key, header, conversation, prefix): a
+    # session header keys every request of its session alike, whatever its prompt,
+    # and a prompt_cache_key comes first; each dry run names the access log's
+    # key_source and digest, and the request then goes where it said.
+    sims = await sim_fleet(3)
+    log = tmp_path / "access.log"
+    proc, port = await spawn_router(
+        *(f"--backend={s.name}={s.url}" for s in sims),
+        "--workers",
+        str(workers),
+        "--access-log",
+        str(log),
+    )
+    expected: dict[str, dict[str, Any]] = {}  # by the prompt sent
+    try:
+        async with client(port) as via, aiohttp.ClientSession() as http:
+            for i, session in enumerate(("s-1", "s-2", "s-3")):
+                headers = {"X-Session-Id": session}
+                prompts = PROMPTS[i], PROMPTS[i + 3]  # two turns, unrelated prompts
+                first = await explain(http, proc, dry(chat(prompts[0]), headers=headers))
+                key = first["key"]
+                assert key["source"] == "header"
+                assert key["content"] == "session header"
+                assert key["session"] == session
+                assert (key["length"], key["unit"]) == (len(session), "bytes")
+                assert key["prefix_length"] is None
+                assert not key["tenant_salted"]
+                assert first["reason"].startswith("keyed by its session (the X-Session-Id header")
+                sent = await via.chat.completions.with_raw_response.create(
+                    model="m",
+                    messages=[{"role": "user", "content": prompts[0]}],
+                    max_tokens=1,
+                    extra_headers=headers,
+                )
+                assert sent.headers["x-sim-instance"] == first["backend"]
+                expected[prompts[0]] = first
+                await admin_call(http, proc, "GET", "/admin/stats")  # placements shared
+                # The next turn: another prompt, the same key, its home.
+                turn = await explain(http, proc, dry(chat(prompts[1]), headers=headers))
+                assert turn["key"]["digest"] == key["digest"]
+                assert turn["home"] == first["backend"]
+                assert (turn["backend"], turn["decision"]) == (first["backend"], "primary")
+                sent = await via.chat.completions.with_raw_response.create(
+                    model="m",
+                    messages=[{"role": "user", "content": prompts[1]}],
+                    max_tokens=1,
+                    extra_headers=headers,
+                )
+                assert sent.headers["x-sim-instance"] == turn["backend"]
+                expected[prompts[1]] = turn
+
+            # prompt_cache_key first: the prompt's prefix, salted by it; the header is
+            # not the key then.
+            cached = chat(PROMPTS[0], prompt_cache_key="tenant-a")
+            salted = await explain(http, proc, dry(cached, headers={"X-Session-Id": "s-1"}))
+            key = salted["key"]
+            assert key["source"] == "prompt_cache_key"
+            assert key["content"] == "prompt text"
+            assert key["session"] is None
+            assert key["tenant_salted"]
+            assert key["tenant_source"] == "prompt_cache_key"
+            assert key["digest"] != expected[PROMPTS[0]]["key"]["digest"]
+            sent = await via.chat.completions.with_raw_response.create(
+                model="m",
+                messages=[{"role": "user", "content": PROMPTS[0]}],
+                max_tokens=1,
+                extra_body={"prompt_cache_key": "tenant-a"},
+                extra_headers={"X-Session-Id": "s-1"},
+            )
+            assert sent.headers["x-sim-instance"] == salted["backend"]
+
+            # A native request with a session header is keyed by it (the body unhashed).
+            raw = json.dumps({"inputs": "native prefix " * 40, "max_tokens": 1}).encode()
+            native = await explain(
+                http,
+                proc,
+                {
+                    "method": "POST",
+                    "path": "/invocations",
+                    "headers": {"X-Session-Id": "s-2"},
+                    "body_base64": base64.b64encode(raw).decode(),
+                },
+            )
+            assert native["kind"] == "native"
+            assert native["key"]["source"] == "header"
+            assert native["key"]["digest"] == expected[PROMPTS[1]]["key"]["digest"]
+            assert native["backend"] == expected[PROMPTS[1]]["backend"]
+            url = f"http://127.0.0.1:{port}/invocations"
+            async with http.post(url, data=raw, headers={"X-Session-Id": "s-2"}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-sim-instance"] == native["backend"]
+    finally:
+        await stop(proc)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    routed = [line for line in lines if line.get("backend") is not None]
+    assert len(routed) == 8
+    logged = {(line["key_source"], line["prefix_hash"], line["backend"]) for line in routed}
+    for answer in [*expected.values(), salted, native]:
+        key = answer["key"]
+        assert (key["source"], key["digest"], answer["backend"]) in logged
+    assert sorted(line["key_source"] for line in routed) == ["header"] * 7 + ["prompt_cache_key"]
 
 
 # -- in the test's loop: the real Router, the dry run called as the admin API does -----
