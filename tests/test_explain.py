@@ -15,6 +15,7 @@ import asyncio
 import base64
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import pytest
 
 from router.explain import DryRequest
 from router.explain import explain as explain_now
-from tests.harness.backends import StartBackend, hold
+from tests.harness.backends import Backend, Seen, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
 from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
@@ -597,3 +598,102 @@ async def test_a_replica_explains_with_the_other_replicas_loads(
         for proc, _ in routers:
             await stop(proc)
         await etcd.kill()
+
+
+async def hold_posts(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+    """``hold`` for requests, health checks answered at once."""
+    if seen.method == b"POST":
+        await backend.release.wait()
+    return await echo(backend, seen, writer)
+
+
+@pytest.mark.parametrize("mode", ["TRAFFIC", "IN_FLIGHT"])
+async def test_a_saturated_walk_with_the_queue_on_is_explained_as_a_wait_then_429(
+    mode: str, backends: StartBackend, start_router: StartRouter
+) -> None:
+    # One backend, one request in flight at most: a held request saturates the walk.
+    # The dry run then says "wait" (not fallback) as the next request waits; with
+    # that one waiting the tenant's queue is full: 429, as the data port answers.
+    backend = await backends(hold_posts)
+    router = await start_router(
+        [backend.spec],
+        routing={
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {
+                "ConcurrencyThreshold": 1,
+                "BalanceMode": mode,
+                "ConcurrencyScope": "IN_FLIGHT",
+            },
+        },
+        admission={"queue": True, "max_queued_per_tenant": 1},
+    )
+    queue = router.queue
+    assert queue is not None
+    url = f"http://127.0.0.1:{router.port}/generate"
+    request = DryRequest("POST", "/generate", body="one prompt")
+    other = DryRequest("POST", "/generate", {"X-Amzn-SageMaker-Prefix-Aware-Id": "b"}, "x")
+
+    async def until(predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(WAIT):  # the router runs in this loop: each turn moves it
+            while True:
+                if predicate():
+                    return
+                await asyncio.sleep(0)
+
+    async with aiohttp.ClientSession() as http:
+        idle = explain_now(router, request, 3)
+        assert (idle.decision, idle.admission) == ("primary", None)
+        first = asyncio.create_task(http.post(url, data=b"one prompt"))
+        await backend.wait_for(lambda: len(backend.heads) == 1)
+
+        waits = explain_now(router, request, 3)
+        assert waits.admission == "wait"
+        assert (waits.backend, waits.decision, waits.router_answer) == (None, None, None)
+        assert waits.reason.startswith("every backend of the walk is at its bound: it would wait")
+        assert waits.walk[0].eligible is False
+        assert queue.depth == 0  # a dry run queues nothing
+
+        second = asyncio.create_task(http.post(url, data=b"one prompt"))
+        await until(lambda: queue.depth == 1)
+        full = explain_now(router, request, 3)
+        assert (full.admission, full.router_answer, full.backend) == ("full", 429, None)
+        assert "(queue_full)" in full.reason
+        # Another tenant has its own places, behind the requests already waiting.
+        behind = explain_now(router, other, 3)
+        assert behind.admission == "wait"
+        assert "it would go behind them" in behind.reason
+        async with http.post(url, data=b"one prompt") as refused:
+            assert refused.status == 429
+            assert (await refused.json())["error"]["code"] == "queue_full"
+        assert queue.depth == 1
+
+        backend.release.set()
+        for task in (first, second):
+            async with await task as resp:
+                assert resp.status == 200
+        await router.wait_quiet()
+        after = explain_now(router, request, 3)
+        assert (after.backend, after.decision, after.admission) == (backend.name, "primary", None)
+
+
+async def test_a_conversation_is_explained_as_its_session(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # The Responses API conversation keys every turn alike (SessionKeys' third source).
+    sims = await sim_fleet(3)
+    router = await start_router(sims)
+    turns = [
+        {"model": "m", "input": text, "conversation": conv}
+        for text, conv in [("first", "conv_1"), ("second", {"id": "conv_1"})]
+    ]
+    answers = [explain_now(router, dry_request(turn, "/v1/responses"), 3) for turn in turns]
+    keys = [answer.key for answer in answers]
+    for key in keys:
+        assert key is not None
+        assert (key.source, key.content, key.session) == (
+            "conversation",
+            "conversation id",
+            "conv_1",
+        )
+    assert len({key.digest for key in keys if key is not None}) == 1  # every turn one key
+    assert answers[0].backend == answers[1].backend
