@@ -376,11 +376,11 @@ class _Answer:
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
-            queue = self.router.queue
-            if queue is not None:  # a first attempt, keyed: the data path's _route
-                waits = self._queued(queue, key_hash, members)
-                if waits is not None:
-                    return waits
+        queue = self.router.queue
+        if queue is not None and key_hash is not None:  # a keyed first attempt: _route's test
+            waits = self._queued(queue, key_hash, members)
+            if waits is not None:
+                return waits
         picked = balancer.peek(key_hash, members)
         if picked is None:
             serving = "" if self.model is None else f" for model `{self.model[:256]}`"
