@@ -42,6 +42,7 @@ from router.control import (
     Invalid,
     NotFound,
     NotSaved,
+    Rejected,
     Unavailable,
 )
 from router.selfaddr import Listener
@@ -80,6 +81,8 @@ def _from_control(exc: ControlError) -> web.Response:
         return _error(500, message)
     if isinstance(exc, Unavailable):
         return _error(503, message, {"Retry-After": "1"})
+    if isinstance(exc, Rejected):  # the dry run of a request the data port refuses
+        return _error(400, message)
     raise exc  # a ControlError outside the tree is a bug: the 500 path logs it
 
 

@@ -30,7 +30,16 @@ from .errors import (
     fields_from,
 )
 
-__all__ = ["MAX_BODY", "convert", "decode", "parse", "query_bool", "query_seconds", "read_json"]
+__all__ = [
+    "MAX_BODY",
+    "convert",
+    "decode",
+    "parse",
+    "query_bool",
+    "query_int",
+    "query_seconds",
+    "read_json",
+]
 
 MAX_BODY = 64 * 1024
 
@@ -117,3 +126,14 @@ def query_seconds(
             [FieldError(f"?{name}", f"{name} must be a number of seconds from {low:g} to {high:g}")]
         )
     return value
+
+
+def query_int(request: web.Request, name: str, default: int, *, low: int, high: int) -> int:
+    text = _one(request, name)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit() and low <= int(text) <= high):
+        raise ValidationFailed(
+            [FieldError(f"?{name}", f"{name} must be a whole number from {low} to {high}")]
+        )
+    return int(text)

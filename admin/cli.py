@@ -2,6 +2,7 @@
 
     prefix-router serve --listen 127.0.0.1:8080 --backend a=http://10.0.0.1:8000 ...
     prefix-router demo [--serve]
+    prefix-router explain /v1/chat/completions body.json   (admin/explain_cli.py)
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
@@ -48,6 +49,8 @@ from router.config import (
     tls_context,
 )
 from router.state import State, StateError, StateFile
+
+from . import explain_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -139,6 +142,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--seed", type=int, metavar="N", help="seed RANDOM's draws (reproducible benchmarks)"
     )
     serve.add_argument("--access-log", metavar="PATH", help='a path, "-" (stdout) or "off"')
+    serve.add_argument(
+        "--decision-header",
+        action="store_true",
+        default=None,
+        help="X-Prefix-Router-Decision on proxied responses: decision and key digest",
+    )
+    serve.add_argument(
+        "--decision-header-backend",
+        action="store_true",
+        default=None,
+        help="... and the backend's name in it (implies --decision-header)",
+    )
     serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help='admin API listener (127.0.0.1:9091) or "off"'
     )
@@ -281,6 +296,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["access_log"] = args.access_log
     if args.seed is not None:
         data["seed"] = args.seed
+    if args.decision_header or args.decision_header_backend:
+        data["decision_header"] = True
+    if args.decision_header_backend:
+        data["decision_header_backend"] = True
     if args.workers is not None:
         data["workers"] = args.workers
     if args.etcd is not None:
@@ -677,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         "check-config", help="validate a config file without starting (exit 2 on an error)"
     )
     check.add_argument("file", metavar="FILE", help="the TOML file serve --config would read")
+    explain_cli.add_parser(sub)
     sub.add_parser(
         "bench",
         add_help=False,
@@ -694,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_loadtests(args.command, [*extra, *rest])
     if args.command == "check-config":
         return _check_config(args.file)
+    if args.command == "explain":
+        return explain_cli.run(args)
     from admin import load_token, requires_token
 
     try:

@@ -20,6 +20,7 @@ import msgspec
 
 from router.config import BackendSpec, RoutingConfig
 from router.control import BackendPatch, BackendView, DrainView, Stats
+from router.explain import DEFAULT_K, MAX_K, DryRequest, Explanation
 
 from .bodies import MAX_BODY
 from .errors import ErrorBody
@@ -205,6 +206,50 @@ def _paths() -> dict[str, Any]:
                 "responses": _responses({"200": _ok("The statistics.", _ref("Stats"))}),
             }
         },
+        "/admin/route": {
+            "post": {
+                "operationId": "explainRoute",
+                "summary": "Dry run: where a request would be routed now, and why",
+                "description": (
+                    "The request, as a client would send it to the data port, is keyed and"
+                    " routed by the data path's own code, and nothing changes: nothing is"
+                    " sent, no lease, counter, placement or random draw is taken.  With"
+                    " `--workers N` a worker answers, with every worker's in-flight counts."
+                ),
+                "parameters": [
+                    {
+                        "name": "k",
+                        "in": "query",
+                        "required": False,
+                        "description": "Backends of the key's walk to show.",
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": MAX_K,
+                            "default": DEFAULT_K,
+                        },
+                    }
+                ],
+                "requestBody": _body(_ref("DryRequest"), "The request to explain."),
+                "responses": {
+                    **_responses(
+                        {"200": _ok("The decision and its reasons.", _ref("Explanation"))},
+                        *_BODY_ERRORS,
+                    ),
+                    "400": {
+                        "description": (
+                            "The body is not JSON, or the data port would refuse the request"
+                            " itself (the message gives its status and reason)."
+                        ),
+                        "content": _json(_ref("ErrorBody")),
+                    },
+                    "503": {
+                        "description": "No worker could answer now (`--workers N`); retry.",
+                        "content": _json(_ref("ErrorBody")),
+                    },
+                },
+            }
+        },
         "/healthz": {
             "get": {
                 "operationId": "healthz",
@@ -262,6 +307,8 @@ def _components() -> dict[str, Any]:
             RoutingConfig,
             Probe,
             ErrorBody,
+            DryRequest,
+            Explanation,
         ],
         ref_template=_REF,
     )

@@ -53,6 +53,8 @@ RESTART_FIELDS = (
     "replica_id",
     "state_file",
     "access_log",
+    "decision_header",
+    "decision_header_backend",
     "health",
     "vnodes",
     "seed",

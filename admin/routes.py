@@ -19,8 +19,9 @@ from aiohttp import web
 
 from router.config import BackendSpec, RoutingConfig
 from router.control import BackendPatch, Control
+from router.explain import DEFAULT_K, MAX_K, DryRequest
 
-from .bodies import convert, decode, parse, query_bool, query_seconds, read_json
+from .bodies import convert, decode, parse, query_bool, query_int, query_seconds, read_json
 from .schemas import Probe, RoutingDocument
 
 __all__ = [
@@ -118,6 +119,13 @@ async def get_stats(request: web.Request) -> web.Response:
     return json_response(await request.app[CONTROL].stats())
 
 
+async def explain_route(request: web.Request) -> web.Response:
+    """The dry run of a routing decision: where this request would go, and why."""
+    k = query_int(request, "k", DEFAULT_K, low=1, high=MAX_K)
+    dry = decode(await read_json(request), DryRequest)
+    return json_response(await request.app[CONTROL].explain(dry, k))
+
+
 # -- probes, metrics, the document ------------------------------------------------------
 
 
@@ -150,6 +158,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/admin/routing", get_routing),
     ("PUT", "/admin/routing", put_routing),
     ("GET", "/admin/stats", get_stats),
+    ("POST", "/admin/route", explain_route),
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),
     ("GET", "/metrics", metrics),

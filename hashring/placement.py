@@ -51,6 +51,11 @@ Contract:
   shares of it (220 decisions on 7 members) have gone by.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
+- ``peek`` is ``route`` without its effects (the admin API's dry run,
+  ``router.explain``): the same answer from the same state, and nothing
+  changes: no home placed or refreshed, nothing counted, no replica rotation
+  advanced, no replica list cached, no window refitted (a window ``route``
+  would refit first, after a membership change, is read as refitted).
 - ``adopt`` and ``observe`` apply another router replica's decisions (a home
   it placed, a request it counted), so that replicas share one placement
   (``hashring.shared.PlacementLog``); a replica alone never calls them.
@@ -157,6 +162,63 @@ class Placement:
     def window(self) -> int:
         return self._recent.maxlen or MIN_WINDOW
 
+    @property
+    def decisions(self) -> int:
+        """Decisions in the window now (at most ``window``)."""
+        return len(self._recent)
+
+    def peek(
+        self,
+        ring: Ring,
+        key_hash: int,
+        loads: Mapping[str, int],
+        threshold: int,
+        *,
+        avoid: Set[str] = frozenset(),
+        fallback_loads: Mapping[str, int] | None = None,
+    ) -> Pick | None:
+        """What ``route`` would return now, with the same arguments; changes nothing.
+
+        Admin-path code (a dry run): it may allocate, never on the request path."""
+        size = max(MIN_WINDOW, WINDOW_PER_MEMBER * len(ring))
+        if size != self._recent.maxlen:
+            # ``route`` would refit the window first: read a refitted copy instead.
+            shadow = Placement(self.factor, capacity=self.capacity)
+            shadow._hot_log = self._hot_log
+            shadow._table = self._table  # read only below
+            shadow._tick = self._tick
+            shadow.scan_replicas = self.scan_replicas
+            shadow._recent = deque(list(self._recent)[-size:], maxlen=size)
+            shadow._counts = Counter(member for member, _ in shadow._recent)
+            shadow._key_counts = dict(Counter(key for _, key in shadow._recent))
+            return shadow.peek(
+                ring, key_hash, loads, threshold, avoid=avoid, fallback_loads=fallback_loads
+            )
+        if fallback_loads is None:
+            fallback_loads = loads
+        home = self._table.get(key_hash)
+        if home is None or home not in ring:
+            chosen = self._walk(
+                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=True
+            )
+            return chosen
+        members = len(ring)
+        share = self._hot(self._key_counts.get(key_hash, 0), members)
+        chosen = None
+        if share:
+            chosen = self._replica(
+                ring, key_hash, home, share, threshold, loads, fallback_loads, avoid, peek=True
+            )
+        if chosen is None and home not in avoid and loads.get(home, 0) < threshold:
+            return Pick(home, Decision.PRIMARY, 0)
+        if chosen is None:
+            chosen = self._walk(
+                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=False
+            )
+            if chosen is not None and chosen.decision is Decision.PRIMARY:
+                chosen = Pick(chosen.member, Decision.OVERFLOW, chosen.position)
+        return chosen
+
     def route(
         self,
         ring: Ring,
@@ -258,23 +320,32 @@ class Placement:
         loads: Mapping[str, int],
         fallback_loads: Mapping[str, int],
         avoid: Set[str],
+        *,
+        peek: bool = False,
     ) -> Pick | None:
         """The least loaded of a hot key's replicas below ``threshold``, or None.
 
         Ties (common: a few requests in flight each) go to the replica with the
         fewest recent requests; by walk order alone the home would win them all.
         Past ``SCAN_REPLICAS`` only two replicas, taken in rotation, are compared;
-        if neither can take the request, all are.
+        if neither can take the request, all are.  ``peek``: neither the rotation
+        nor the kept replica lists change.
         """
         count = min(math.ceil(share), len(ring))
-        replicas = self._replica_list(ring, key_hash, home, min(count + len(avoid), len(ring)))
+        wanted = min(count + len(avoid), len(ring))
+        if peek:
+            replicas = self.replicas_of(ring, key_hash, home, wanted)
+        else:
+            replicas = self._replica_list(ring, key_hash, home, wanted)
         if avoid:  # the first ``count`` that can take it: an avoided replica is replaced
             replicas = list(islice((m for m in replicas if m not in avoid), count))
             count = len(replicas)
             if not count:
                 return None
         if count > self.scan_replicas:
-            self._tick = tick = self._tick + 1
+            tick = self._tick + 1
+            if not peek:
+                self._tick = tick
             first = tick % count
             second = (first + 1 + (tick // count) % (count - 1)) % count
             chosen = self._least_loaded(
@@ -315,15 +386,21 @@ class Placement:
             self._replica_ring = ring
         replicas = self._replicas.get(key_hash)
         if replicas is None or len(replicas) < count or replicas[0] != home:
-            replicas = [home]
-            for member in ring.walk(key_hash):
-                if len(replicas) == count:
-                    break
-                if member != home:
-                    replicas.append(member)
+            replicas = self.replicas_of(ring, key_hash, home, count)
             if len(self._replicas) >= len(ring):  # only a few keys are hot at a time
                 self._replicas.clear()
             self._replicas[key_hash] = replicas
+        return replicas
+
+    @staticmethod
+    def replicas_of(ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
+        """``home`` then the next members of the key's walk, ``count`` in all."""
+        replicas = [home]
+        for member in ring.walk(key_hash):
+            if len(replicas) == count:
+                break
+            if member != home:
+                replicas.append(member)
         return replicas
 
     def _walk(

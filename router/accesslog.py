@@ -23,10 +23,16 @@ import msgspec
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["AccessLog", "AccessRecord", "RefusedRecord"]
+__all__ = ["AccessLog", "AccessRecord", "RefusedRecord", "prefix_hash"]
 
 BUFFER_BYTES = 64 * 1024
 FLUSH_SECONDS = 1.0
+
+
+def prefix_hash(key_hash: int) -> str:
+    """A routing key's hash as the log writes it (and the admin dry run, the
+    decision header): 16 hex digits."""
+    return f"{key_hash:016x}"
 
 
 class AccessRecord(msgspec.Struct, omit_defaults=False):
@@ -93,7 +99,7 @@ class AccessLog:
             exchange.method.decode("latin-1"),
             exchange.path.decode("latin-1"),
             exchange.kind,
-            f"{key_hash:016x}" if key_hash is not None else None,
+            prefix_hash(key_hash) if key_hash is not None else None,
             exchange.key_source,
             exchange.tenant,
             choice.backend.name if choice is not None else None,

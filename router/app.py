@@ -75,6 +75,10 @@ class Router:
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
         self.access = AccessLog(config.access_log)
+        # X-Prefix-Router-Decision: 0 off, 1 decision and key, 2 and the backend's name.
+        self.decision_header = (
+            0 if not config.decision_header else 2 if config.decision_header_backend else 1
+        )
         self.recorder = Recorder()
         self.collector = RouterCollector(self)
         self.health = HealthMonitor(self.fleet, config.health)

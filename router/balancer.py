@@ -13,6 +13,14 @@ Contract:
 - ``pin`` takes a named backend, bypassing the strategy (a Responses API
   follow-up goes where its state is, ``router.responses``); it still counts
   in flight like any other request.
+- ``peek`` is ``choose`` without its effects, for the admin API's dry run
+  (``router.explain``): the same backend, decision and position from the
+  same state, and nothing changes — no lease, no counter, no TRAFFIC
+  placement (``Placement.peek``), no placement record, and no draw of the
+  random generator consumed (RANDOM and LEAST_OUTSTANDING_REQUESTS ties draw
+  from a copy: the answer is the draw the next request of this process would
+  make, if it came next).  ``saturated`` is the admission queue's test the
+  same way: what ``choose(..., queue=True)`` would answer.
 - BalanceMode TRAFFIC keeps a key -> home table (``hashring.Placement``).  With
   ``share_placement(stamp)`` (several workers or replicas), every decision is
   also recorded in a ``hashring.shared.PlacementLog`` (``placement_log``) that
@@ -55,9 +63,16 @@ from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 from .config import RoutingConfig, Strategy
 from .fleet import ANY_MODEL, Backend, Fleet, ModelPool
 
-__all__ = ["SATURATED", "Balancer", "Choice"]
+__all__ = ["SATURATED", "Balancer", "Choice", "decision_label"]
 
 _PRIMARY, _OVERFLOW, _FALLBACK = Decision.PRIMARY, Decision.OVERFLOW, Decision.FALLBACK
+
+
+def decision_label(decision: str, position: int) -> str:
+    """What the access log says: "overflow 2" names the place in the walk."""
+    if decision == "overflow":
+        return f"overflow {position}"
+    return decision
 
 
 class Choice:
@@ -100,10 +115,8 @@ class Choice:
 
     @property
     def label(self) -> str:
-        """What the access log says: "overflow 2" names the place in the walk."""
-        if self.decision == "overflow":
-            return f"overflow {self.position}"
-        return self.decision
+        """What the access log says (``decision_label``)."""
+        return decision_label(self.decision, self.position)
 
 
 _Picked = tuple[Backend, str, int]
@@ -278,11 +291,71 @@ class Balancer:
     def pin(self, name: str) -> Choice | None:
         """Route to ``name`` whatever the strategy (it holds the request's state), if
         it is available; None if it is down, draining or gone."""
+        backend = self.pinnable(name)
+        if backend is None:
+            return None
+        return self._lease(backend, "response_id", 0)
+
+    def pinnable(self, name: str) -> Backend | None:
+        """``name``'s backend if ``pin`` would take it (available), else None."""
         fleet = self.fleet
         backend = fleet.backends.get(name)
         if backend is None or name in fleet.unavailable:
             return None
-        return self._lease(backend, "response_id", 0)
+        return backend
+
+    # -- the dry run (router.explain): read only ----------------------------------
+
+    def peek(self, key_hash: int | None, members: Members | None = None) -> _Picked | None:
+        """What ``choose(key_hash, members=members)`` would pick now; changes nothing."""
+        if members is None:
+            members = self.fleet
+        rng = self._rng
+        # A copy: the draw the next request would make, none consumed here.
+        self._rng = random.Random()
+        self._rng.setstate(rng.getstate())
+        try:
+            if key_hash is None:
+                picked = self._least_outstanding(0, frozenset(), members)
+                return None if picked is None else (picked[0], "passthrough", 0)
+            if self._select_keyed == self._prefix_aware:
+                return self._prefix_aware(key_hash, frozenset(), members, peek=True)
+            return self._select_keyed(key_hash, frozenset(), members)
+        finally:
+            self._rng = rng
+
+    def saturated(self, key_hash: int, members: Members | None = None) -> bool:
+        """Whether ``choose(key_hash, members=members, queue=True)`` would answer
+        ``SATURATED`` now (the same tests, read only); changes nothing."""
+        if self.config.strategy is not Strategy.PREFIX_AWARE:
+            return False  # only the bounded walk saturates
+        if members is None:
+            members = self.fleet
+        fleet = self.fleet
+        if self._placement is not None:
+            counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts
+            if _all_at(members.ring, counts, self._bound.threshold, fleet.unavailable):
+                return True
+        picked = self.peek(key_hash, members)
+        return picked is not None and picked[1] is _FALLBACK
+
+    @property
+    def bound(self) -> LoadBound:
+        """ConcurrencyThreshold and, in IN_FLIGHT mode, the balance factor."""
+        return self._bound
+
+    @property
+    def prefill_scope(self) -> bool:
+        """ConcurrencyScope PREFILL: the threshold counts requests not yet answered."""
+        return self._prefill_scope
+
+    def placement_of(self, members: Members | None = None) -> Placement | None:
+        """TRAFFIC mode: the placement ``members`` routes by (None: not made yet, or
+        not TRAFFIC mode); read it, never route with it."""
+        if self._placement is None or members is None or members is self.fleet:
+            return self._placement
+        known = self._pools.get(cast(ModelPool, members).model)
+        return None if known is None else known[0]
 
     def _lease(self, backend: Backend, decision: str, position: int) -> Choice:
         backend.requests += 1
@@ -300,7 +373,13 @@ class Balancer:
     # -- strategies: each returns (backend, decision, position) or None; none counts --
 
     def _prefix_aware(
-        self, key_hash: int, avoid: Set[str], members: Members, queue: bool = False
+        self,
+        key_hash: int,
+        avoid: Set[str],
+        members: Members,
+        queue: bool = False,
+        *,
+        peek: bool = False,
     ) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
@@ -312,23 +391,34 @@ class Balancer:
             # answered; a stream in its decode phase no longer competes for the
             # prefill that a cache hit saves.
             counts = fleet.waiting.counts if self._prefill_scope else loads.counts
-            log = self.placement_log
-            if members is not fleet:
-                model = cast(ModelPool, members).model
-                placement, log = self._pools.get(model) or self._pool_placement(model)
-            if queue and _all_at(ring, counts, self._bound.threshold, skip):
-                return _SATURATED_PICK  # before route(): a fallback would count and record
-            before = placement.home(key_hash) if log is not None else None
-            chosen = placement.route(
-                ring,
-                key_hash,
-                counts,
-                self._bound.threshold,
-                avoid=skip,
-                fallback_loads=loads.counts,  # the least busy overall, as in pick()
-            )
-            if log is not None and chosen is not None:
-                log.decided(key_hash, chosen.member, before, time.time())
+            if peek:
+                # A pool's first request makes its placement: an empty one answers the same.
+                chosen = (self.placement_of(members) or Placement(placement.factor)).peek(
+                    ring,
+                    key_hash,
+                    counts,
+                    self._bound.threshold,
+                    avoid=skip,
+                    fallback_loads=loads.counts,
+                )
+            else:
+                log = self.placement_log
+                if members is not fleet:
+                    model = cast(ModelPool, members).model
+                    placement, log = self._pools.get(model) or self._pool_placement(model)
+                if queue and _all_at(ring, counts, self._bound.threshold, skip):
+                    return _SATURATED_PICK  # before route(): a fallback would count and record
+                before = placement.home(key_hash) if log is not None else None
+                chosen = placement.route(
+                    ring,
+                    key_hash,
+                    counts,
+                    self._bound.threshold,
+                    avoid=skip,
+                    fallback_loads=loads.counts,  # the least busy overall, as in pick()
+                )
+                if log is not None and chosen is not None:
+                    log.decided(key_hash, chosen.member, before, time.time())
         elif self._prefill_scope:
             # The same for the threshold; BalanceFactor still bounds every request
             # in flight, so one hot prefix cannot take a backend's whole batch.
@@ -356,7 +446,7 @@ class Balancer:
         if queue and decision is _FALLBACK:
             return _SATURATED_PICK
         backend = fleet.backends[member]
-        if decision is not _PRIMARY:
+        if decision is not _PRIMARY and not peek:
             if decision is _OVERFLOW:
                 backend.overflow += 1
             else:

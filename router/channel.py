@@ -12,6 +12,9 @@ Contract:
 - Worker to supervisor: ``Ready`` once it listens; ``Failed``/``Recovered``
   (passive health: the supervisor owns health and decides); ``Idle`` when
   its own count for a draining backend reaches zero.
+- ``Explain`` (supervisor to one worker) asks for the admin API's dry run
+  (``router.explain``), answered by ``Explained``: the explanation, or the
+  data path's refusal.
 - Both ways: ``Records``, TRAFFIC placement decisions
   (``hashring.shared.PlacementLog``) and Responses API ids learnt
   (``router.responses``): a worker sends its own every ``PUBLISH_SECONDS``
@@ -34,6 +37,7 @@ from hashring.shared import Record
 
 from .config import Config
 from .control.ops import Op
+from .explain import DryRequest, Explanation
 from .responses import Learnt
 from .tenants import TenantDelta
 
@@ -42,6 +46,8 @@ __all__ = [
     "BackendCounts",
     "Channel",
     "ChannelClosed",
+    "Explain",
+    "Explained",
     "Failed",
     "HistogramData",
     "Idle",
@@ -120,6 +126,20 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
 
 
+class Explain(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    request: DryRequest
+    k: int
+    view: str  # whose counts the answer reads, said in it
+
+
+class Explained(msgspec.Struct, tag=True, frozen=True):
+    seq: int
+    explanation: Explanation | None  # None: refused, with ``error``
+    error: str = ""
+    param: str | None = None
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     name: str
     reason: str
@@ -138,7 +158,20 @@ class Records(msgspec.Struct, tag=True, frozen=True):
     responses: list[Learnt] = []  # (response id, backend) learnt since the last message
 
 
-Message = Init | Ready | Apply | Applied | Query | Report | Failed | Recovered | Idle | Records
+Message = (
+    Init
+    | Ready
+    | Apply
+    | Applied
+    | Query
+    | Report
+    | Failed
+    | Recovered
+    | Idle
+    | Records
+    | Explain
+    | Explained
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

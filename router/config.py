@@ -405,6 +405,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
     vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
     access_log: str = "-"  # a path, "-" for stdout, "off"
+    # X-Prefix-Router-Decision on proxied responses: the access log's decision and
+    # key digest; the backend's name too only with decision_header_backend.
+    decision_header: bool = False
+    decision_header_backend: bool = False
     # Seeds the RANDOM strategy's draws (and least-outstanding tie breaks), so a
     # benchmark can replay the same picks; unset: seeded from the OS.
     seed: int | None = None

@@ -45,6 +45,10 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   escapes its limits and key rule.  Every forwarded request carries our
   ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
   ``span`` is None while it is off, the only thing checked then).
+- Opt-in (``decision_header``): proxied responses carry
+  ``X-Prefix-Router-Decision: decision=<the access log's>; key=<its prefix_hash>``
+  (``; backend=<name>`` only with ``decision_header_backend``); answers the
+  router makes itself (errors, ``/v1/models``) do not.
 - Models (``router.fleet``, "Model pools"): where the fleet declares models,
   an OpenAI request's ``model`` (read from the one decode of its body) picks
   the pool it routes over, retries included; a model no backend serves is
@@ -75,6 +79,7 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
+from .accesslog import prefix_hash
 from .balancer import SATURATED
 from .cachecheck import MIN_KEY_BYTES
 from .cachesalt import salted_body
@@ -730,6 +735,7 @@ class Exchange(LazyDeadline):
             # the backend may answer before reading it all: then the connection ends
             keep_alive=self.client_keep_alive and self.request_complete,
             request_id=self.request_id,
+            extra=self._decision() if self._router.decision_header else b"",
         )
         if response is None:
             self._fail(502, "the backend used a transfer coding an HTTP/1.0 client cannot take")
@@ -752,6 +758,18 @@ class Exchange(LazyDeadline):
             assert self.upstream is not None
             self.upstream.expect_new_response()
             self._finish(upstream_reusable=keep_alive and self.request_complete)
+
+    def _decision(self) -> bytes:
+        """X-Prefix-Router-Decision (opt-in): the access log's decision and key digest,
+        and the backend's name only where ``decision_header_backend`` says so."""
+        choice = self.choice
+        assert choice is not None
+        line = b"x-prefix-router-decision: decision=" + choice.label.encode()
+        if self.key_hash is not None:
+            line += b"; key=" + prefix_hash(self.key_hash).encode()
+        if self._router.decision_header == 2:
+            line += b"; backend=" + choice.backend.name.encode()
+        return line + b"\r\n"
 
     def response_body(self, data: bytes) -> None:
         if self.done:

@@ -108,6 +108,7 @@ __all__ = [
     "conversation_id",
     "decode_openai",
     "has_cache_salt",
+    "key_source",
     "model_name",
     "prompt_key",
     "prompt_text",
@@ -634,6 +635,11 @@ def prompt_key(request: OpenAIRequest | BoundedRequest, limit: int) -> bytes:
         except (TypeError, OverflowError):
             raise BadRequest("prompt token ids must be non-negative integers", "prompt") from None
     return prompt_text(request, limit).encode("utf-8", "surrogatepass")
+
+
+def key_source(request: OpenAIRequest | BoundedRequest, limit: int) -> str:
+    """What ``prompt_key`` keys ``request`` by: "token ids" or "prompt text"."""
+    return "token ids" if _token_ids(request, limit) is not None else "prompt text"
 
 
 def conversation_id(conversation: str | Conversation | None) -> str | None:

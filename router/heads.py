@@ -249,8 +249,11 @@ def read_response(
     http10: bool,
     keep_alive: bool,
     request_id: bytes,
+    extra: bytes = b"",
 ) -> Response | None:
     """The client's response head and framing; None when it cannot be relayed.
+
+    ``extra``: header lines of ours to add, each ending in CRLF.
 
     ``keep_alive`` is whether the client connection may stay open as far as
     the request is concerned; the result's may be False where the framing
@@ -306,7 +309,7 @@ def read_response(
         pieces.append(b"connection: close\r\n")
     elif http10:
         pieces.append(b"connection: keep-alive\r\n")
-    pieces += (b"x-request-id: ", request_id, b"\r\n\r\n")
+    pieces += (b"x-request-id: ", request_id, b"\r\n", extra, b"\r\n")
     return Response(b"".join(pieces), framing, framed, keep_alive)
 
 

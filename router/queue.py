@@ -111,13 +111,24 @@ class AdmissionQueue:
         """Requests of ``pool`` wait: a new one goes behind them."""
         return bool(self.depth) and pool in self._pools
 
+    def full(self, key: str | None) -> bool:
+        """A new request of tenant ``key`` would be refused (429 ``queue_full``): its
+        ``max_queued_per_tenant`` or the ``max_queued`` in all wait already."""
+        config = self.config
+        waiting = self._counts.get(key, 0)
+        return waiting >= config.max_queued_per_tenant or self.depth >= config.max_queued
+
+    def waiting(self, key: str | None) -> int:
+        """Requests of tenant ``key`` waiting (all pools)."""
+        return self._counts.get(key, 0)
+
     def enter(self, exchange: Exchange) -> bool:
         """Queue ``exchange`` (its tenant and pool); False if a bound refuses it."""
         key = exchange.tenant_key
         config = self.config
-        waiting = self._counts.get(key, 0)
-        if waiting >= config.max_queued_per_tenant or self.depth >= config.max_queued:
+        if self.full(key):
             return False
+        waiting = self._counts.get(key, 0)
         pool = self._pools.get(exchange.pool)
         if pool is None:
             pool = self._pools[exchange.pool] = _Pool()

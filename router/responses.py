@@ -156,6 +156,10 @@ class ResponseIds:
             ids.move_to_end(response_id)
         return backend
 
+    def holder(self, response_id: str) -> str | None:
+        """``backend_of`` without making the id the most recently used (a dry run)."""
+        return self._ids.get(response_id)
+
     def wait(self, response_id: str, callback: Callable[[], None]) -> None:
         """Call ``callback`` once ``apply`` brings ``response_id`` (see ``unwait``)."""
         self._waiters.setdefault(response_id, []).append(callback)

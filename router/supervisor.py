@@ -24,6 +24,11 @@ Contract:
   report and are absorbed into the supervisor's own bounded view; the
   workers get one digest key in their ``Init``, so a tenant has one label.
   In-flight counts are read from the table (all rows, folded on read).
+- ``explain`` (the admin API's dry run, ``router.explain``) is answered by
+  the first worker up, not here: a worker holds what the data path decides
+  by (the TRAFFIC placement every worker shares, the response ids, the
+  random generator), and it reads every worker's in-flight row (and the
+  other replicas') at once before it answers, so the loads are the fleet's.
 - A worker that exits unexpectedly: its row is zeroed (its requests are
   gone with it: their clients saw the connection reset), it is started
   again in its slot after a backoff that doubles while it keeps failing
@@ -66,6 +71,8 @@ from .channel import (
     Apply,
     Channel,
     ChannelClosed,
+    Explain,
+    Explained,
     Failed,
     HistogramData,
     Idle,
@@ -76,7 +83,7 @@ from .channel import (
     Recovered,
     Report,
 )
-from .control import WorkerView
+from .control import Rejected, Unavailable, WorkerView
 from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
 from .fleet import AdminState
 from .log import get_logger
@@ -90,6 +97,7 @@ if TYPE_CHECKING:
     from hashring.shared import Record
 
     from .app import Router
+    from .explain import DryRequest, Explanation
     from .responses import Learnt
 
 __all__ = ["Workers", "reserve"]
@@ -144,7 +152,7 @@ class _Worker:
         self.process: asyncio.subprocess.Process | None = None
         self.channel: Channel | None = None
         self.ready: asyncio.Future[bool] | None = None  # True once listening, False: exited
-        self.pending: dict[int, asyncio.Future[Report | None]] = {}
+        self.pending: dict[int, asyncio.Future[Report | Explained | None]] = {}
         self.task: asyncio.Task[None] | None = None
         self.started = 0.0
         self.restarts = 0
@@ -342,10 +350,10 @@ class Workers:
         if isinstance(message, Ready):
             if worker.ready is not None and not worker.ready.done():
                 worker.ready.set_result(True)
-        elif isinstance(message, (Applied, Report)):
+        elif isinstance(message, (Applied, Report, Explained)):
             future = worker.pending.pop(message.seq, None)
             if future is not None and not future.done():
-                future.set_result(message if isinstance(message, Report) else None)
+                future.set_result(None if isinstance(message, Applied) else message)
         elif isinstance(message, Failed):
             backend = router.fleet.backends.get(message.name)
             if backend is not None:  # the worker counted the error: only health here
@@ -399,7 +407,9 @@ class Workers:
                     self.table.cells[self.table.index(self.count, plane, slot)] = 0
         return op
 
-    def _ask(self, message: Callable[[int], Apply | Query]) -> list[asyncio.Future[Report | None]]:
+    def _ask(
+        self, message: Callable[[int], Apply | Query]
+    ) -> list[asyncio.Future[Report | Explained | None]]:
         """Send ``message(seq)`` to every worker up; a future per worker for its answer."""
         self._seq += 1
         seq = self._seq
@@ -408,7 +418,7 @@ class Workers:
         for worker in self._workers:
             if worker.channel is None:
                 continue  # restarting: its Init will have the fleet as it is by then
-            future: asyncio.Future[Report | None] = loop.create_future()
+            future: asyncio.Future[Report | Explained | None] = loop.create_future()
             worker.pending[seq] = future
             try:
                 worker.channel.send(message(seq))
@@ -446,10 +456,38 @@ class Workers:
         table = self.table
         return sum(table.cells[table.index(row, 0, slot)] for row in range(self.count))
 
+    async def explain(self, request: DryRequest, k: int) -> Explanation:
+        """The dry run, answered by the first worker up (see the contract)."""
+        for worker in self._workers:
+            channel = worker.channel
+            if channel is None or worker.ready is None or not worker.ready.done():
+                continue
+            self._seq += 1
+            seq = self._seq
+            future: asyncio.Future[Report | Explained | None]
+            future = worker.pending[seq] = asyncio.get_running_loop().create_future()
+            remote = " and the other replicas' row" if self.table.rows > self.count else ""
+            view = (
+                f"worker {worker.index} of {self.count}: in flight read from every worker's"
+                f" row{remote} as it answered"
+            )
+            try:
+                channel.send(Explain(seq, request, k, view))
+            except ChannelClosed:
+                worker.pending.pop(seq)
+                continue
+            answer = await future
+            if not isinstance(answer, Explained):
+                break  # it exited meanwhile
+            if answer.explanation is None:
+                raise Rejected(answer.error, field=answer.param)
+            return answer.explanation
+        raise Unavailable("no worker could answer now; retry")
+
     async def refresh(self) -> None:
         """Add up every worker's accounting into the supervisor's router."""
         futures = self._ask(Query)
-        reports = [r for r in await asyncio.gather(*futures) if r is not None]
+        reports = [r for r in await asyncio.gather(*futures) if isinstance(r, Report)]
         self._merge(reports)
         for tracker in self._trackers:
             tracker.fold()

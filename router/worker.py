@@ -13,7 +13,9 @@ Contract:
   answers ``Ready``.
 - Every ``Apply`` goes through ``router.control.ops.apply``, the one apply
   path, and is acknowledged once the worker's ring has it.  ``Query`` is
-  answered with the worker's traffic accounting (``Report``).
+  answered with the worker's traffic accounting (``Report``), ``Explain``
+  with the dry run of a routing decision (``router.explain``), every
+  worker's in-flight row read first.
 - TRAFFIC placement is one for the fleet: the balancer records its
   decisions (``Balancer.share_placement``), the worker sends them every
   ``PUBLISH_SECONDS`` when it made any (``Records``) and folds in what the
@@ -51,6 +53,8 @@ from .channel import (
     BackendCounts,
     Channel,
     ChannelClosed,
+    Explain,
+    Explained,
     Failed,
     HistogramData,
     Idle,
@@ -63,6 +67,7 @@ from .channel import (
 )
 from .config import tls_context
 from .control.ops import AddBackend, RemoveBackend, apply
+from .explain import Refused, explain
 from .fleet import AdminState, Backend, Fleet
 from .health import HealthMonitor
 from .log import configure, get_logger
@@ -259,6 +264,16 @@ class _Worker:
                         tracker.fold()
                     self._flush()
                     channel.send(report(router, message.seq))
+                elif isinstance(message, Explain):
+                    for tracker in self.trackers:
+                        tracker.fold()  # every worker's row as of now: the fleet's loads
+                    try:
+                        answer = Explained(
+                            message.seq, explain(router, message.request, message.k, message.view)
+                        )
+                    except Refused as exc:
+                        answer = Explained(message.seq, None, str(exc), exc.param)
+                    channel.send(answer)
                 else:
                     log.error("unexpected message", message=type(message).__name__)
         except ChannelClosed as exc:

@@ -132,3 +132,52 @@ def test_prefill_scope_stops_counting_a_request_once_it_is_answered() -> None:
     first.release()
     second.release()
     assert (members.waiting.total, members.loads.total) == (0, 0)
+
+
+def _counters(members: Fleet) -> list[tuple[str, int, int, int, int]]:
+    return [
+        (b.name, b.requests, b.overflow, b.fallback, members.loads.get(b.name))
+        for b in members.backends.values()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "prefix"),
+    [
+        (Strategy.RANDOM, {}),
+        (Strategy.LEAST_OUTSTANDING_REQUESTS, {}),
+        (Strategy.PREFIX_AWARE, {"concurrency_threshold": 2}),  # TRAFFIC + PREFILL
+        (
+            Strategy.PREFIX_AWARE,
+            {
+                "concurrency_threshold": 3,
+                "balance_factor": 1.2,
+                "balance_mode": "IN_FLIGHT",
+                "concurrency_scope": "IN_FLIGHT",
+            },
+        ),
+        (Strategy.PREFIX_AWARE, {"concurrency_threshold": 2, "balance_mode": "IN_FLIGHT"}),
+    ],
+)
+def test_peek_is_the_next_choice_and_changes_nothing(
+    strategy: Strategy, prefix: dict[str, Any]
+) -> None:
+    # The admin dry run (router.explain): before every real choice, peek twice (the
+    # second answer proves the first consumed no draw and placed nothing), then
+    # choose: the same backend, decision and position; no counter moved by the peeks.
+    members = fleet(a=1, b=1, c=2)
+    chooser = balancer(members, strategy, **prefix)
+    held = []
+    keys = [KEY, hash_key(b"other"), None, KEY, KEY, hash_key(b"third"), KEY, KEY, KEY]
+    for key in keys:
+        before = _counters(members)
+        peeked = chooser.peek(key)
+        assert chooser.peek(key) == peeked
+        assert _counters(members) == before
+        choice = chooser.choose(key)
+        assert choice is not None
+        assert peeked is not None
+        assert (choice.backend, choice.decision, choice.position) == peeked
+        held.append(choice)  # kept in flight: later picks overflow and fall back
+    for choice in held:
+        choice.release()

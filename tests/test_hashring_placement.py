@@ -347,3 +347,57 @@ def test_the_table_forgets_least_recently_used_keys_beyond_capacity() -> None:
 def test_factor_below_one_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"at least 1\.0"):
         Placement(0.9)
+
+
+def _state(placement: Placement) -> tuple[object, ...]:
+    """Everything ``route`` may change, in comparable form."""
+    return (
+        list(placement._table.items()),  # order too: least recently used first
+        list(placement._recent),
+        placement._recent.maxlen,
+        dict(placement._counts),
+        dict(placement._key_counts),
+        placement._tick,
+        {key: list(replicas) for key, replicas in placement._replicas.items()},
+        placement._replica_ring,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.just(0), st.integers(0, 11)),  # few keys, key 0 turns hot
+            st.dictionaries(st.sampled_from(sorted(MEMBERS)), st.integers(0, 3)),
+            st.frozensets(st.sampled_from(sorted(MEMBERS)), max_size=2),
+            st.booleans(),  # a member joins (more members: a larger window) before it
+        ),
+        min_size=1,
+        max_size=120,
+    ),
+    st.integers(1, 3),
+    st.integers(2, 20),
+)
+def test_peek_answers_what_route_would_and_changes_nothing(
+    steps: list[tuple[int, dict[str, int], frozenset[str], bool]],
+    threshold: int,
+    scan: int,
+) -> None:
+    # The dry run (router.explain) relies on it: same answer from the same state,
+    # hot-key replicas, rotation past scan_replicas, avoided members and a window
+    # route would refit first (a new member) included.
+    members = dict(MEMBERS)
+    ring = Ring(members, vnodes=16)
+    placement = Placement(1.05)
+    placement.scan_replicas = scan
+    for key, loads, avoid, grow in steps:
+        if grow and len(members) < 16:
+            members[f"m{len(members)}"] = 1
+            ring = Ring(members, vnodes=16)
+        key_hash = key * 0x9E3779B97F4A7C15 % 2**64
+        before = _state(placement)
+        peeked = placement.peek(ring, key_hash, loads, threshold, avoid=avoid)
+        assert _state(placement) == before
+        assert placement.peek(ring, key_hash, loads, threshold, avoid=avoid) == peeked
+        routed = placement.route(ring, key_hash, loads, threshold, avoid=avoid)
+        assert peeked == routed

@@ -10,7 +10,10 @@ Contract:
   ``NotFound`` -> 404, ``Conflict`` -> 409, ``Invalid`` -> 422, ``NotSaved``
   -> 500 (the state file could not be written, so the change was not made;
   the message names the file and the reason), ``Unavailable`` -> 503 (the
-  shared store of several replicas is unreachable; retry later).
+  shared store of several replicas is unreachable; retry later),
+  ``Rejected`` -> 400 (a dry-run request the data port would refuse).
+- ``explain`` is a read: a dry run of the routing decision
+  (``router.explain``) that changes nothing.
 - Views are msgspec Structs: they encode straight to the JSON the admin API
   returns, and their JSON Schemas go into its OpenAPI document.
 """
@@ -23,6 +26,7 @@ import msgspec
 from msgspec import Meta
 
 from ..config import BackendSpec, RoutingConfig
+from ..explain import DryRequest, Explanation
 
 __all__ = [
     "BackendPatch",
@@ -37,6 +41,7 @@ __all__ = [
     "NotFound",
     "NotSaved",
     "PrefixCacheView",
+    "Rejected",
     "ResponseStats",
     "Stats",
     "Totals",
@@ -73,6 +78,15 @@ class NotSaved(ControlError):
 
 class Unavailable(ControlError):
     """The shared store (etcd) cannot take the change now: nothing was changed."""
+
+
+class Rejected(ControlError):
+    """A dry-run request the data port would refuse itself; ``field`` names the body
+    field at fault, where the data path names one (``param``)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class BackendPatch(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -210,3 +224,5 @@ class Control(Protocol):
     def ready(self) -> bool: ...
 
     async def metrics(self) -> bytes: ...
+
+    async def explain(self, request: DryRequest, k: int) -> Explanation: ...

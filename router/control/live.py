@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
+from ..explain import DryRequest, Explanation, Refused, explain
 from ..fleet import ANY_MODEL, AdminState, Backend
 from ..log import get_logger
 from ..metrics import percentile
@@ -45,6 +46,7 @@ from . import (
     ModelView,
     NotFound,
     NotSaved,
+    Rejected,
     ResponseStats,
     Stats,
     Totals,
@@ -184,6 +186,15 @@ class RouterControl:
                 capacity=router.responses.capacity,
             ),
         )
+
+    async def explain(self, request: DryRequest, k: int) -> Explanation:
+        """The dry run: here, or with workers in one of them (``Workers.explain``)."""
+        if self._workers is not None:
+            return await self._workers.explain(request, k)
+        try:
+            return explain(self._router, request, k)
+        except Refused as exc:
+            raise Rejected(str(exc), field=exc.param) from None
 
     def _models(self) -> list[ModelView]:
         fleet = self._router.fleet

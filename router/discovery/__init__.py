@@ -60,6 +60,7 @@ from ..control import (
     Stats,
 )
 from ..control import State as State
+from ..explain import DryRequest, Explanation
 from ..log import get_logger
 
 __all__ = [
@@ -371,3 +372,6 @@ class DiscoveredControl:
 
     async def metrics(self) -> bytes:
         return await self.inner.metrics()
+
+    async def explain(self, request: DryRequest, k: int) -> Explanation:
+        return await self.inner.explain(request, k)

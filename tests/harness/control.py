@@ -22,9 +22,11 @@ from router.control import (
     Decisions,
     DrainView,
     NotFound,
+    Rejected,
     Stats,
     Totals,
 )
+from router.explain import DryRequest, Explanation
 
 __all__ = ["METRICS", "TOKEN", "FakeControl", "conforms"]
 
@@ -145,6 +147,31 @@ class FakeControl:
 
     async def metrics(self) -> bytes:
         return METRICS
+
+    async def explain(self, request: DryRequest, k: int) -> Explanation:
+        """A canned passthrough answer; a path of ``/refused`` is refused as the data
+        port refuses (the real dry run: ``tests/test_explain.py``)."""
+        if request.path == "/refused":
+            raise Rejected("the data port would answer 400: refused", field="messages")
+        first = min(self._backends, default=None)
+        return Explanation(
+            kind="passthrough",
+            method=request.method,
+            path=request.path,
+            key=None,
+            model=None,
+            pool=None,
+            response_id=None,
+            response_backend=None,
+            strategy=self._routing.strategy.value,
+            home=None,
+            hot_key=None,
+            walk=[],
+            backend=first,
+            decision=None if first is None else "passthrough",
+            router_answer=503 if first is None else None,
+            reason=f"fake: k={k}",
+        )
 
     # -- Control: changes ------------------------------------------------------------
 
