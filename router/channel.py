@@ -35,6 +35,7 @@ from hashring.shared import Record
 from .config import Config
 from .control.ops import Op
 from .responses import Learnt
+from .slowstart import Ramp
 
 __all__ = [
     "Applied",
@@ -67,6 +68,7 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     table_rows: int
     table_slots: int
     responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first
+    ramps: dict[str, Ramp] = {}  # slow starts under way (router.slowstart)
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

@@ -100,6 +100,10 @@ class BackendView(msgspec.Struct, frozen=True):
     num_requests_waiting: float | None = None
     kv_cache_usage: float | None = None
     models: list[str] = msgspec.field(default_factory=list)  # served; empty: any model
+    # Slow start (router.slowstart): the weight its ring points stand for now, and
+    # when its ramp ends (unix seconds; None: not ramping).
+    effective_weight: float | None = None
+    slow_start_ends: float | None = None
 
 
 class DrainView(msgspec.Struct, frozen=True):

@@ -210,6 +210,8 @@ class RouterControl:
     def _view(self, backend: Backend, total: int) -> BackendView:
         """``total``: requests routed to all backends (``share``'s denominator)."""
         router = self._router
+        fleet = router.fleet
+        ramp = fleet.ramps.get(backend.name)
         window = list(router.recorder.windows.get(backend.name, ()))
         scraped = router.health.scraped.get(backend.name)
         return BackendView(
@@ -231,6 +233,8 @@ class RouterControl:
             num_requests_waiting=scraped.waiting if scraped else None,
             kv_cache_usage=scraped.kv_usage if scraped else None,
             models=list(backend.spec.models),
+            effective_weight=fleet.effective_weight(backend.name),
+            slow_start_ends=ramp.start + ramp.seconds if ramp is not None else None,
         )
 
     # -- changes -------------------------------------------------------------------
@@ -290,7 +294,7 @@ class RouterControl:
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
-            await self._apply(AddBackend(spec))
+            await self._apply(AddBackend(spec, ramp=self._router.fleet.ramp_for(spec)))
             backend = self._router.fleet.backends[spec.name]
             log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
             return self._view(backend, self._total_requests())
