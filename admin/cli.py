@@ -162,6 +162,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--scrape-metrics", action="store_true", help="read backends' vLLM metrics for stats"
     )
     serve.add_argument(
+        "--slow-start",
+        metavar="DURATION",
+        help="ramp an added or recovered backend's ring share over this (60s, 2m; off)",
+    )
+    serve.add_argument(
         "--etcd",
         metavar="URL[,URL]",
         help="share membership, routing config and in-flight counts with other replicas"
@@ -318,6 +323,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         health["active"] = False
     if args.scrape_metrics:
         health["scrape_metrics"] = True
+    if args.slow_start is not None:
+        health["slow_start"] = args.slow_start
     if health:
         data["health"] = health
     routing = data.get("RoutingConfig", {})

@@ -1,0 +1,269 @@
+"""Slow start: an added or recovered backend's ring share ramps up over a window.
+
+The pure parts (``router.slowstart``, ``Ring`` fractions) are checked directly;
+the behaviour as an operator sees it runs the real daemon (``prefix-router
+serve``, one process and ``--workers 2``) in front of simulated vLLM instances,
+adds a backend through the admin API and follows its effective weight there.
+Which instance served a request is its ``x-sim-instance`` header; where a key
+*should* go at step ``k`` is computed from the same ring the router builds (a
+native body's key is its bytes), so every request is checked, not a share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hashring import Ring, hash_key
+from loadtests.simserver import SimServer
+from router.config import ConfigError, build_config
+from router.slowstart import MAX_STEPS, Ramp, fraction, next_change, parse_duration, steps
+from tests.harness.http import WAIT
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.routers import SimFleet
+
+pytestmark = pytest.mark.timeout(120)
+
+WINDOW = 6  # seconds: 6 steps of a second
+
+
+# -- the pure function ---------------------------------------------------------------
+
+
+def test_a_ramp_holds_one_step_from_the_start_and_every_point_at_its_end() -> None:
+    ramp = Ramp(start=1000.0, seconds=60.0)
+    assert steps(60.0) == MAX_STEPS and steps(5.0) == 5 and steps(0.5) == 1
+    assert fraction(ramp, 999.0) == (1, 20)  # a replica whose clock is behind
+    assert fraction(ramp, 1000.0) == (1, 20)
+    assert fraction(ramp, 1005.9) == (1, 20)
+    assert fraction(ramp, 1006.0) == (2, 20)
+    assert fraction(ramp, 1057.0) == (19, 20)
+    assert fraction(ramp, 1060.0) is None
+    assert next_change(ramp, 1000.0) == pytest.approx(1006.0)
+    assert next_change(ramp, 1057.0) == pytest.approx(1060.0)
+    assert next_change(ramp, 1060.0) is None
+
+
+@given(
+    seconds=st.floats(min_value=0.01, max_value=86_400),
+    a=st.floats(min_value=-10, max_value=90_000),
+    b=st.floats(min_value=-10, max_value=90_000),
+)
+def test_a_ramp_never_goes_back(seconds: float, a: float, b: float) -> None:
+    ramp = Ramp(0.0, seconds)
+    early, late = sorted((a, b))
+    part_early, part_late = fraction(ramp, early), fraction(ramp, late)
+    full = steps(seconds)
+    k_early = full if part_early is None else part_early[0]
+    k_late = full if part_late is None else part_late[0]
+    assert 1 <= k_early <= k_late <= full
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(60, 60.0), (1.5, 1.5), ("60s", 60.0), ("2m", 120.0), ("500ms", 0.5), ("off", 0.0), (0, 0.0)],
+)
+def test_durations(value: Any, seconds: float) -> None:
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["banana", "-5s", "60x", "", True, -1, 86_401, "25h"])
+def test_bad_durations_are_refused_naming_the_field(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"\$\.health") as error:
+        build_config({"health": {"slow_start": value}})
+    assert "slow_start" in str(error.value)
+
+
+def test_a_fraction_adds_only_the_ramping_members_first_points() -> None:
+    old = {"a": 1, "b": 1, "c": 1}
+    base = Ring(old)
+    keys = [hash_key(f"key {i}".encode()) for i in range(2000)]
+    previous: set[int] = set()
+    for part in range(1, 5):
+        ring = Ring({**old, "new": 1}, fractions={"new": (part, 4)} if part < 4 else None)
+        assert ring.points_of("new") == 1024 * part // 4
+        assert ring.weights["new"] == 1 and ring.total_weight == 4  # load bounds unchanged
+        owned = {k for k in keys if ring.primary(k) == "new"}
+        # Keys move only to the newcomer, and the ones it has it keeps.
+        assert previous <= owned
+        assert all(ring.primary(k) == base.primary(k) for k in keys if k not in owned)
+        previous = owned
+    assert previous == {k for k in keys if Ring({**old, "new": 1}).primary(k) == "new"}
+
+
+# -- the daemon ----------------------------------------------------------------------
+
+
+def _body(key: str) -> bytes:
+    return json.dumps({"inputs": key, "parameters": {"max_new_tokens": 1}}).encode()
+
+
+KEYS = [f"document {i}: the shared part of a prompt" for i in range(60)]
+
+
+def _predicted(names: list[str], new: str, part: int, whole: int) -> dict[str, str]:
+    """Where each key goes with ``new`` at ``part/whole`` of its points."""
+    fractions = {new: (part, whole)} if part < whole else None
+    ring = Ring(dict.fromkeys([*names, new], 1), fractions=fractions)
+    return {key: ring.primary(hash_key(_body(key))) or "" for key in KEYS}
+
+
+async def _send(http: aiohttp.ClientSession, port: int) -> dict[str, str]:
+    """Each key once, on a connection of its own (so workers share them): key -> instance."""
+    served = {}
+    for key in KEYS:
+        async with http.post(
+            f"http://127.0.0.1:{port}/invocations",
+            data=_body(key),
+            headers={"Content-Type": "application/json", "Connection": "close"},
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            served[key] = resp.headers["x-sim-instance"]
+    return served
+
+
+async def _step(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, name: str) -> int:
+    """The newcomer's step (k of ``steps(WINDOW)``) as the admin API reports it."""
+    status, view = await admin_call(http, proc, "GET", f"/admin/backends/{name}")
+    assert status == 200, view
+    weight = view["effective_weight"]
+    assert isinstance(weight, float | int)
+    return round(weight * steps(WINDOW))
+
+
+def _flags(servers: list[SimServer], *extra: str) -> list[str]:
+    # IN_FLIGHT with a threshold no test reaches: each request goes to its key's
+    # primary, so where it went says which ring the process routed on.
+    flags = ["--strategy", "prefix", "--balance-mode", "IN_FLIGHT", "--no-health-checks"]
+    flags += ["--concurrency-threshold", "1000", *extra]
+    for server in servers:
+        flags += ["--backend", f"{server.name}={server.url}"]
+    return flags
+
+
+async def _ramp(workers: int, sim_fleet: SimFleet) -> None:
+    *old, new = await sim_fleet(4)
+    names = [s.name for s in old]
+    predicted = {k: _predicted(names, new.name, k, steps(WINDOW)) for k in range(1, 7)}
+    base_ring = Ring(dict.fromkeys(names, 1))
+    base = {key: base_ring.primary(hash_key(_body(key))) for key in KEYS}
+    flags = _flags(old, "--slow-start", f"{WINDOW}s", "--workers", str(workers))
+    proc, port = await spawn_router(*flags)
+    seen: dict[int, set[str]] = {}
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, view = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": new.name, "url": new.url}
+            )
+            assert status == 201, view
+            assert view["weight"] == 1 and view["effective_weight"] == pytest.approx(1 / 6)
+            ends = view["slow_start_ends"]
+            assert isinstance(ends, float)
+            async with asyncio.timeout(WINDOW + WAIT):
+                while True:
+                    before = await _step(http, proc, new.name)
+                    served = await _send(http, port)
+                    after = await _step(http, proc, new.name)
+                    # Each process steps on its own timer: allow one step either side.
+                    lo, hi = max(1, before - 1), min(6, after + 1)
+                    on_new = {k for k, instance in served.items() if instance == new.name}
+                    assert {k for k, b in predicted[lo].items() if b == new.name} <= on_new
+                    assert on_new <= {k for k, b in predicted[hi].items() if b == new.name}
+                    for key, instance in served.items():
+                        if instance != new.name:
+                            assert instance == base[key], key  # the others' keys stay put
+                    if before == after:
+                        seen[before] = on_new
+                    if before == 6:
+                        break
+            status, view = await admin_call(http, proc, "GET", f"/admin/backends/{new.name}")
+            assert view["effective_weight"] == 1 and view["slow_start_ends"] is None
+    finally:
+        await stop(proc)
+    full = {k for k, b in predicted[6].items() if b == new.name}
+    assert seen[6] == full and full
+    # A growing share, seen at several steps on the way.
+    shares = [len(seen[k]) for k in sorted(seen)]
+    assert len(seen) >= 3 and shares == sorted(shares) and shares[0] < shares[-1]
+
+
+async def test_an_added_backend_gets_a_growing_share_over_the_window(
+    sim_fleet: SimFleet,
+) -> None:
+    await _ramp(1, sim_fleet)
+
+
+async def test_two_workers_apply_the_same_ramp(sim_fleet: SimFleet) -> None:
+    await _ramp(2, sim_fleet)
+
+
+async def test_without_slow_start_an_added_backend_takes_its_share_at_once(
+    sim_fleet: SimFleet,
+) -> None:
+    *old, new = await sim_fleet(4)
+    full = _predicted([s.name for s in old], new.name, 1, 1)
+    proc, port = await spawn_router(*_flags(old))
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, view = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": new.name, "url": new.url}
+            )
+            assert status == 201, view
+            assert view["effective_weight"] == 1 and view["slow_start_ends"] is None
+            assert await _send(http, port) == full
+    finally:
+        await stop(proc)
+
+
+async def test_a_backend_with_its_own_window_and_bad_values_through_the_admin_api(
+    sim_fleet: SimFleet,
+) -> None:
+    old, new, other = await sim_fleet(3)
+    proc, _ = await spawn_router(*_flags([old]))
+    try:
+        async with aiohttp.ClientSession() as http:
+            for bad in ("banana", -1, True, "90000s"):
+                body = {"name": new.name, "url": new.url, "health": {"slow_start": bad}}
+                status, error = await admin_call(http, proc, "POST", "/admin/backends", body)
+                assert status == 422, error
+                assert "slow_start" in json.dumps(error["error"]), error
+            body = {"name": new.name, "url": new.url, "health": {"slow_start": "1h"}}
+            status, view = await admin_call(http, proc, "POST", "/admin/backends", body)
+            assert status == 201, view
+            assert view["effective_weight"] == pytest.approx(1 / MAX_STEPS)
+            assert isinstance(view["slow_start_ends"], float)
+            # Off by default: a backend without its own window joins at once.
+            body = {"name": other.name, "url": other.url}
+            status, view = await admin_call(http, proc, "POST", "/admin/backends", body)
+            assert status == 201 and view["slow_start_ends"] is None, view
+    finally:
+        await stop(proc)
+
+
+@pytest.mark.parametrize("value", ["banana", "-1s", "2d"])
+async def test_a_bad_slow_start_flag_exits_2_naming_it(value: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "admin",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "off",
+        f"--slow-start={value}",
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(WAIT):
+        _, stderr = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"slow_start" in stderr and b"$.health" in stderr, stderr
