@@ -31,7 +31,8 @@ from tests.harness.routers import SimFleet
 
 pytestmark = pytest.mark.timeout(120)
 
-WINDOW = 6  # seconds: 6 steps of a second
+WINDOW = 12  # seconds: 12 steps of a second (the first held for two)
+LAST = steps(WINDOW)
 
 
 # -- the pure function ---------------------------------------------------------------
@@ -39,7 +40,9 @@ WINDOW = 6  # seconds: 6 steps of a second
 
 def test_a_ramp_holds_one_step_from_the_start_and_every_point_at_its_end() -> None:
     ramp = Ramp(start=1000.0, seconds=60.0)
-    assert steps(60.0) == MAX_STEPS and steps(5.0) == 5 and steps(0.5) == 1
+    assert steps(60.0) == MAX_STEPS
+    assert steps(5.0) == 5
+    assert steps(0.5) == 1
     assert fraction(ramp, 999.0) == (1, 20)  # a replica whose clock is behind
     assert fraction(ramp, 1000.0) == (1, 20)
     assert fraction(ramp, 1005.9) == (1, 20)
@@ -89,7 +92,8 @@ def test_a_fraction_adds_only_the_ramping_members_first_points() -> None:
     for part in range(1, 5):
         ring = Ring({**old, "new": 1}, fractions={"new": (part, 4)} if part < 4 else None)
         assert ring.points_of("new") == 1024 * part // 4
-        assert ring.weights["new"] == 1 and ring.total_weight == 4  # load bounds unchanged
+        assert ring.weights["new"] == 1
+        assert ring.total_weight == 4
         owned = {k for k in keys if ring.primary(k) == "new"}
         # Keys move only to the newcomer, and the ones it has it keeps.
         assert previous <= owned
@@ -116,9 +120,10 @@ def _predicted(names: list[str], new: str, part: int, whole: int) -> dict[str, s
 
 
 async def _send(http: aiohttp.ClientSession, port: int) -> dict[str, str]:
-    """Each key once, on a connection of its own (so workers share them): key -> instance."""
-    served = {}
-    for key in KEYS:
+    """Each key once, at once, each on a connection of its own (so workers share
+    them): key -> the instance that served it."""
+
+    async def one(key: str) -> str:
         async with http.post(
             f"http://127.0.0.1:{port}/invocations",
             data=_body(key),
@@ -126,8 +131,10 @@ async def _send(http: aiohttp.ClientSession, port: int) -> dict[str, str]:
         ) as resp:
             assert resp.status == 200, await resp.text()
             await resp.read()
-            served[key] = resp.headers["x-sim-instance"]
-    return served
+            return resp.headers["x-sim-instance"]
+
+    instances = await asyncio.gather(*map(one, KEYS))
+    return dict(zip(KEYS, instances, strict=True))
 
 
 async def _step(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, name: str) -> int:
@@ -136,7 +143,7 @@ async def _step(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, n
     assert status == 200, view
     weight = view["effective_weight"]
     assert isinstance(weight, float | int)
-    return round(weight * steps(WINDOW))
+    return round(weight * LAST)
 
 
 def _flags(servers: list[SimServer], *extra: str) -> list[str]:
@@ -152,47 +159,54 @@ def _flags(servers: list[SimServer], *extra: str) -> list[str]:
 async def _ramp(workers: int, sim_fleet: SimFleet) -> None:
     *old, new = await sim_fleet(4)
     names = [s.name for s in old]
-    predicted = {k: _predicted(names, new.name, k, steps(WINDOW)) for k in range(1, 7)}
+    predicted = {
+        k: {key for key, b in _predicted(names, new.name, k, LAST).items() if b == new.name}
+        for k in range(1, LAST + 1)
+    }
     base_ring = Ring(dict.fromkeys(names, 1))
     base = {key: base_ring.primary(hash_key(_body(key))) for key in KEYS}
     flags = _flags(old, "--slow-start", f"{WINDOW}s", "--workers", str(workers))
     proc, port = await spawn_router(*flags)
-    seen: dict[int, set[str]] = {}
+    batches: list[tuple[int, int, set[str]]] = []
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             status, view = await admin_call(
                 http, proc, "POST", "/admin/backends", {"name": new.name, "url": new.url}
             )
             assert status == 201, view
-            assert view["weight"] == 1 and view["effective_weight"] == pytest.approx(1 / 6)
-            ends = view["slow_start_ends"]
-            assert isinstance(ends, float)
+            assert view["weight"] == 1
+            assert view["effective_weight"] == pytest.approx(1 / LAST)
+            assert isinstance(view["slow_start_ends"], float)
             async with asyncio.timeout(WINDOW + WAIT):
                 while True:
                     before = await _step(http, proc, new.name)
                     served = await _send(http, port)
                     after = await _step(http, proc, new.name)
-                    # Each process steps on its own timer: allow one step either side.
-                    lo, hi = max(1, before - 1), min(6, after + 1)
                     on_new = {k for k, instance in served.items() if instance == new.name}
-                    assert {k for k, b in predicted[lo].items() if b == new.name} <= on_new
-                    assert on_new <= {k for k, b in predicted[hi].items() if b == new.name}
+                    # Every request went where the ring of a step in [before, after]
+                    # sends it; each process steps on its own timer, a few ms apart:
+                    # one step either side.
+                    lo, hi = max(1, before - 1), min(LAST, after + 1)
+                    assert predicted[lo] <= on_new <= predicted[hi], (before, after)
                     for key, instance in served.items():
                         if instance != new.name:
                             assert instance == base[key], key  # the others' keys stay put
-                    if before == after:
-                        seen[before] = on_new
-                    if before == 6:
+                    batches.append((before, after, on_new))
+                    if before == LAST:
                         break
             status, view = await admin_call(http, proc, "GET", f"/admin/backends/{new.name}")
-            assert view["effective_weight"] == 1 and view["slow_start_ends"] is None
+            assert view["effective_weight"] == 1
+            assert view["slow_start_ends"] is None
     finally:
         await stop(proc)
-    full = {k for k, b in predicted[6].items() if b == new.name}
-    assert seen[6] == full and full
-    # A growing share, seen at several steps on the way.
-    shares = [len(seen[k]) for k in sorted(seen)]
-    assert len(seen) >= 3 and shares == sorted(shares) and shares[0] < shares[-1]
+    # A growing share: a small part at first, its whole share at the end, and
+    # several steps reported on the way.
+    first_before, first_after, first = batches[0]
+    assert first_before == 1
+    assert first_after <= LAST // 2
+    assert len(first) <= len(predicted[LAST // 2 + 1]) < len(predicted[LAST])
+    assert batches[-1][2] == predicted[LAST]
+    assert len({before for before, _, _ in batches}) >= 3
 
 
 async def test_an_added_backend_gets_a_growing_share_over_the_window(
@@ -217,7 +231,8 @@ async def test_without_slow_start_an_added_backend_takes_its_share_at_once(
                 http, proc, "POST", "/admin/backends", {"name": new.name, "url": new.url}
             )
             assert status == 201, view
-            assert view["effective_weight"] == 1 and view["slow_start_ends"] is None
+            assert view["effective_weight"] == 1
+            assert view["slow_start_ends"] is None
             assert await _send(http, port) == full
     finally:
         await stop(proc)
@@ -243,7 +258,8 @@ async def test_a_backend_with_its_own_window_and_bad_values_through_the_admin_ap
             # Off by default: a backend without its own window joins at once.
             body = {"name": other.name, "url": other.url}
             status, view = await admin_call(http, proc, "POST", "/admin/backends", body)
-            assert status == 201 and view["slow_start_ends"] is None, view
+            assert status == 201, view
+            assert view["slow_start_ends"] is None, view
     finally:
         await stop(proc)
 
@@ -266,4 +282,5 @@ async def test_a_bad_slow_start_flag_exits_2_naming_it(value: str) -> None:
     async with asyncio.timeout(WAIT):
         _, stderr = await proc.communicate()
     assert proc.returncode == 2
-    assert b"slow_start" in stderr and b"$.health" in stderr, stderr
+    assert b"slow_start" in stderr, stderr
+    assert b"$.health" in stderr, stderr
