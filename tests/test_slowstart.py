@@ -12,8 +12,10 @@ native body's key is its bytes), so every request is checked, not a share.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -25,6 +27,7 @@ from hashring import Ring, hash_key
 from loadtests.simserver import SimServer
 from router.config import ConfigError, build_config
 from router.slowstart import MAX_STEPS, Ramp, fraction, next_change, parse_duration, steps
+from tests.harness.etcd import EtcdServer
 from tests.harness.http import WAIT
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
@@ -144,6 +147,16 @@ async def _step(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, n
     weight = view["effective_weight"]
     assert isinstance(weight, float | int)
     return round(weight * LAST)
+
+
+async def _until(check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll ``await check()`` until true, bounded by WAIT: state in other processes
+    (their health, their watch of etcd) has no event to await from here."""
+    async with asyncio.timeout(WAIT):
+        while True:
+            if await check():
+                return
+            await asyncio.sleep(0.02)
 
 
 def _flags(servers: list[SimServer], *extra: str) -> list[str]:
@@ -284,3 +297,101 @@ async def test_a_bad_slow_start_flag_exits_2_naming_it(value: str) -> None:
     assert proc.returncode == 2
     assert b"slow_start" in stderr, stderr
     assert b"$.health" in stderr, stderr
+
+
+async def test_replicas_ramp_an_added_backend_from_the_one_start_etcd_carries(
+    sim_fleet: SimFleet, etcd: EtcdServer
+) -> None:
+    """The add's ramp is written to etcd with the backend: every replica applies it
+    from that start, one whose own config has no slow start and one that joins
+    mid-ramp included (health recoveries, per replica, ramp from each one's own)."""
+    old, new = await sim_fleet(2)
+    base = ["--etcd", etcd.url, "--etcd-prefix", "/slow/", *_flags([old])]
+    routers = [
+        await spawn_router(*base, "--replica-id", "r0", "--slow-start", "1h"),
+        await spawn_router(*base, "--replica-id", "r1"),  # no slow start of its own
+    ]
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, view = await admin_call(
+                http, routers[0][0], "POST", "/admin/backends", {"name": new.name, "url": new.url}
+            )
+            assert status == 201, view
+            ends = view["slow_start_ends"]
+            assert isinstance(ends, float)
+            routers.append(await spawn_router(*base, "--replica-id", "r2"))  # joins mid-ramp
+
+            async def everywhere() -> bool:
+                views = [
+                    (await admin_call(http, proc, "GET", f"/admin/backends/{new.name}"))[1]
+                    for proc, _ in routers
+                ]
+                return all(
+                    v.get("slow_start_ends") == ends
+                    and v.get("effective_weight") == pytest.approx(1 / MAX_STEPS)
+                    for v in views
+                )
+
+            await _until(everywhere)  # the others apply it through their watch
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_a_recovered_backend_ramps_in_every_worker_from_when_it_came_back(
+    sim_fleet: SimFleet,
+) -> None:
+    """Down, then up again: with a window of an hour the recovered instance holds
+    1/20 of its points for the whole test, in the supervisor's view and in both
+    workers' routing (the supervisor passes its up time on with the transition)."""
+    servers = await sim_fleet(4)
+    victim = servers[0]
+    names = [s.name for s in servers]
+    others = [n for n in names if n != victim.name]
+    at_first_step = _predicted(others, victim.name, 1, MAX_STEPS)
+    whole = _predicted(others, victim.name, 1, 1)
+    assert at_first_step != whole
+    flags = ["--strategy", "prefix", "--balance-mode", "IN_FLIGHT"]
+    flags += ["--concurrency-threshold", "1000", "--health-interval", "0.05"]
+    flags += ["--slow-start", "1h", "--workers", "2"]
+    for server in servers:
+        flags += ["--backend", f"{server.name}={server.url}"]
+    proc, port = await spawn_router(*flags)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            # Present at start-up: no ramp (HAProxy's rule), its whole share.
+            assert await _send(http, port) == whole
+
+            async def view() -> dict[str, Any]:
+                path = f"/admin/backends/{victim.name}"
+                status, body = await admin_call(http, proc, "GET", path)
+                assert status == 200, body
+                return body
+
+            port_of_victim = victim.port
+            await victim.close()
+
+            async def down() -> bool:
+                return (await view())["healthy"] is False
+
+            await _until(down)
+            revived = SimServer(dataclasses.replace(victim.instance.config), port=port_of_victim)
+            await revived.start()
+            try:
+
+                async def up() -> bool:
+                    return (await view())["healthy"] is True
+
+                await _until(up)
+                body = await view()
+                assert body["effective_weight"] == pytest.approx(1 / MAX_STEPS)
+                assert isinstance(body["slow_start_ends"], float)
+
+                async def routed_at_first_step() -> bool:
+                    return await _send(http, port) == at_first_step
+
+                await _until(routed_at_first_step)  # both workers have the transition
+            finally:
+                await revived.close()
+    finally:
+        await stop(proc)
