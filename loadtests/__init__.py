@@ -18,6 +18,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_placement_log  one TRAFFIC placement for all processes: ns to record, to apply
   bench_models      model pools: ns per decision with and without models; pool ring vs filtered walk
   bench_responses   Responses API follow-ups: ns to learn an id, to route by it; bytes an id
+  bench_slowstart   slow start in a live scale event: the minute after an add, with and without
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
   report            re-print a saved run's tables (``--since`` for the warm part)
