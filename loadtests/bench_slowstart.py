@@ -3,7 +3,9 @@
 Contract:
 - One ``loadtests.bench`` run (a subprocess: the same routers, fleet, client
   and requests for both rows, caches reset between them) with two targets of
-  the same routing setting, the second one with ``--slow-start``, and
+  the same routing setting, the second one with ``--slow-start`` (given in
+  model seconds: the router's clock is the wall's, so it gets the window
+  times ``--time-scale``), and
   ``--scale-event add@AT``: the fleet's last instance joins at model second
   AT.  ``--mode default`` compares two TRAFFIC + PREFILL targets (``prefix``
   and ``prefix-traffic-prefill``: both the default setting), ``--mode
@@ -88,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="long")
     p.add_argument("--instances", type=int, default=7)
     p.add_argument("--mode", choices=sorted(PAIRS), default="default")
-    p.add_argument("--slow-start", default="60s")
+    p.add_argument(
+        "--slow-start",
+        type=float,
+        default=60.0,
+        help="window, model s (the router gets it times --time-scale: its clock is wall)",
+    )
     p.add_argument("--at", type=float, default=240.0, help="model second of the add")
     p.add_argument("--after", type=float, default=60.0, help="model seconds measured after it")
     p.add_argument("--time-scale", type=float, default=0.2)
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "--instances", str(args.instances), "--strategies", f"{without},{with_slow}",
         "--duration", str(duration), "--time-scale", str(args.time_scale),
         "--scale-event", f"add@{args.at:g}", "--out", str(args.out), *extra,
-        f"--serve-arg={with_slow}:--slow-start={args.slow_start}",
+        f"--serve-arg={with_slow}:--slow-start={args.slow_start * args.time_scale:g}s",
     ]  # fmt: skip
     load_before = os.getloadavg()
     if args.report_only:  # the tables and figure again from --out's results.json
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expected 2 runs, got {len(runs)}", file=sys.stderr)
         return 1
     newcomer = f"sim-{args.instances - 1}"
-    labels = ["without", f"slow start {args.slow_start}"]
+    labels = ["without", f"slow start {args.slow_start:g} model s"]
     print(
         f"\n{args.mode}: the {args.after:g} model s after the add at {args.at:g} "
         f"(newcomer {newcomer}); TTFT in model ms\n"
