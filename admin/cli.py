@@ -182,6 +182,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--scrape-interval", type=float, metavar="S", help="between two scrape rounds (10)"
     )
     serve.add_argument(
+        "--slow-start",
+        metavar="DURATION",
+        help="ramp an added or recovered backend's ring share over this (60s, 2m; off)",
+    )
+    serve.add_argument(
         "--etcd",
         metavar="URL[,URL]",
         help="share membership, routing config and in-flight counts with other replicas"
@@ -357,6 +362,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         health["scrape_metrics"] = True
     if args.scrape_interval is not None:
         health["scrape_interval"] = args.scrape_interval
+    if args.slow_start is not None:
+        health["slow_start"] = args.slow_start
     if health:
         data["health"] = health
     routing = data.get("RoutingConfig", {})

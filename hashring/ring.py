@@ -8,6 +8,11 @@ Contract:
   points per weight unit shrink so that the ring stays at about ``max_points``
   (1,000 backends all of weight 100 get ~2,097 points each, as 2,048 of
   weight 1 would).  The two formulas agree at the boundary.
+- Fractions (slow start, ``router.slowstart``): a member may own only
+  ``k/n`` of its points, ``max(1, count * k // n)``, the first ones.  Its
+  weight (``weights``, ``total_weight``: what load bounds and traffic shares
+  compare) stays the whole one.  Since a member's points are always its first
+  ``count``, raising ``k`` only adds points: keys move only *to* it.
 - Points are sorted by ``(hash, name)``, so two equal 64-bit points (a
   collision) are ordered the same way everywhere: the same membership gives
   the same ring in any order of changes and in any process.
@@ -81,6 +86,7 @@ class Ring:
     __slots__ = (
         "_counts",
         "_first",
+        "_fractions",
         "_hashes_of",
         "_max_points",
         "_names",
@@ -99,6 +105,7 @@ class Ring:
         *,
         vnodes: int = DEFAULT_VNODES,
         max_points: int = MAX_POINTS,
+        fractions: Mapping[str, tuple[int, int]] | None = None,
     ):
         if vnodes < 1:
             raise ValueError(f"vnodes must be at least 1, got {vnodes}")
@@ -106,11 +113,14 @@ class Ring:
             raise ValueError(f"max_points must be at least 1, got {max_points}")
         self._vnodes = vnodes
         self._max_points = max_points
-        for _ in self._fill(dict(weights or {}), {}):
+        for _ in self._fill(dict(weights or {}), {}, fractions):
             pass
 
     def _fill(
-        self, weights: dict[str, int], cache: Mapping[str, array[int]]
+        self,
+        weights: dict[str, int],
+        cache: Mapping[str, array[int]],
+        fractions: Mapping[str, tuple[int, int]] | None = None,
     ) -> Generator[None, None, Ring]:
         """Build this ring's tables for ``weights`` in steps; ``cache`` holds known hashes.
 
@@ -127,6 +137,15 @@ class Ring:
             counts = {name: vnodes * weights[name] for name in names}
         else:
             counts = {name: max(1, budget * weights[name] // total_weight) for name in names}
+        kept: dict[str, tuple[int, int]] = {}
+        for name, (part, whole) in (fractions or {}).items():
+            if name not in weights:
+                continue  # a pool's ring gets the fleet's fractions: only its members'
+            if not 1 <= part <= whole:
+                raise ValueError(f"fraction of {name!r} must be k/n with 1 <= k <= n")
+            if part < whole:
+                kept[name] = (part, whole)
+                counts[name] = max(1, counts[name] * part // whole)
         hashes_of: dict[str, array[int]] = {}
         for name in names:
             count = counts[name]
@@ -212,6 +231,7 @@ class Ring:
         first.append(len(points))
 
         self._weights = weights
+        self._fractions = MappingProxyType(kept)
         self._view = MappingProxyType(weights)
         self._total_weight = total_weight
         self._counts = counts
@@ -231,33 +251,47 @@ class Ring:
 
     # -- membership changes: each returns a new ring --------------------------
 
-    def steps_to(self, weights: Mapping[str, int]) -> Generator[None, None, Ring]:
+    def steps_to(
+        self,
+        weights: Mapping[str, int],
+        fractions: Mapping[str, tuple[int, int]] | None = None,
+    ) -> Generator[None, None, Ring]:
         """The ring for membership ``weights``, built in steps (see the contract)."""
-        return self._blank()._fill(dict(weights), self._hashes_of)
+        return self._blank()._fill(dict(weights), self._hashes_of, fractions)
 
-    def with_weights(self, weights: Mapping[str, int]) -> Ring:
+    def with_weights(
+        self,
+        weights: Mapping[str, int],
+        fractions: Mapping[str, tuple[int, int]] | None = None,
+    ) -> Ring:
         """The ring for membership ``weights``, built at once (``steps_to`` run to the end)."""
         ring = self._blank()
-        for _ in ring._fill(dict(weights), self._hashes_of):
+        for _ in ring._fill(dict(weights), self._hashes_of, fractions):
             pass
         return ring
 
     def with_member(self, name: str, weight: int = 1) -> Ring:
         if name in self._weights:
             raise KeyError(f"member {name!r} is already on the ring")
-        return self.with_weights({**self._weights, name: check_weight(name, weight)})
+        return self.with_weights(
+            {**self._weights, name: check_weight(name, weight)}, self._fractions
+        )
 
     def without_member(self, name: str) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
-        return self.with_weights({n: w for n, w in self._weights.items() if n != name})
+        return self.with_weights(
+            {n: w for n, w in self._weights.items() if n != name}, self._fractions
+        )
 
     def with_weight(self, name: str, weight: int) -> Ring:
         if name not in self._weights:
             raise KeyError(f"member {name!r} is not on the ring")
         # Point idx of a member does not depend on its weight, so a reweight
         # keeps the points it had and only adds or drops the tail.
-        return self.with_weights({**self._weights, name: check_weight(name, weight)})
+        return self.with_weights(
+            {**self._weights, name: check_weight(name, weight)}, self._fractions
+        )
 
     # -- reading ------------------------------------------------------------
 
@@ -276,6 +310,11 @@ class Ring:
     @property
     def weights(self) -> Mapping[str, int]:
         return self._view
+
+    @property
+    def fractions(self) -> Mapping[str, tuple[int, int]]:
+        """Members that own only ``k/n`` of their points (slow start): name -> (k, n)."""
+        return self._fractions
 
     @property
     def total_weight(self) -> int:
@@ -308,7 +347,8 @@ class Ring:
         return hash((self._points.tobytes(), self._owners.tobytes(), self._names))
 
     def __repr__(self) -> str:
-        return f"Ring({dict(sorted(self._weights.items()))!r}, vnodes={self._vnodes})"
+        fractions = f", fractions={dict(self._fractions)!r}" if self._fractions else ""
+        return f"Ring({dict(sorted(self._weights.items()))!r}, vnodes={self._vnodes}{fractions})"
 
     def ownership(self) -> dict[str, float]:
         """Exact share of the 64-bit hash space each member owns as primary."""

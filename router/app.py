@@ -44,6 +44,7 @@ from .queue import AdmissionQueue
 from .responses import ResponseIds
 from .selfaddr import Listener
 from .sessions import SessionRule
+from .slowstart import Ramp
 from .tenants import TenantCollector, TenantMetrics
 from .upstream import Pool
 from .wire import DateHeader
@@ -66,7 +67,9 @@ class Router:
         self.forwarded_proto = (
             b"\r\nx-forwarded-proto: https" if tls else b"\r\nx-forwarded-proto: http"
         )
-        self.fleet = Fleet(config.backends, vnodes=config.vnodes)
+        self.fleet = Fleet(
+            config.backends, vnodes=config.vnodes, slow_start=config.health.slow_start_seconds
+        )
         self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
         self.responses = ResponseIds(config.limits.response_ids)
         self.sessions = SessionRule(config.routing.prefix_aware)  # router.sessions
@@ -202,6 +205,7 @@ class Router:
         for conn in list(self.connections):
             conn.transport.abort()
         await self.health.close()
+        self.fleet.close()
         if self.keyworker is not None:
             await self.keyworker.close()
         for pool in self.pools.values():
@@ -240,8 +244,9 @@ class Router:
             keepalive=timeouts.upstream_keepalive,
         )
 
-    def add_backend(self, spec: BackendSpec) -> Backend:
-        backend = self.fleet.add(spec)
+    def add_backend(self, spec: BackendSpec, ramp: Ramp | None = None) -> Backend:
+        """``ramp``: its slow start (router.slowstart), None: its whole weight at once."""
+        backend = self.fleet.add(spec, ramp)
         self._open_pool(backend)
         self.health.watch(backend)
         if self.queue is not None:

@@ -39,6 +39,7 @@ from .config import Config
 from .control.ops import Op
 from .explain import DryRequest, Explanation
 from .responses import Learnt
+from .slowstart import Ramp
 from .tenants import TenantDelta
 
 __all__ = [
@@ -74,6 +75,7 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     table_rows: int
     table_slots: int
     responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first
+    ramps: dict[str, Ramp] = {}  # slow starts under way (router.slowstart)
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import msgspec
 from msgspec import Meta
 
+from .slowstart import parse_duration
+
 __all__ = [
     "SESSION_SOURCES",
     "AdmissionConfig",
@@ -158,6 +160,16 @@ class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     path: Annotated[str, Meta(pattern=r"^/")] | None = None
     interval: Seconds | None = None
     timeout: Seconds | None = None
+    # This backend's slow-start window (router.slowstart): seconds, "60s", "off".
+    slow_start: float | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.slow_start is not None:
+            parse_duration(self.slow_start)  # a ValueError names the value
+
+    @property
+    def slow_start_seconds(self) -> float:
+        return 0.0 if self.slow_start is None else parse_duration(self.slow_start)
 
 
 # A model name as clients send it (``meta-llama/Llama-3.1-8B-Instruct``): no
@@ -273,6 +285,17 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Scrape each backend's Prometheus /metrics (vLLM names) for /admin/stats.
     scrape_metrics: bool = False
     scrape_interval: Seconds = 10.0
+    # Slow start (router.slowstart): a backend added through the admin API or
+    # discovery, or up again after being down, gets its ring share over this
+    # window; seconds, "60s", "2m", or 0/"off" (the default: at once).
+    slow_start: float | str = 0.0
+
+    def __post_init__(self) -> None:
+        parse_duration(self.slow_start)  # a ValueError names the value
+
+    @property
+    def slow_start_seconds(self) -> float:
+        return parse_duration(self.slow_start)
 
 
 TenantKey = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]

@@ -24,6 +24,13 @@ Contract:
   pool's members with each other.  ``members_for(model)`` is what a request
   routes over: the whole fleet (``Fleet`` itself) for a request without a
   model or while no model is declared, else the pool, or None (unknown).
+- Slow start (``router.slowstart``): a backend added with a ``Ramp``, or up
+  again after being down while a window is set (``slow_start``, or its own
+  ``health.slow_start``), holds ``k/n`` of its ring points, ``k`` growing
+  with time.  The fleet keeps a timer to the next step boundary of any ramp
+  (on a running loop) and rebuilds the ring only when a step changes; its
+  configured ``weight`` is what everything else reads.  ``effective_weight``
+  and ``ramps`` are for the admin API.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 
 from hashring import DEFAULT_VNODES, LoadTracker, Ring
 from hashring.ring import check_weight
 
 from .cachecheck import backend_tag
 from .config import BackendSpec
+from .slowstart import Ramp, fraction, next_change
 
 __all__ = ["ANY_MODEL", "AdminState", "Backend", "Fleet", "ModelPool"]
 
@@ -136,10 +144,15 @@ def _cum_weights(available: tuple[Backend, ...]) -> list[int]:
 
 
 _RingBuild = Generator[None, None, tuple[Ring, dict[str, Ring]]]
+_Fractions = Mapping[str, tuple[int, int]]
 
 
-def _membership(weights: Mapping[str, int]) -> frozenset[tuple[str, int]]:
-    return frozenset(weights.items())
+def _membership(
+    weights: Mapping[str, int], fractions: _Fractions
+) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, tuple[int, int]]]]:
+    return frozenset(weights.items()), frozenset(
+        (name, part) for name, part in fractions.items() if name in weights
+    )
 
 
 def _run(steps: _RingBuild) -> tuple[Ring, dict[str, Ring]]:
@@ -171,15 +184,20 @@ class Fleet:
         "_available",
         "_building",
         "_changes",
+        "_clock",
         "_created",
         "_pool_rings",
+        "_ramp_timer",
+        "_steps",
         "_waiters",
         "any_model",
         "backends",
         "cum_weights",
         "loads",
         "pools",
+        "ramps",
         "ring",
+        "slow_start",
         "unavailable",
         "waiting",
     )
@@ -190,8 +208,23 @@ class Fleet:
     # pure Python, so the loop waits at most about this plus one step.
     SLICE_SECONDS = 0.002
 
-    def __init__(self, specs: Iterable[BackendSpec] = (), *, vnodes: int = DEFAULT_VNODES):
+    def __init__(
+        self,
+        specs: Iterable[BackendSpec] = (),
+        *,
+        vnodes: int = DEFAULT_VNODES,
+        slow_start: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ):
         self.backends: dict[str, Backend] = {}
+        # Slow start: the window of a recovery ramp (0: none), the clock ramps are
+        # read on (unix seconds: every process of a host and every replica share
+        # it), the ramps under way and the step each is at.
+        self.slow_start = slow_start
+        self._clock = clock
+        self.ramps: dict[str, Ramp] = {}
+        self._steps: dict[str, tuple[int, int]] = {}
+        self._ramp_timer: asyncio.TimerHandle | None = None
         self.loads = LoadTracker()  # requests in flight
         self.waiting = LoadTracker()  # of those, not yet answered (ConcurrencyScope PREFILL)
         weights: dict[str, int] = {}
@@ -216,16 +249,21 @@ class Fleet:
 
     # -- changes ---------------------------------------------------------------
 
-    def add(self, spec: BackendSpec) -> Backend:
+    def add(self, spec: BackendSpec, ramp: Ramp | None = None) -> Backend:
+        """Add a backend; with ``ramp``, its ring share ramps up (slow start)."""
         if spec.name in self.backends:
             raise KeyError(f"backend {spec.name!r} already exists")
         check_weight(spec.name, spec.weight)
         backend = self.backends[spec.name] = Backend(spec)
+        if ramp is not None:
+            self._start_ramp(spec.name, ramp)
         self._ring_changed()
         return backend
 
     def remove(self, name: str) -> Backend:
         backend = self.backends.pop(name)
+        self.ramps.pop(name, None)
+        self._steps.pop(name, None)
         self._ring_changed()
         return backend
 
@@ -243,11 +281,102 @@ class Fleet:
             self.backends[name].state = state
         self._refresh()
 
-    def set_healthy(self, name: str, healthy: bool) -> None:
+    def set_healthy(self, name: str, healthy: bool, *, since: float | None = None) -> None:
+        """Mark a backend up or down.  Up again with a slow-start window, it ramps
+        from ``since`` (default now: a supervisor passes its own to its workers)."""
         backend = self.backends.get(name)
-        if backend is not None and backend.healthy != healthy:
-            backend.healthy = healthy
-            self._refresh()
+        if backend is None or backend.healthy == healthy:
+            return
+        backend.healthy = healthy
+        window = self.window(backend.spec)
+        if healthy and window > 0:
+            start = self._clock() if since is None else since
+            if self._start_ramp(name, Ramp(start, window)):
+                self._ring_changed()
+                return
+        elif not healthy:
+            # Skipped while down; its next recovery ramps again from its own start.
+            self.ramps.pop(name, None)
+            if self._steps.pop(name, None) is not None:
+                self._ring_changed()
+                return
+        self._refresh()
+
+    def window(self, spec: BackendSpec) -> float:
+        """The slow-start window of a backend (0: none): its own, else the fleet's."""
+        override = spec.health
+        if override is not None and override.slow_start is not None:
+            return override.slow_start_seconds
+        return self.slow_start
+
+    def ramp_for(self, spec: BackendSpec) -> Ramp | None:
+        """The slow start of ``spec`` added now (None: at once), for the add op."""
+        window = self.window(spec)
+        return Ramp(self._clock(), window) if window > 0 else None
+
+    def set_ramp(self, name: str, ramp: Ramp) -> None:
+        """Take over a ramp under way (a worker that starts mid-ramp)."""
+        if name in self.backends and self._start_ramp(name, ramp):
+            self._ring_changed()
+
+    def effective_weight(self, name: str) -> float:
+        """The weight ``name``'s ring points stand for now (its weight once ramped)."""
+        weight = self.backends[name].weight
+        part = self._steps.get(name)
+        return weight if part is None else weight * part[0] / part[1]
+
+    # -- slow start ------------------------------------------------------------
+
+    def _start_ramp(self, name: str, ramp: Ramp) -> bool:
+        """Record ``ramp``; True if it is under way now (the ring must follow)."""
+        part = fraction(ramp, self._clock())
+        if part is None:
+            self.ramps.pop(name, None)
+            return self._steps.pop(name, None) is not None
+        self.ramps[name] = ramp
+        self._steps[name] = part
+        self._schedule_step()
+        return True
+
+    def _schedule_step(self) -> None:
+        """A timer to the next step boundary of any ramp (one timer for all)."""
+        if self._ramp_timer is not None:
+            self._ramp_timer.cancel()
+            self._ramp_timer = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (start-up, tools): stepped on the next change
+            return
+        now = self._clock()
+        changes = [t for r in self.ramps.values() if (t := next_change(r, now)) is not None]
+        if changes:
+            # 1 ms past the boundary: float rounding must not leave the step unchanged.
+            delay = max(0.0, min(changes) - now) + 0.001
+            self._ramp_timer = loop.call_later(delay, self._step)
+
+    def _step(self) -> None:
+        self._ramp_timer = None
+        now = self._clock()
+        changed = False
+        for name, ramp in list(self.ramps.items()):
+            part = fraction(ramp, now)
+            if part is None:
+                del self.ramps[name]
+            if self._steps.get(name) != part:
+                changed = True
+                if part is None:
+                    del self._steps[name]
+                else:
+                    self._steps[name] = part
+        self._schedule_step()
+        if changed:
+            self._ring_changed()
+
+    def close(self) -> None:
+        """Stop the ramp timer (the router stops)."""
+        if self._ramp_timer is not None:
+            self._ramp_timer.cancel()
+            self._ramp_timer = None
 
     async def settled(self) -> None:
         """Return once the published ring has every change made before this call."""
@@ -328,7 +457,7 @@ class Fleet:
     def _rebuild(self) -> None:
         goal = self._changes
         weights = {name: b.weight for name, b in self.backends.items()}
-        steps = self._build(weights, self._pool_weights())
+        steps = self._build(weights, self._pool_weights(), fractions=dict(self._steps))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (start-up, tools): build it now
@@ -338,23 +467,29 @@ class Fleet:
         loop.call_soon(self._slice, loop, steps, goal)
 
     def _build(
-        self, weights: dict[str, int], pools: dict[str, dict[str, int]], ring: Ring | None = None
+        self,
+        weights: dict[str, int],
+        pools: dict[str, dict[str, int]],
+        ring: Ring | None = None,
+        fractions: _Fractions | None = None,
     ) -> _RingBuild:
         """The fleet's ring, then each pool's ring.  A ring is a function of its
         members and weights, so pools with the same ones share one (a backend's
         LoRA adapters, a fleet where every backend serves one model: the fleet's
         ring), an unchanged pool keeps its own, and a new one reuses the point
-        hashes of the fleet's.  ``ring``: the fleet's, already built."""
+        hashes of the fleet's.  ``ring``: the fleet's, already built.  ``fractions``:
+        the ramps' steps (slow start)."""
+        fractions = fractions or {}
         if ring is None:
-            ring = yield from self.ring.steps_to(weights)
-        known = {_membership(old.weights): old for old in self._pool_rings.values()}
-        known[_membership(weights)] = ring
+            ring = yield from self.ring.steps_to(weights, fractions)
+        known = {_membership(old.weights, old.fractions): old for old in self._pool_rings.values()}
+        known[_membership(weights, fractions)] = ring
         rings: dict[str, Ring] = {}
         for model, members in pools.items():
-            key = _membership(members)
+            key = _membership(members, fractions)
             pool_ring = known.get(key)
             if pool_ring is None:
-                pool_ring = known[key] = yield from ring.steps_to(members)
+                pool_ring = known[key] = yield from ring.steps_to(members, fractions)
             rings[model] = pool_ring
         return ring, rings
 

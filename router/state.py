@@ -28,6 +28,7 @@ from typing import Literal
 import msgspec
 
 from .config import BackendSpec, HealthOverride, RoutingConfig
+from .slowstart import Ramp
 
 __all__ = ["SavedBackend", "State", "StateError", "StateFile"]
 
@@ -45,19 +46,27 @@ class SavedBackend(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit
     state: Literal["active", "draining"] = "active"
     health: HealthOverride | None = None
     models: tuple[str, ...] = ()
+    # Its slow start when it was added (router.slowstart): every replica that
+    # applies the add ramps it from the same start; one past its end is inert.
+    ramp: Ramp | None = None
 
     @classmethod
     def of(
-        cls, spec: BackendSpec, state: Literal["active", "draining"] = "active", weight: int = 0
+        cls,
+        spec: BackendSpec,
+        state: Literal["active", "draining"] = "active",
+        weight: int = 0,
+        ramp: Ramp | None = None,
     ) -> SavedBackend:
         """``spec`` as saved, in ``state``, with ``weight`` if given (a live change)."""
         weight = weight or spec.weight
-        return cls(spec.name, spec.url, weight, state, spec.health, spec.models)
+        return cls(spec.name, spec.url, weight, state, spec.health, spec.models, ramp)
 
     def spec(self) -> BackendSpec:
         """The backend as the admin API accepted it (validated again on load)."""
         data = msgspec.to_builtins(self)
         data.pop("state", None)
+        data.pop("ramp", None)
         return msgspec.convert(data, BackendSpec)
 
 

@@ -288,6 +288,7 @@ class Workers:
             table_rows=self.table.rows,
             table_slots=SLOTS,
             responses=router.responses.snapshot(),
+            ramps=dict(fleet.ramps),
         )
 
     async def _spawn(self, worker: _Worker) -> None:
@@ -397,7 +398,7 @@ class Workers:
             slot = self._take_slot(op.spec.name)
             for tracker in self._trackers:
                 tracker.assign(op.spec.name, slot)
-            return AddBackend(op.spec, slot)
+            return AddBackend(op.spec, slot, op.ramp)
         if isinstance(op, RemoveBackend):
             slot = self.slots.pop(op.name)
             for tracker in self._trackers:
@@ -443,7 +444,9 @@ class Workers:
         return asyncio.gather(*self._ask(lambda seq: Apply(seq, op)))
 
     def _health_changed(self, name: str, healthy: bool) -> None:
-        healthy_op = SetHealthy(name, healthy)
+        # A recovery ramp (slow start) runs from the moment the supervisor saw it up.
+        ramp = self.router.fleet.ramps.get(name) if healthy else None
+        healthy_op = SetHealthy(name, healthy, ramp.start if ramp is not None else None)
         self._ask(lambda seq: Apply(seq, healthy_op))  # nobody waits: futures resolve on ack
 
     # -- reads ----------------------------------------------------------------------

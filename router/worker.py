@@ -166,6 +166,8 @@ class _Worker:
         fleet.set_states(init.draining, AdminState.DRAINING)
         for name in init.unhealthy:
             fleet.set_healthy(name, False)
+        for name, ramp in init.ramps.items():
+            fleet.set_ramp(name, ramp)
         router.health = ReportedHealth(fleet, router, channel)
         fleet.loads.on_idle = self._idle
         router.tenants.deltas = True  # the supervisor keeps the sums (router.tenants)

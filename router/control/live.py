@@ -221,6 +221,8 @@ class RouterControl:
     def _view(self, backend: Backend, total: int) -> BackendView:
         """``total``: requests routed to all backends (``share``'s denominator)."""
         router = self._router
+        fleet = router.fleet
+        ramp = fleet.ramps.get(backend.name)
         window = list(router.recorder.windows.get(backend.name, ()))
         scraped = router.health.scraped.get(backend.name)
         return BackendView(
@@ -244,6 +246,8 @@ class RouterControl:
             models=list(backend.spec.models),
             prefix_cache=router.health.cache.status(backend.name),
             prefix_cache_check=router.health.cache.view(backend),
+            effective_weight=fleet.effective_weight(backend.name),
+            slow_start_ends=ramp.start + ramp.seconds if ramp is not None else None,
         )
 
     # -- changes -------------------------------------------------------------------
@@ -303,7 +307,7 @@ class RouterControl:
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
             )
-            await self._apply(AddBackend(spec))
+            await self._apply(AddBackend(spec, ramp=self._router.fleet.ramp_for(spec)))
             backend = self._router.fleet.backends[spec.name]
             log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
             return self._view(backend, self._total_requests())

@@ -14,6 +14,10 @@ Contract:
   ``Fleet`` does: the sources check first, so that is a bug, not an input.
 - ``AddBackend.slot`` is the backend's column in a shared in-flight table
   (``--workers N``), chosen by the supervisor; -1 where there is none.
+- Slow start (``router.slowstart``): ``AddBackend.ramp`` is the newcomer's
+  ramp, made once by whoever accepted the add (so every worker and replica
+  ramps it alike); ``SetHealthy.since`` is when the supervisor saw a backend
+  up again, from which its workers ramp it (None: at once, or now).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import msgspec
 
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..fleet import AdminState
+from ..slowstart import Ramp
 
 if TYPE_CHECKING:
     from ..app import Router
@@ -44,6 +49,7 @@ __all__ = [
 class AddBackend(msgspec.Struct, tag=True, frozen=True):
     spec: BackendSpec
     slot: int = -1
+    ramp: Ramp | None = None
 
 
 class RemoveBackend(msgspec.Struct, tag=True, frozen=True):
@@ -63,6 +69,7 @@ class SetState(msgspec.Struct, tag=True, frozen=True):
 class SetHealthy(msgspec.Struct, tag=True, frozen=True):
     name: str
     healthy: bool
+    since: float | None = None  # up again at (unix seconds): a slow start's ramp begins
 
 
 class SetRouting(msgspec.Struct, tag=True, frozen=True):
@@ -84,16 +91,16 @@ def apply(router: Router, op: Op) -> None:
     """Make the change ``op`` describes (the ring follows in the background)."""
     fleet = router.fleet
     match op:
-        case AddBackend(spec=spec):
-            router.add_backend(spec)
+        case AddBackend(spec=spec, ramp=ramp):
+            router.add_backend(spec, ramp)
         case RemoveBackend(name=name):
             router.remove_backend(name)
         case SetWeight(name=name, weight=weight):
             fleet.set_weight(name, weight)
         case SetState(name=name, state=state):
             fleet.set_state(name, AdminState(state))
-        case SetHealthy(name=name, healthy=healthy):
-            fleet.set_healthy(name, healthy)
+        case SetHealthy(name=name, healthy=healthy, since=since):
+            fleet.set_healthy(name, healthy, since=since)
         case SetRouting(routing=routing):
             router.configure_routing(routing)
         case SetSettings(timeouts=timeouts, limits=limits, retries=retries):

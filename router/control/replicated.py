@@ -110,7 +110,7 @@ class ReplicatedControl(RouterControl):
 
     @staticmethod
     def _diff_new(saved: SavedBackend) -> list[Op]:
-        ops: list[Op] = [AddBackend(saved.spec())]
+        ops: list[Op] = [AddBackend(saved.spec(), ramp=saved.ramp)]
         if saved.state != "active":
             ops.append(SetState(saved.name, saved.state))
         return ops
@@ -150,7 +150,8 @@ class ReplicatedControl(RouterControl):
         await self.refuse_own_address(spec)
         store = self.store
         assert store is not None
-        saved = SavedBackend.of(spec)
+        # The ramp travels in etcd: every replica applies the add with this start.
+        saved = SavedBackend.of(spec, ramp=self._router.fleet.ramp_for(spec))
         await self._write(store.add_backend(saved))
         log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
         return await self.backend(spec.name)
