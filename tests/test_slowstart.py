@@ -102,7 +102,8 @@ def test_a_fraction_adds_only_the_ramping_members_first_points() -> None:
         assert previous <= owned
         assert all(ring.primary(k) == base.primary(k) for k in keys if k not in owned)
         previous = owned
-    assert previous == {k for k in keys if Ring({**old, "new": 1}).primary(k) == "new"}
+    whole = Ring({**old, "new": 1})
+    assert previous == {k for k in keys if whole.primary(k) == "new"}
 
 
 # -- the daemon ----------------------------------------------------------------------
