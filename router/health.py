@@ -30,13 +30,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .cachecheck import CacheCheck
 from .log import get_logger
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from .config import HealthConfig
     from .fleet import Backend, Fleet
 
@@ -115,6 +116,10 @@ class HealthMonitor:
     # -- lifecycle ----------------------------------------------------------------
 
     def start(self) -> None:
+        # Imported here: a worker process never probes (its supervisor does), and
+        # aiohttp is ~0.25 s of every worker's start-up (a restart, a test's daemon).
+        import aiohttp
+
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64, force_close=True),
             skip_auto_headers=("User-Agent",),
@@ -231,6 +236,8 @@ class HealthMonitor:
         path = (override and override.path) or self.config.path
         timeout = (override and override.timeout) or self.config.timeout
         assert self._session is not None
+        import aiohttp  # loaded by start()
+
         try:
             async with self._session.get(
                 backend.url.rstrip("/") + path,
@@ -290,6 +297,8 @@ class HealthMonitor:
         if backend is None:
             return False
         url = backend.url.rstrip("/") + "/metrics"
+        import aiohttp  # loaded by start()
+
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
         try:
             async with self._session.get(url, timeout=timeout) as response:
