@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,17 +27,6 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 BATCH = 10
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    assert BINARY is not None
-    server = EtcdServer(BINARY, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 def document(i: int) -> str:

