@@ -17,7 +17,8 @@ Contract:
   every backend's ``/metrics`` at once for vLLM's (or SGLang's) prefix-cache
   and queue figures.  Before it, ``before_round`` (a supervisor: add up the
   workers' counts) runs and each backend's repeated-key counts are read;
-  after it ``cache`` (``router.cachecheck``) judges each backend.
+  after it ``cache`` (``router.cachecheck``) judges each backend and
+  ``after_round`` gets the backends read (``router.arms``: the arms' hit rates).
 - Everything here runs on the control side of the loop: tasks and timers, no
   work on the request path beyond two integer updates per request.
 """
@@ -104,6 +105,8 @@ class HealthMonitor:
         self.cache = CacheCheck(config.scrape_metrics)
         # Awaited before each scrape round (a supervisor adds up its workers' counts).
         self.before_round: Callable[[], Awaitable[None]] | None = None
+        # Called after each round with the backends read in it (router.arms' hit rates).
+        self.after_round: Callable[[list[str]], None] | None = None
         self._rounds: asyncio.Task[None] | None = None
         self.rounds = 0  # scrape rounds done (``wait`` re-checks after each)
         self._watches: dict[str, _Watch] = {}
@@ -287,6 +290,8 @@ class HealthMonitor:
             scraped = self.scraped.get(backend.name)  # None: removed meanwhile
             if fresh and scraped is not None:
                 self.cache.judge(backend, sent, answered, scraped if ok else None)
+        if fresh and self.after_round is not None:
+            self.after_round([b.name for b, ok in zip(backends, read, strict=True) if ok])
         self.rounds += 1
         self._changed()
 
