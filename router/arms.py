@@ -34,8 +34,9 @@ Contract:
   afresh.  Without Arms the experiment ends and its counts go with it.
 - Accounting (``ArmStats``), once per request at its end, per process:
   requests, 5xx answers, repeats (router.cachecheck), per backend the
-  requests and the request bytes of 2xx answers, a TTFT histogram and a
-  bottom-k sample of the TTFTs of 2xx answers (router.abtest).  With
+  requests, a TTFT histogram and a bottom-k sample of the TTFTs of 2xx
+  answers (router.abtest); and at a 2xx answer's first body byte, the
+  request's bytes on its backend (the hit-rate cells, below).  With
   ``--workers N`` each worker reports its totals and the supervisor adds
   them up (``absorb``); with replicas each reports its own and
   ``prefix-router ab-report`` merges them.
@@ -50,9 +51,11 @@ Contract:
   land on different backends); with too few cells, or a mix that never
   varies, the rate is unknown (None).  What it assumes: an arm's hit rate is
   the same on every backend and round, its bytes per token are the other
-  arms', and a request is counted in the round its answer ended (vLLM
-  counts hits at prefill, SGLang at the end: a round boundary in between
-  moves a request's hits to the next cell).
+  arms', and a request is counted in the round its first byte came (vLLM
+  counts hits when it schedules the prefill, SGLang at the request's end: a
+  round boundary in between moves a request's hits to another cell than its
+  bytes, noise that shrinks the arms' rates towards each other; the longer
+  the scrape interval against a prefill, the less of it).
 """
 
 from __future__ import annotations
@@ -177,12 +180,19 @@ class ArmStats:
         if row is None:
             row = self.backends[choice.backend.name] = [0, 0]
         row[0] += 1
+        if 200 <= status < 300 and exchange.ttft:
+            seconds = exchange.ttft - exchange.started
+            self.ttft.observe(seconds)
+            self._keep(random.random(), seconds * 1000)
+
+    def prefilled(self, backend: str, status: int, sent: int) -> None:
+        """A 2xx answer's first body byte: its engine has done (and counted) its prefill,
+        so its ``sent`` request bytes go to that backend's hit-rate cell now."""
         if 200 <= status < 300:
-            row[1] += exchange.bytes_in
-            if exchange.ttft:
-                seconds = exchange.ttft - exchange.started
-                self.ttft.observe(seconds)
-                self._keep(random.random(), seconds * 1000)
+            row = self.backends.get(backend)
+            if row is None:
+                row = self.backends[backend] = [0, 0]
+            row[1] += sent
 
     def _keep(self, priority: float, value: float) -> None:
         heap = self._heap

@@ -798,6 +798,8 @@ class Exchange(LazyDeadline):
             # head before prefill, their first SSE event after it.
             assert self.choice is not None
             self.choice.first_byte()  # ConcurrencyScope PREFILL lets go of its lease
+            if self.arm is not None:  # its engine has counted its prefix-cache hits by now
+                self.arm.stats.prefilled(self.choice.backend.name, self.status, self.bytes_in)
         self.bytes_out += len(data)
         if self._scan is not None:
             self._learn(self._scan, data)
