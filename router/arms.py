@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import mmh3
 import msgspec
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -116,7 +117,9 @@ TEST = (
     " on the TTFT samples of 2xx answers; each arm against the first, significant below"
     " alpha = 0.05 / (arms - 1) (Bonferroni)"
 )
-_TWO_64 = float(1 << 64)
+_INV_2_64 = 1.0 / (1 << 64)
+_log = math.log
+_murmur = mmh3.mmh3_x64_128_utupledigest  # hash_key's, without its call: once per arm
 
 
 def arm_seed(experiment: str, name: str) -> int:
@@ -129,12 +132,11 @@ def rendezvous(key_hash: int, seeds: Sequence[int], weights: Sequence[float]) ->
     data = key_hash.to_bytes(8, "little")
     best, best_score = 0, math.inf
     for index, weight in enumerate(weights):
-        if weight <= 0:
-            continue
-        # (h + 0.5) / 2^64 is in (0, 1): never a log of 0.
-        score = -math.log((hash_key(data, seeds[index]) + 0.5) / _TWO_64) / weight
-        if score < best_score:
-            best, best_score = index, score
+        if weight > 0:
+            # (h + 0.5) / 2^64 is in (0, 1): never a log of 0.
+            score = _log((_murmur(data, seeds[index])[0] + 0.5) * _INV_2_64) / -weight
+            if score < best_score:
+                best, best_score = index, score
     return best
 
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -103,6 +104,12 @@ async def arm_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, 
     return str(answer["arm"])
 
 
+async def digest_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, doc: str) -> str:
+    dry = {"method": "POST", "path": "/v1/chat/completions", "body": body(doc)}
+    _, answer = await admin_call(http, proc, "POST", "/admin/route", dry)
+    return str(answer["key"]["digest"])  # type: ignore[index]
+
+
 async def ab(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> dict[str, Any]:
     status, view = await admin_call(http, proc, "GET", "/admin/ab")
     assert status == 200, view
@@ -122,13 +129,15 @@ async def report(*procs: asyncio.subprocess.Process) -> dict[str, Any]:
 
 
 async def test_two_workers_route_each_key_by_its_arm_and_count_it_there(
-    sim_fleet: SimFleet,
+    sim_fleet: SimFleet, tmp_path: Path
 ) -> None:
     """~9 s: one daemon with two workers serves the whole operator's session (a bad
     PUT, the experiment, 72 requests, every read, the report, a weight change)."""
     sims = await sim_fleet(3)
+    access = tmp_path / "access.log"
     proc, port = await spawn_router(
         *("--workers", "2", "--scrape-metrics", "--scrape-interval", "0.1"),
+        *("--access-log", str(access)),
         *(arg for s in sims for arg in ("--backend", f"{s.name}={s.url}")),
     )
     openai = client(port)
@@ -154,6 +163,7 @@ async def test_two_workers_route_each_key_by_its_arm_and_count_it_there(
             docs = [document(i) for i in range(DOCS)]
             arms = {doc: await arm_of(http, proc, doc) for doc in docs}
             assert set(arms.values()) == {"control", "prefix"}, arms
+            digests = {await digest_of(http, proc, doc): arms[doc] for doc in docs}
 
             answered: dict[str, Counter[str]] = {doc: Counter() for doc in docs}
             for _ in range(ROUNDS):
@@ -216,6 +226,11 @@ async def test_two_workers_route_each_key_by_its_arm_and_count_it_there(
     finally:
         await openai.close()
         await stop(proc)
+    # Every request's access line names the arm the dry run gave its key (both workers').
+    lines = [json.loads(line) for line in access.read_text().splitlines()]
+    logged = Counter((digests[line["prefix_hash"]], line["arm"]) for line in lines)
+    assert set(logged) == {("control", "control"), ("prefix", "prefix")}
+    assert logged.total() == DOCS * ROUNDS
 
 
 async def test_replicas_assign_a_key_to_one_arm_and_the_report_adds_them_up(
