@@ -14,6 +14,11 @@ for fleets of 7, 64 and 1,024 members, BalanceMode IN_FLIGHT and TRAFFIC; each
 figure the median over --repeats runs (the machine is shared). Bodies differ
 per request (distinct questions, 200 distinct system prompts) so no cache of
 ours or the CPU's flatters the figure.
+
+With ``--arms N`` it then prints what an A/B experiment of N arms (router.arms)
+adds: the decision with the key's arm assigned and routed by that arm's
+balancer (as ``Exchange._balancer``), against the same decision without an
+experiment, alternated pair by pair; and the assignment alone.
 """
 
 from __future__ import annotations
@@ -114,12 +119,65 @@ def decide_all(chooser: Balancer, items: list[bytes]) -> None:
         choice.release()
 
 
+def experiment_balancer(members: int, arms: int) -> Balancer:
+    """The fleet of ``balancer(members, "TRAFFIC")`` with ``arms`` PREFIX_AWARE arms."""
+    specs = [BackendSpec(f"instance-{i}", f"http://127.0.0.1:{10000 + i}") for i in range(members)]
+    routing = parse_routing(
+        {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {"PrefixLength": PREFIX_LENGTH},
+            "Experiment": "bench",
+            "Arms": [{"Name": f"arm{i}", "Weight": 1} for i in range(arms)],
+        }
+    )
+    return Balancer(Fleet(specs), routing, seed=1)
+
+
+def decide_armed(chooser: Balancer, items: list[bytes]) -> None:
+    experiment = chooser.arms
+    assert experiment is not None
+    for body in items:
+        request = decode_openai(body)
+        key = prompt_key(request, PREFIX_LENGTH)
+        key_hash = hash_key(key, tenant_seed(request.prompt_cache_key))
+        choice = experiment.assign(key_hash).balancer.choose(key_hash)
+        assert choice is not None
+        choice.release()
+
+
+def assign_all(chooser: Balancer, hashes: list[int]) -> None:
+    experiment = chooser.arms
+    assert experiment is not None
+    for key_hash in hashes:
+        experiment.assign(key_hash)
+
+
+def arms_cost(arms: int, items: list[bytes], hashes: list[int], repeats: int) -> None:
+    n = len(items)
+    plain, armed = balancer(64, "TRAFFIC"), experiment_balancer(64, arms)
+    without, with_arms = [], []
+    for _ in range(repeats):  # alternated: the shared machine drifts between runs
+        without.append(median_ns_per_item(partial(decide_all, plain, items), n, 1))
+        with_arms.append(median_ns_per_item(partial(decide_armed, armed, items), n, 1))
+    assign_ns = median_ns_per_item(partial(assign_all, armed, hashes), n, repeats)
+    hash_ns = median_ns_per_item(
+        partial(hash_all, [(h.to_bytes(8, "little"), None) for h in hashes]), n, repeats
+    )
+    before, after = sorted(without)[repeats // 2], sorted(with_arms)[repeats // 2]
+    print(f"\n# an A/B experiment of {arms} arms, 64 members, TRAFFIC, {repeats} pairs")
+    print("| decision ns, no experiment | with one | ratio | assignment ns | hash_key ns |")
+    print("|---:|---:|---:|---:|---:|")
+    ratio = after / before
+    print(f"| {before:,.0f} | {after:,.0f} | {ratio:.3f} | {assign_ns:,.0f} | {hash_ns:,.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m loadtests.bench_decision", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--arms", type=int, help="also: what an A/B experiment of N arms adds")
     args = parser.parse_args()
     rng = random.Random(1)
     items = bodies(args.requests, rng)
@@ -148,6 +206,8 @@ def main() -> None:
                 f"| {members:,} | {mode} | {extract_ns:,.0f} | {hash_ns:,.0f} "
                 f"| {pick_ns:,.0f} | {total_ns:,.0f} | {hot_ns:,.0f} |"
             )
+    if args.arms:
+        arms_cost(args.arms, items, hashes, args.repeats)
 
 
 if __name__ == "__main__":

@@ -129,14 +129,29 @@ def arm_seed(experiment: str, name: str) -> int:
 
 def rendezvous(key_hash: int, seeds: Sequence[int], weights: Sequence[float]) -> int:
     """The index of the arm ``key_hash`` belongs to (weighted rendezvous hashing)."""
+    return _lowest(key_hash, _table(seeds, weights))
+
+
+_Table = tuple[tuple[int, int, float], ...]  # (index, seed, -1 / weight) of arms with a weight
+
+
+def _table(seeds: Sequence[int], weights: Sequence[float]) -> _Table:
+    return tuple(
+        (index, seed, -1.0 / weight)
+        for index, (seed, weight) in enumerate(zip(seeds, weights, strict=True))
+        if weight > 0
+    )
+
+
+def _lowest(key_hash: int, table: _Table) -> int:
+    """The arm of ``table`` with the lowest score -ln(h) / weight for ``key_hash``."""
     data = key_hash.to_bytes(8, "little")
     best, best_score = 0, math.inf
-    for index, weight in enumerate(weights):
-        if weight > 0:
-            # (h + 0.5) / 2^64 is in (0, 1): never a log of 0.
-            score = _log((_murmur(data, seeds[index])[0] + 0.5) * _INV_2_64) / -weight
-            if score < best_score:
-                best, best_score = index, score
+    for index, seed, scale in table:
+        # (h + 0.5) / 2^64 is in (0, 1): never a log of 0.
+        score = _log((_murmur(data, seed)[0] + 0.5) * _INV_2_64) * scale
+        if score < best_score:
+            best, best_score = index, score
     return best
 
 
@@ -299,7 +314,7 @@ class Arm:
 class Experiment:
     """The arms of a RoutingConfig with ``Arms``, kept across config changes by name."""
 
-    __slots__ = ("_seeds", "_weights", "arms", "attribution", "id")
+    __slots__ = ("_table", "_weights", "arms", "attribution", "id")
 
     def __init__(
         self,
@@ -326,8 +341,8 @@ class Experiment:
         for gone in kept.values():
             gone.retired = True
         self.arms: tuple[Arm, ...] = tuple(arms)
-        self._seeds = tuple(arm.seed for arm in arms)
         self._weights = tuple(arm.weight for arm in arms)
+        self._table = _table([arm.seed for arm in arms], self._weights)
         names = [arm.name for arm in arms]
         self.attribution: HitAttribution = HitAttribution(len(arms))
         if same and previous is not None and [a.name for a in previous.arms] == names:
@@ -335,7 +350,7 @@ class Experiment:
 
     def assign(self, key_hash: int) -> Arm:
         """The arm of a request routed by ``key_hash``."""
-        return self.arms[rendezvous(key_hash, self._seeds, self._weights)]
+        return self.arms[_lowest(key_hash, self._table)]
 
     def retire(self) -> None:
         for arm in self.arms:

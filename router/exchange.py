@@ -116,7 +116,7 @@ _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 if TYPE_CHECKING:
     from msgspec import Raw
 
-    from .arms import Arm
+    from .arms import Arm, Experiment
     from .balancer import Balancer, Choice
     from .client import ClientConnection
     from .fleet import ModelPool
@@ -487,7 +487,9 @@ class Exchange(LazyDeadline):
                 return
             self.pool = members.model
         choice = None
-        balancer = self._balancer()
+        balancer = router.balancer
+        if balancer.arms is not None and self.key_hash is not None:
+            balancer = self._arm_balancer(balancer.arms)  # an A/B experiment's arm's
         response_id = self._response_id
         if response_id is not None and not self._tried:
             name = router.responses.backend_of(response_id)
@@ -518,14 +520,11 @@ class Exchange(LazyDeadline):
             return
         self._dispatch(choice)
 
-    def _balancer(self) -> Balancer:
-        """The balancer that routes this request: its experiment arm's, if any."""
-        balancer = self._router.balancer
-        arms = balancer.arms
-        if arms is None or self.key_hash is None:
-            return balancer
+    def _arm_balancer(self, arms: Experiment) -> Balancer:
+        """A keyed request's arm's balancer: its arm assigned once (again if retired)."""
         arm = self.arm
         if arm is None or arm.retired:
+            assert self.key_hash is not None
             arm = self.arm = arms.assign(self.key_hash)
         return arm.balancer
 
@@ -566,7 +565,10 @@ class Exchange(LazyDeadline):
             self._stop_queue_timer()
             self._unknown_model(model)
             return True
-        choice = self._balancer().choose(self.key_hash, self._tried, members, queue=True)
+        balancer = router.balancer
+        if balancer.arms is not None and self.key_hash is not None:
+            balancer = self._arm_balancer(balancer.arms)
+        choice = balancer.choose(self.key_hash, self._tried, members, queue=True)
         if choice is SATURATED:
             return False
         self._stop_queue_timer()

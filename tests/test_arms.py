@@ -200,6 +200,15 @@ def test_arms_get_their_weights_share_of_keys_whatever_their_order() -> None:
     assert abs(three.count("b") / len(three) - 2 / 3) < 0.01
 
 
+def test_an_experiment_assigns_as_the_rule_says() -> None:
+    routing = parse_routing(experiment(("a", 3, {}), ("b", 0, {}), ("c", 1.5, {})))
+    arms = Balancer(fleet(), routing).arms
+    assert arms is not None
+    seeds = [arm_seed("e1", name) for name in "abc"]
+    for key in KEYS[:2000]:
+        assert arms.assign(key).name == "abc"[rendezvous(key, seeds, [3, 0, 1.5])]
+
+
 def test_a_weight_change_moves_only_the_keys_the_new_shares_need() -> None:
     before = assignments(["control", "prefix"], [90, 10])
     after = assignments(["control", "prefix"], [80, 20])
