@@ -488,12 +488,18 @@ class Workers:
         raise Unavailable("no worker could answer now; retry")
 
     async def refresh(self) -> None:
-        """Add up every worker's accounting into the supervisor's router."""
+        """Add up every worker's accounting into the supervisor's router.
+
+        The supervisor's own fold comes first: every count the answer shows was in
+        the table before any worker folded for it, so a caller who reads a count
+        knows every worker's balancer sees it too.  (Folding after the workers
+        answered could show a lease taken between their folds and this one, which
+        a worker would not see until its next timed fold.)"""
+        for tracker in self._trackers:
+            tracker.fold()
         futures = self._ask(Query)
         reports = [r for r in await asyncio.gather(*futures) if isinstance(r, Report)]
         self._merge(reports)
-        for tracker in self._trackers:
-            tracker.fold()
 
     def _merge(self, reports: list[Report]) -> None:
         router = self.router
