@@ -334,10 +334,7 @@ async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
         await stop(proc)
 
 
-# One worker only: with two, a new key's first home comes from each worker's own
-# recent shares (TRAFFIC mode), which lag the other worker's by a fold, so the dry
-# run (one worker) and the request (either) can disagree; seen once in CI.
-@pytest.mark.parametrize("workers", [1])
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_session_keys_are_explained_as_the_data_path_keys_them(
     workers: int, sim_fleet: SimFleet, tmp_path: Path
 ) -> None:
@@ -360,6 +357,11 @@ async def test_session_keys_are_explained_as_the_data_path_keys_them(
             for i, session in enumerate(("s-1", "s-2", "s-3")):
                 headers = {"X-Session-Id": session}
                 prompts = PROMPTS[i], PROMPTS[i + 3]  # two turns, unrelated prompts
+                # A new key's first home comes from the recent shares of the worker
+                # that routes it: a barrier first, so that both workers' shares hold
+                # every request so far and the one that answers the dry run places
+                # it where the one that takes the request will.
+                await admin_call(http, proc, "GET", "/admin/stats")
                 first = await explain(http, proc, dry(chat(prompts[0]), headers=headers))
                 key = first["key"]
                 assert key["source"] == "header"
@@ -395,6 +397,7 @@ async def test_session_keys_are_explained_as_the_data_path_keys_them(
             # prompt_cache_key first: the prompt's prefix, salted by it; the header is
             # not the key then.
             cached = chat(PROMPTS[0], prompt_cache_key="tenant-a")
+            await admin_call(http, proc, "GET", "/admin/stats")  # a new key: as above
             salted = await explain(http, proc, dry(cached, headers={"X-Session-Id": "s-1"}))
             key = salted["key"]
             assert key["source"] == "prompt_cache_key"
