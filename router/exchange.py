@@ -55,7 +55,7 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
   /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
   Where it declares none, nothing of this happens (no read of ``model``).
-- Tenants (``router.tenants``, ``router.queue``): ``tenant_key`` is the
+- Tenants (``router.tenants``, ``router.queue``, ``router.cachesalt``): ``tenant_key`` is the
   ``[tenants] header`` when configured and sent, else the routing salt's key
   (``prompt_cache_key`` or the SageMaker header), else None.  With the
   admission queue on, a keyed request's first routing attempt that finds every
@@ -444,8 +444,10 @@ class Exchange(LazyDeadline):
         self._request.chunked = False
         salter = self._router.salter
         if salter is not None and not (client_salt and salter.keep_client):
-            tenant_key = prompt_cache_key if prompt_cache_key is not None else self._request.tenant
-            self._body, added = salted_body(self._body, salter.member(tenant_key))
+            # The request's tenant, as the metrics and the queue see it: the
+            # configured tenant header (an identity a gateway sets) before the
+            # routing salt's key, which any client may choose.
+            self._body, added = salted_body(self._body, salter.member(self.tenant_key))
             self._request.content_length += added
         if previous_response_id is not None and self.path == b"/v1/responses":
             self._response_id = previous_response_id
