@@ -70,19 +70,20 @@ async def explain(
     return answer
 
 
+async def spawn_logged(
+    sims: list[Any], workers: int, log: Path
+) -> tuple[asyncio.subprocess.Process, int]:
+    """``serve`` in front of ``sims`` with ``workers`` workers, its access log at ``log``."""
+    backends = (f"--backend={s.name}={s.url}" for s in sims)
+    return await spawn_router(*backends, "--workers", str(workers), "--access-log", str(log))
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing(
     workers: int, sim_fleet: SimFleet, tmp_path: Path
 ) -> None:
-    sims = await sim_fleet(3)
     log = tmp_path / "access.log"
-    proc, port = await spawn_router(
-        *(f"--backend={s.name}={s.url}" for s in sims),
-        "--workers",
-        str(workers),
-        "--access-log",
-        str(log),
-    )
+    proc, port = await spawn_logged(await sim_fleet(3), workers, log)
     try:
         async with client(port) as via, aiohttp.ClientSession() as http:
             for prompt in PROMPTS:
@@ -342,15 +343,8 @@ async def test_session_keys_are_explained_as_the_data_path_keys_them(
     # session header keys every request of its session alike, whatever its prompt,
     # and a prompt_cache_key comes first; each dry run names the access log's
     # key_source and digest, and the request then goes where it said.
-    sims = await sim_fleet(3)
     log = tmp_path / "access.log"
-    proc, port = await spawn_router(
-        *(f"--backend={s.name}={s.url}" for s in sims),
-        "--workers",
-        str(workers),
-        "--access-log",
-        str(log),
-    )
+    proc, port = await spawn_logged(await sim_fleet(3), workers, log)
     expected: dict[str, dict[str, Any]] = {}  # by the prompt sent
     try:
         async with client(port) as via, aiohttp.ClientSession() as http:
