@@ -18,9 +18,16 @@ Contract:
   fleet, not one replica (SageMaker's semantics).  The remote row is written
   by this process alone, so it needs no atomics.
 - The estimate: another replica's row as published, plus what this replica's
-  own counts gained per backend since that row arrived (a loss counts as
-  none: no replica's request is taken as finished before its row says so);
-  rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
+  own counts gained per backend since that row was published (a loss counts
+  as none: no replica's request is taken as finished before its row says
+  so); rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
+  "Since published": a row carries its wall-clock time (``Row.at``), and each
+  replica keeps its own counts of the last ``HISTORY`` periods, so the time a
+  row spent in etcd's watch and this loop's queue counts as what it is, the
+  others' gains, not as nothing.  A row from an older version (no time), one
+  older than the history, or a first row before any history is based on the
+  oldest or current counts at hand.  Hosts' clocks are taken to agree within
+  a few ms (NTP); a skew shifts the base by as much.
   Why: a published row is up to ``PERIOD`` + the watch's delay old, and every
   replica reads the same old rows, so all of them see the first members of a
   hot key's walk below the threshold and each adds its own requests on top
@@ -61,7 +68,8 @@ import asyncio
 import contextlib
 import os
 import random
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 
 import msgspec
@@ -82,6 +90,10 @@ TTL = 3
 # How often the remote row follows this replica's own counts between the
 # others' rows: the workers' fold period, so each fold sees a fresh estimate.
 EXTRAPOLATE_PERIOD = DEFAULT_PERIOD
+# This replica's own counts kept for basing the estimate at a row's publish
+# time: one a period, 0.5 s (a row older than that on arrival is based on the
+# oldest: the estimate then counts less than it could, never more).
+HISTORY = round(0.5 / EXTRAPOLATE_PERIOD)
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
 
 
@@ -97,6 +109,7 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     records: list[FleetRecord] = []  # TRAFFIC placements since the last write
     responses: list[Learnt] = []  # Responses API ids learnt since the last write
     pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
+    at: float = 0.0  # wall-clock time of the counts (0: a version that did not say)
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
         """This row carrying ``records`` (the fleet's in ``records``, the pools' apart)
@@ -135,8 +148,10 @@ class Replicas:
         self.slots = slots
         self.applied = applied
         self.others: dict[str, Row] = {}
-        # This replica's own counts, per plane, when each other replica's row arrived.
+        # This replica's own counts, per plane, when each other replica's row was
+        # published (as ``_history`` has them), and the last HISTORY periods' counts.
         self._bases: dict[str, list[dict[str, int]]] = {}
+        self._history: deque[tuple[float, list[dict[str, int]]]] = deque(maxlen=HISTORY)
         self._lease = 0
         self._published: Row | None = None
         self._records: list[Record] = []
@@ -208,7 +223,9 @@ class Replicas:
                 records, self._records = self._records, []
                 responses, self._responses = self._responses, []
                 if records or responses or row != self._published:
-                    value = row.with_records(records, responses) if records or responses else row
+                    value = msgspec.structs.replace(row, at=time.time())
+                    if records or responses:
+                        value = value.with_records(records, responses)
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
@@ -265,9 +282,24 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        self._bases[replica] = self.local()
+        self._bases[replica] = self._local_at(row.at)
         if (row.records or row.pool_records or row.responses) and self.on_records is not None:
             self.on_records(row.placements(), row.responses)
+
+    def remember(self, now: float, local: list[dict[str, int]]) -> None:
+        """Keep ``local`` as this replica's own counts at wall-clock ``now``."""
+        self._history.append((now, local))
+
+    def _local_at(self, at: float) -> list[dict[str, int]]:
+        """This replica's own counts as of wall-clock ``at``: the last kept at or
+        before it, the oldest kept if it is older, now without a time or history."""
+        history = self._history
+        if not at or not history:
+            return self.local()
+        for kept, counts in reversed(history):
+            if kept <= at:
+                return counts
+        return history[0][1]
 
     def estimate(self, local: list[dict[str, int]] | None = None) -> list[Counter[str]]:
         """The other replicas' counts per plane, as the contract estimates them."""
@@ -300,10 +332,11 @@ class Replicas:
         written: list[dict[str, int]] | None = None
         while True:
             await asyncio.sleep(EXTRAPOLATE_PERIOD)  # a period, not a wait for an event
+            local = self.local()
+            self.remember(time.time(), local)
             if not self.others:
                 written = None
                 continue
-            local = self.local()
             if local != written:
                 self._write_remote(local)
                 written = local
