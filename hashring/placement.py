@@ -84,6 +84,8 @@ from .ring import Ring
 
 __all__ = ["Placement"]
 
+_new_pick = tuple.__new__  # NamedTuple's __new__ is Python code (hashring.bounded)
+
 DEFAULT_CAPACITY = 1 << 16
 WINDOW_PER_MEMBER = 100
 MIN_WINDOW = 1024
@@ -392,27 +394,36 @@ class Placement:
         ranks: Mapping[str, int] | None,
     ) -> Pick | None:
         recent = self._counts
-        best = plain = -1  # positions: the least loaded, and the same without ranks
-        best_load: tuple[int, ...] = ()
-        plain_load: tuple[int, int] = (0, 0)
+        # Positions: the least loaded by (in flight, recent), and by (in flight, rank,
+        # recent) with ranks; integers compared, no tuple a replica.
+        plain = best = -1
+        plain_load = plain_recent = best_load = best_rank = best_recent = 0
         for position in positions:  # counting only replicas not avoided, as walks do
             member = replicas[position]
             if loads.get(member, 0) >= threshold:
                 continue
-            unranked = (fallback_loads.get(member, 0), recent[member])
-            if plain < 0 or unranked < plain_load:
-                plain, plain_load = position, unranked
+            load = fallback_loads.get(member, 0)
+            seen = recent[member]
+            if plain < 0 or load < plain_load or (load == plain_load and seen < plain_recent):
+                plain, plain_load, plain_recent = position, load, seen
             if ranks is not None:
-                load = (unranked[0], ranks.get(member, 0), unranked[1])
-                if best < 0 or load < best_load:
-                    best, best_load = position, load
+                rank = ranks.get(member, 0)
+                if (
+                    best < 0
+                    or load < best_load
+                    or (
+                        load == best_load
+                        and (rank < best_rank or (rank == best_rank and seen < best_recent))
+                    )
+                ):
+                    best, best_load, best_rank, best_recent = position, load, rank, seen
         if ranks is None:
             best = plain
         if best < 0:
             return None
         member = replicas[best]
         decision = Decision.PRIMARY if member == home else Decision.OVERFLOW
-        return (Ranked if best != plain else Pick)(member, decision, best)
+        return _new_pick(Ranked if best != plain else Pick, (member, decision, best))
 
     def _replica_list(self, ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
         """``home`` then the next members of the key's walk, at least ``count`` in
