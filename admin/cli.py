@@ -182,6 +182,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--scrape-interval", type=float, metavar="S", help="between two scrape rounds (10)"
     )
     serve.add_argument(
+        "--engine-signals",
+        action="store_true",
+        default=None,
+        help="break routing ties by the engines' queue and KV-cache use (scrapes their"
+        " /metrics every --scrape-interval)",
+    )
+    serve.add_argument(
         "--slow-start",
         metavar="DURATION",
         help="ramp an added or recovered backend's ring share over this (60s, 2m; off)",
@@ -351,6 +358,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["admission"] = {**data.get("admission", {}), "queue": True}
     if args.tenant_header is not None:
         data["tenants"] = {**data.get("tenants", {}), "header": args.tenant_header}
+    if args.engine_signals is not None:
+        data["engine_signals"] = {**data.get("engine_signals", {}), "enabled": True}
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path

@@ -61,6 +61,7 @@ RESTART_FIELDS = (
     "cache_salt",
     "tenants",
     "admission",
+    "engine_signals",
 )
 
 

@@ -44,6 +44,7 @@ from .queue import AdmissionQueue
 from .responses import ResponseIds
 from .selfaddr import Listener
 from .sessions import SessionRule
+from .signals import EngineSignals
 from .slowstart import Ramp
 from .tenants import TenantCollector, TenantMetrics
 from .upstream import Pool
@@ -84,7 +85,14 @@ class Router:
         )
         self.recorder = Recorder()
         self.collector = RouterCollector(self)
-        self.health = HealthMonitor(self.fleet, config.health)
+        health = config.health
+        if config.engine_signals.enabled and not health.scrape_metrics:
+            health = msgspec.structs.replace(health, scrape_metrics=True)  # what it reads
+        self.health = HealthMonitor(self.fleet, health)
+        # [engine_signals]: engine queues and KV use break routing ties (router.signals).
+        self.signals: EngineSignals | None = None
+        if config.engine_signals.enabled:
+            self.signals = self.health.signals = EngineSignals(self.balancer)
         tenants = config.tenants
         self.tenants = TenantMetrics(
             tenants.metrics_top,

@@ -43,6 +43,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DiscoverConfig",
+    "EngineSignalsConfig",
     "HealthConfig",
     "HealthOverride",
     "Limits",
@@ -406,6 +407,15 @@ class CacheSaltConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     keep_client: bool = False
 
 
+class EngineSignalsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Engine queues and KV-cache use as tie-breaks (router.signals): off unless ``enabled``.
+
+    On, the backends' /metrics are scraped every ``health.scrape_interval`` even
+    without ``health.scrape_metrics``."""
+
+    enabled: bool = False
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -449,6 +459,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache_salt: CacheSaltConfig = msgspec.field(default_factory=CacheSaltConfig)  # off by default
     tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    engine_signals: EngineSignalsConfig = msgspec.field(default_factory=EngineSignalsConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

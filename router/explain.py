@@ -27,7 +27,11 @@ Contract:
   answer itself on routing (an unknown model: 404; no backend available:
   503; ``GET /v1/models`` of a fleet that declares models: 200; the
   admission queue full: 429) is an explanation with ``router_answer`` set
-  and no backend.  With the admission queue on, a keyed request that would
+  and no backend.  With engine signals on (``router.signals``) each backend
+  of the walk shows its engine's figures and rank, and a decision that a rank
+  settled (a tie on in flight) says so, with the backend it would be without
+  them (``without_engine_signals``: ``Balancer.peek(..., signals=False)``).
+  With the admission queue on, a keyed request that would
   wait in it (every backend of its walk at its bound, or others of its pool
   waiting already) has ``admission`` "wait" and no backend: where it then
   goes depends on what frees up first.
@@ -42,6 +46,7 @@ import base64
 import binascii
 import math
 import re
+import time
 from fractions import Fraction
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -74,11 +79,13 @@ if TYPE_CHECKING:
     from .balancer import Members
     from .fleet import ModelPool
     from .queue import AdmissionQueue
+    from .signals import Signal
 
 __all__ = [
     "DEFAULT_K",
     "MAX_K",
     "DryRequest",
+    "EngineView",
     "Explanation",
     "HotKey",
     "KeyView",
@@ -133,6 +140,15 @@ class KeyView(msgspec.Struct, frozen=True):
     tenant_source: Literal["prompt_cache_key", "header"] | None
 
 
+class EngineView(msgspec.Struct, frozen=True):
+    """A backend's engine as the last scrape round read it (router.signals)."""
+
+    waiting: float | None  # requests queued in the engine (None: not exposed, or no scrape)
+    kv_cache_usage: float | None  # share of its KV cache in use, 0..1
+    rank: int  # lower first: waiting, then KV use in 5 % steps; 0 without figures
+    age_s: float | None  # seconds since that round read it
+
+
 class WalkStep(msgspec.Struct, frozen=True):
     """One backend of the key's walk (its ring preference list), in order."""
 
@@ -147,6 +163,7 @@ class WalkStep(msgspec.Struct, frozen=True):
     recent: int | None  # BalanceMode TRAFFIC: its requests among the last ``window``
     share_bound: int | None  # TRAFFIC: a new key is placed here only while recent < it
     eligible: bool  # below its threshold (and balance bound): takes the request at its turn
+    engine: EngineView | None = None  # engine signals on: what breaks its ties
 
 
 class HotKey(msgspec.Struct, frozen=True):
@@ -174,6 +191,8 @@ class Explanation(msgspec.Struct, frozen=True):
     # The admission queue (on): "wait" (it would queue), "full" (429); None: routed now.
     admission: Literal["wait", "full"] | None = None
     view: str = "this process"  # whose counts these are
+    # Engine signals broke a tie: where it would go without them (None: nowhere else).
+    without_engine_signals: str | None = None
 
 
 def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "") -> Explanation:
@@ -320,6 +339,7 @@ class _Answer:
         self.home: str | None = None
         self.hot: HotKey | None = None
         self.tenant_key: str | None = None  # the admission queue's tenant
+        self.unsignalled: str | None = None  # the backend without engine signals, if another
 
     def head(
         self,
@@ -360,6 +380,7 @@ class _Answer:
             reason=self.note + reason,
             view=self.view,
             admission=admission,
+            without_engine_signals=self.unsignalled if backend is not None else None,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -387,6 +408,10 @@ class _Answer:
             return self.answered(503, f"no backend{serving} is available")
         backend, decision, position = picked
         name = backend.name
+        if key_hash is not None and self.router.signals is not None:
+            plain = balancer.peek(key_hash, members, signals=False)
+            if plain is not None and plain[0] is not backend:
+                self.unsignalled = plain[0].name
         if decision == "passthrough":
             why = (
                 f"no routing key ({self.method} {self.path}): the backend with the fewest in flight"
@@ -462,6 +487,8 @@ class _Answer:
                         round(hot, 2), placement.replicas_of(ring, key_hash, self.home, count)
                     )
             share = exact_factor(placement.factor) * (placement.decisions + 1)
+        signals = self.router.signals
+        now = time.time()
         position = 0
         for name in ring.walk(key_hash):
             if len(self.walk) == self.k:
@@ -502,6 +529,7 @@ class _Answer:
                     recent=recent,
                     share_bound=share_bound,
                     eligible=eligible,
+                    engine=None if signals is None else _engine(signals.figures.get(name), now),
                 )
             )
 
@@ -522,11 +550,12 @@ class _Answer:
                 f"a hot key ({hot.share:g} average backends' shares of recent traffic) is served"
                 f" by its {len(hot.replicas)} replicas {', '.join(hot.replicas)}: {name} has the"
                 f" fewest in flight among those below the threshold ({counted(name)})"
+                + self._tie(name)
             )
         if decision == "fallback":
             return (
                 f"every backend of the walk is at its bound: {name} has the fewest in flight"
-                " overall (fallback)"
+                " overall (fallback)" + self._tie(name)
             )
         if placement is not None and home is not None:
             if decision == "primary":
@@ -562,6 +591,39 @@ class _Answer:
             f"the backends before it in the key's walk are at their bound: {name} is the first"
             f" below it (place {position}, {counted(name)})"
         )
+
+    def _tie(self, name: str) -> str:
+        """What engine signals changed, said after the decision ("" if nothing)."""
+        other = self.unsignalled
+        signals = self.router.signals
+        if other is None or signals is None:
+            return ""
+        in_flight = self.router.fleet.loads.get(name)
+        now = time.time()
+        return (
+            f"; it ties with {other} at {in_flight} in flight and the engine signals break the"
+            f" tie: {name}'s engine {_figures(signals.figures.get(name), now)}, {other}'s"
+            f" {_figures(signals.figures.get(other), now)} (without them: {other})"
+        )
+
+
+def _engine(signal: Signal | None, now: float) -> EngineView:
+    if signal is None:
+        return EngineView(None, None, 0, None)
+    age = round(max(0.0, now - signal.at), 3)
+    return EngineView(signal.waiting, signal.kv_usage, signal.rank, age)
+
+
+def _figures(signal: Signal | None, now: float) -> str:
+    """An engine's figures in words, for the reason sentence."""
+    if signal is None:
+        return "has no figures (rank 0)"
+    waiting = "?" if signal.waiting is None else f"{signal.waiting:g}"
+    kv = "?" if signal.kv_usage is None else f"{signal.kv_usage * 100:.0f} %"
+    return (
+        f"has {waiting} waiting and KV cache {kv} in use (rank {signal.rank},"
+        f" read {max(0.0, now - signal.at):.1f} s ago)"
+    )
 
 
 def _key(

@@ -25,6 +25,8 @@ Contract:
   (``router.responses``) go in the same messages, sent at the end of the loop
   iteration that learnt them; the ids the fleet knew when the worker started
   come in ``Init``.
+- Engine signals (``router.signals``): the supervisor scrapes; the worker
+  breaks ties by the figures of its ``Init`` and then of each ``Signals``.
 - Health belongs to the supervisor: this process runs no checks, it reports
   passive failures (and the first good answer after one) and applies the
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
@@ -64,6 +66,7 @@ from .channel import (
     Records,
     Recovered,
     Report,
+    Signals,
 )
 from .config import tls_context
 from .control.ops import AddBackend, RemoveBackend, apply
@@ -132,6 +135,7 @@ def report(router: Router, seq: int) -> Report:
                 idle.get(name, 0),
                 b.repeats_sent,
                 b.repeats_answered,
+                b.tie_breaks,
             )
             for name, b in router.fleet.backends.items()
         },
@@ -169,6 +173,8 @@ class _Worker:
         for name, ramp in init.ramps.items():
             fleet.set_ramp(name, ramp)
         router.health = ReportedHealth(fleet, router, channel)
+        if router.signals is not None:
+            router.signals.set(init.signals)
         fleet.loads.on_idle = self._idle
         router.tenants.deltas = True  # the supervisor keeps the sums (router.tenants)
         if router.queue is not None:
@@ -255,6 +261,9 @@ class _Worker:
                     await router.fleet.settled()
                     self._flush()
                     channel.send(Applied(message.seq))
+                elif isinstance(message, Signals):
+                    if router.signals is not None:
+                        router.signals.set(message.figures)
                 elif isinstance(message, Records):
                     if message.records:
                         router.balancer.apply_records(message.records)
