@@ -43,15 +43,21 @@ Contract:
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
 from .log import get_logger
+from .shares import Shares
 
 if TYPE_CHECKING:
+    import asyncio
+
     from .app import Router
+    from .balancer import Members
     from .config import AdmissionConfig
     from .exchange import Exchange
+    from .shared import SharedDeadline
 
 __all__ = ["QUEUE_FULL", "WAIT_TIMEOUT", "AdmissionQueue"]
 
@@ -88,10 +94,15 @@ class AdmissionQueue:
         "_admitted",
         "_counts",
         "_pools",
+        "_recheck",
         "_scheduled",
+        "_wanted",
         "config",
         "depth",
+        "fleet_wants",
+        "reserve",
         "router",
+        "shares",
     )
 
     def __init__(self, router: Router, config: AdmissionConfig):
@@ -102,6 +113,12 @@ class AdmissionQueue:
         self._counts: dict[str | None, int] = {}  # waiting per tenant (all pools)
         self._scheduled = False
         self._admitted: deque[float] = deque(maxlen=RATE_SAMPLES)  # loop times
+        self.reserve = config.reserve  # places held back for tenants under their share
+        self.shares = Shares(config.weights, config.share_window)
+        self._wanted = 0.0  # loop time until which the reserve is wanted here
+        # Several workers (router.worker): until when any process wants it.
+        self.fleet_wants: SharedDeadline | None = None
+        self._recheck: asyncio.TimerHandle | None = None  # the reserve may lapse: pump then
 
     @property
     def tenants(self) -> int:
@@ -188,6 +205,55 @@ class AdmissionQueue:
         ahead = min(self.depth, (self._counts.get(key, 0) + 1) * max(1, len(self._counts)))
         return min(ceiling, max(1, math.ceil(ahead / rate)))
 
+    # -- the reserve -----------------------------------------------------------
+
+    def holds_back(self, key: str | None, members: Members | None, now: float) -> bool:
+        """A request of tenant ``key`` to ``members`` (None: the fleet) must wait
+        although a place may be free: the reserve is wanted, the tenant is not
+        under its share, and at most ``reserve`` places are free."""
+        reserve = self.reserve
+        if not reserve or not self._wants(now) or self.shares.under(key, now):
+            return False
+        router = self.router
+        return router.balancer.free_places(members or router.fleet, reserve) <= reserve
+
+    def admitted(self, key: str | None, now: float) -> None:
+        """A request of tenant ``key`` leaves for a backend (queued or not)."""
+        if not self.reserve:
+            return  # shares only say who the reserve is for
+        shares = self.shares
+        if shares.under(key, now):
+            # A tenant under its share is active: hold the reserve for a window.
+            self._wanted = now + shares.window
+            if self.fleet_wants is not None:
+                self.fleet_wants.set(time.monotonic() + shares.window)
+        shares.admitted(key, now)
+
+    def _wants(self, now: float) -> bool:
+        """A tenant under its share was admitted within a window, here or (several
+        workers, replicas) anywhere."""
+        if self._wanted > now:
+            return True
+        fleet = self.fleet_wants
+        return fleet is not None and fleet.latest() > time.monotonic()
+
+    def _recheck_later(self, now: float) -> None:
+        """Requests are held back and nobody under share waits: pump again when the
+        reserve lapses (no place may free up before: the reserve may be all the
+        free room there is)."""
+        if self._recheck is not None:
+            return
+        until = self._wanted
+        fleet = self.fleet_wants
+        if fleet is not None:
+            until = max(until, now + fleet.latest() - time.monotonic())
+        if until > now:
+            self._recheck = self.router.loop.call_at(until, self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self.wake()
+
     # -- admission -------------------------------------------------------------
 
     def wake(self) -> None:
@@ -204,7 +270,8 @@ class AdmissionQueue:
                 self._serve(pool)
 
     def _serve(self, pool: _Pool) -> None:
-        """Deficit round robin over the pool's tenants until the balancer says saturated."""
+        """Deficit round robin over the pool's tenants until the balancer says
+        saturated; a tenant held back by the reserve lets those under their share go."""
         active = pool.active
         now = self.router.loop.time()
         while active:
@@ -215,11 +282,14 @@ class AdmissionQueue:
             items = tenant.items
             while tenant.deficit >= 1 and items:
                 exchange = items[0]
+                if self.reserve and self._held(exchange, now):
+                    self._serve_under(pool, now)  # its turn waits for a place past the reserve
+                    return
                 if not exchange.admit(now):
                     return  # saturated: the next wake resumes this very turn
                 items.popleft()
                 tenant.deficit -= 1
-                self._admitted.append(now)
+                self._took(exchange, now)
                 self._left(pool, tenant)
                 if not active or active[0] is not tenant:
                     break  # it emptied and left
@@ -230,3 +300,26 @@ class AdmissionQueue:
                     active.remove(tenant)
             if not tenant.items:
                 tenant.deficit = 0.0
+
+    def _held(self, exchange: Exchange, now: float) -> bool:
+        members = exchange.members()
+        return members is not None and self.holds_back(exchange.tenant_key, members, now)
+
+    def _serve_under(self, pool: _Pool, now: float) -> None:
+        """Admit the waiting requests of tenants under their share (out of turn,
+        their deficit untouched: the reserve is theirs) until saturated."""
+        shares = self.shares
+        for tenant in list(pool.active):
+            items = tenant.items
+            while items and shares.under(tenant.key, now):
+                exchange = items[0]
+                if not exchange.admit(now):
+                    return
+                items.popleft()
+                self._took(exchange, now)
+                self._left(pool, tenant)
+        self._recheck_later(now)
+
+    def _took(self, exchange: Exchange, now: float) -> None:
+        self._admitted.append(now)
+        self.admitted(exchange.tenant_key, now)

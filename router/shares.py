@@ -1,0 +1,112 @@
+"""Each tenant's recent share of the admissions, against its weight's: who the reserve is for.
+
+Contract:
+- ``admitted(key, now)`` counts one admission of tenant ``key`` (a keyed
+  request that left for a backend through the admission queue's test, queued
+  or not; ``router.queue``).  A tenant's *usage* is an exponentially
+  weighted count of its admissions, with a time constant of ``window``
+  seconds (an admission counts 1, ``window`` seconds later 1/e).
+- Active tenants: those admitted within the last ``window`` seconds; W is
+  the sum of their weights (``weights[key]``, default 1).  A tenant's fair
+  share is ``weight / W`` of the admissions.
+- ``under(key, now)``: its usage is less than its fair share of all usage
+  (``usage / total < weight / W``), or it is new (no admission in the
+  window) while others are active.  A tenant alone is not under its share
+  (nobody to compare with), nor is one at it.
+- Cost: ``admitted`` is O(1) (an ordered dict moved to its end, two
+  exponentials; the tenants that left the window are dropped from its front,
+  each once); ``under`` is O(1).  Memory: the tenants admitted within the
+  window.
+- One process's view: with several workers or replicas each counts the
+  admissions it makes (``router.queue`` says what that means).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+
+__all__ = ["Shares"]
+
+
+class _Usage:
+    __slots__ = ("at", "value", "weight")
+
+    def __init__(self, weight: float):
+        self.value = 0.0  # the weighted count as of ``at``
+        self.at = 0.0
+        self.weight = weight
+
+
+class Shares:
+    """Recent admissions per tenant (see the module's contract)."""
+
+    __slots__ = ("_at", "_tenants", "_total", "_weight", "weights", "window")
+
+    def __init__(self, weights: Mapping[str, float], window: float):
+        self.weights = weights
+        self.window = window
+        self._tenants: OrderedDict[str | None, _Usage] = OrderedDict()  # least recent first
+        self._total = 0.0  # every active tenant's usage, as of ``_at``
+        self._at = 0.0
+        self._weight = 0.0  # W: the active tenants' weights
+
+    def __len__(self) -> int:
+        """Active tenants (as of the last ``admitted`` or ``under``)."""
+        return len(self._tenants)
+
+    def admitted(self, key: str | None, now: float) -> None:
+        """Count one admission of tenant ``key`` at ``now`` (loop time, never decreasing)."""
+        self._expire(now)
+        tenants = self._tenants
+        usage = tenants.get(key)
+        if usage is None:
+            weight = self.weights.get(key, 1.0) if key is not None else 1.0
+            usage = tenants[key] = _Usage(weight)
+            self._weight += weight
+        else:
+            tenants.move_to_end(key)
+        window = self.window
+        usage.value = usage.value * math.exp((usage.at - now) / window) + 1.0
+        usage.at = now
+        self._total = self._total * math.exp((self._at - now) / window) + 1.0
+        self._at = now
+
+    def under(self, key: str | None, now: float) -> bool:
+        """Whether tenant ``key`` takes less than its weight's share of the admissions.
+        A tenant alone here is not (nobody to compare with); a new one beside
+        others is."""
+        self._expire(now)
+        tenants = self._tenants
+        usage = tenants.get(key)
+        if usage is None:
+            return bool(tenants)
+        if len(tenants) < 2:
+            return False
+        # usage(now) / total(now) < weight / W, both sides decayed to now.
+        window = self.window
+        mine = usage.value * math.exp((usage.at - now) / window)
+        total = self._total * math.exp((self._at - now) / window)
+        return mine * self._weight < usage.weight * total
+
+    def next_expiry(self) -> float | None:
+        """When the least recently admitted tenant leaves the window (None: nobody active)."""
+        for usage in self._tenants.values():
+            return usage.at + self.window
+        return None
+
+    def _expire(self, now: float) -> None:
+        tenants = self._tenants
+        horizon = now - self.window
+        while tenants:
+            key, usage = next(iter(tenants.items()))
+            if usage.at >= horizon:
+                return
+            del tenants[key]
+            if tenants:
+                self._weight -= usage.weight
+                gone = usage.value * math.exp((usage.at - self._at) / self.window)
+                self._total = max(0.0, self._total - gone)
+            else:  # exactly nothing (no rounding left over)
+                self._weight = self._total = 0.0
