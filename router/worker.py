@@ -72,7 +72,14 @@ from .fleet import AdminState, Backend, Fleet
 from .health import HealthMonitor
 from .log import configure, get_logger
 from .metrics import Histogram
-from .shared import DEFAULT_PERIOD, PLANES, SharedLoadTracker, SharedTable
+from .shared import (
+    DEFAULT_PERIOD,
+    PLANES,
+    TABLE_PLANES,
+    SharedDeadline,
+    SharedLoadTracker,
+    SharedTable,
+)
 
 __all__ = ["main", "report"]
 
@@ -175,6 +182,8 @@ class _Worker:
             # Another worker's (or replica's) request ended: a place may be free here.
             for tracker in self.trackers:
                 tracker.on_fold = router.queue.wake
+            # The reserve is wanted where any worker (or replica) saw a tenant under its share.
+            router.queue.fleet_wants = SharedDeadline(table, init.index)
         router.balancer.share_placement(init.stamp)
         router.responses.apply(init.responses)
         # A follow-up may reach another worker a moment after the answer: new ids
@@ -288,7 +297,7 @@ async def _run(channel_fd: int, table_fd: int) -> None:
     init = await channel.receive()
     if not isinstance(init, Init):
         raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
-    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, PLANES)
+    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from hashring import Lease
 from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.fleet import Fleet
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 from tests.harness.routers import SAGEMAKER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ NAMES = [f"b{slot}" for slot in range(SLOTS)]
 #   read           (read-only) prints the folded counts of plane 0 and exits
 WORKER = """
 import json, random, sys
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 fd, rows, slots, row = map(int, sys.argv[1:5])
 mode = sys.argv[5]
 table = SharedTable.attach(fd, rows, slots, 2)
@@ -421,13 +422,12 @@ def test_the_benchmark_runs_and_prints_its_tables() -> None:
 # -- the other replicas' row (router/replicas.py writes it) -----------------------
 
 
-def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
-    table: SharedTable,
-) -> None:
+def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since() -> None:
     from router.etcd import EtcdClient
     from router.replicas import Replicas, Row, _encoder
 
-    # Rows 0-3 are this replica's workers, row 4 the remote one.
+    # Rows 0-3 are this replica's workers, row 4 the remote one; a router's planes.
+    table = SharedTable.create(rows=5, slots=SLOTS, planes=TABLE_PLANES)
     replicas = Replicas(
         EtcdClient(["http://127.0.0.1:9"]),  # never called: nothing is started
         b"/t/",
@@ -468,3 +468,17 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
     assert remote(1) == {}
     for tracker in (zero, one, waiting):
         tracker.close()
+
+    # The admission queue's reserve: a worker's deadline goes out in the row (Unix
+    # time, whole seconds up); another replica's comes into the remote row's cell.
+    wants = SharedDeadline(table, 2)
+    assert replicas.local_row().reserve_until == 0
+    wants.set(time.monotonic() + 5)
+    assert 0 < replicas.local_row().reserve_until - time.time() <= 6
+    wants.set(0)
+    reader = SharedDeadline(table, None)
+    arrives("r3", Row(0, reserve_until=int(time.time()) + 30))
+    assert 28 < reader.latest() - time.monotonic() <= 30
+    arrives("r3", Row(0, reserve_until=int(time.time()) - 1))  # lapsed
+    assert reader.latest() < time.monotonic()
+    os.close(table.fd)
