@@ -49,8 +49,6 @@ from .supervisor import say
 
 __all__ = ["main"]
 
-RUNS = ("alone", "both, queue", "both, off")
-
 
 def prompt(rng: random.Random, tokens: int) -> str:
     """A unique prompt of about ``tokens`` simulated tokens (4 bytes each)."""
@@ -154,10 +152,27 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
+def run_names(reserves: list[int]) -> list[str]:
+    """A pass's runs: light alone, then with heavy per reserve (0: the plain queue), then off."""
+    return ["alone", *(f"both, reserve {r}" if r else "both, queue" for r in reserves), "both, off"]
+
+
+def reserve_of(name: str) -> int:
+    return int(name.rsplit(" ", 1)[1]) if name.startswith("both, reserve") else 0
+
+
 async def run_once(
-    args: argparse.Namespace, sims: dict[str, str], name: str, seed: int, config: Path
+    args: argparse.Namespace, sims: dict[str, str], name: str, seed: int, folder: Path
 ) -> dict[str, Any]:
     children: list[Child] = []
+    config = folder / f"router-{reserve_of(name)}.toml"
+    config.write_text(
+        "[admission]\n"
+        f"max_queued_per_tenant = {args.max_queued_per_tenant}\n"
+        f"max_wait = {args.max_wait}\n"
+        f"reserve = {reserve_of(name)}\n"
+        f"share_window = {args.share_window}\n"
+    )
     flags = ["--strategy", "prefix", "--concurrency-threshold", str(args.threshold)]
     flags += ["--access-log", "off", "--no-health-checks", "--config", str(config)]
     if name != "both, off":
@@ -188,26 +203,21 @@ async def main_async(args: argparse.Namespace) -> int:
         f" heavy {args.light_rate * args.heavy_factor:.1f} req/s"
     )
     _, sims = await start_sims(children, args.instances, *scale)
+    runs = run_names(args.reserve)
     with tempfile.TemporaryDirectory() as folder:
-        config = Path(folder) / "router.toml"
-        config.write_text(
-            "[admission]\n"
-            f"max_queued_per_tenant = {args.max_queued_per_tenant}\n"
-            f"max_wait = {args.max_wait}\n"
-        )
         results: list[dict[str, Any]] = []
         try:
             for p in range(args.repeat):
-                order = RUNS if p % 2 == 0 else tuple(reversed(RUNS))
+                order = runs if p % 2 == 0 else runs[::-1]
                 row: dict[str, Any] = {"pass": p + 1}
                 for name in order:
-                    row[name] = await run_once(args, sims, name, args.seed + p, config)
+                    row[name] = await run_once(args, sims, name, args.seed + p, Path(folder))
                     say(f"pass {p + 1} {name}: {json.dumps(row[name])}")
                 results.append(row)
         finally:
             for child in children:
                 await stop_checked(child)
-    print_table(results, args)
+    print_table(results, runs)
     if args.out:
         write_json(Path(args.out), {"args": vars(args), "results": results})
     return 0
@@ -217,46 +227,57 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
-def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def print_table(results: list[dict[str, Any]], runs: list[str]) -> None:
     print(
         "| pass | run | light TTFT P50 | light TTFT P90 | light n | heavy 200 / 429"
         " | fleet 200/s | statuses |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---|")
-    p90_ratios, throughput_ratios = [], []
     for row in results:
-        for name in RUNS:
+        for name in runs:
             r = row[name]
             heavy = "-" if name == "alone" else f"{r['heavy_200']} / {r['heavy_429']}"
             print(
                 f"| {row['pass']} | {name} | {_ms(r['light_p50'])} | {_ms(r['light_p90'])}"
                 f" | {r['light_n']} | {heavy} | {r['throughput']:.1f} | {r['statuses']} |"
             )
-        alone, queued, off = row["alone"], row["both, queue"], row["both, off"]
-        if alone["light_p90"] and queued["light_p90"]:
-            p90_ratios.append(queued["light_p90"] / alone["light_p90"])
-        if off["throughput"]:
-            throughput_ratios.append(queued["throughput"] / off["throughput"])
     print()
-    for i, row in enumerate(results):
-        p90 = p90_ratios[i] if i < len(p90_ratios) else None
-        tp = throughput_ratios[i] if i < len(throughput_ratios) else None
-        print(
-            f"pass {row['pass']}: light P90 with heavy (queue) / alone = "
-            f"{'-' if p90 is None else f'{p90:.3f}'}; fleet throughput queue / off = "
-            f"{'-' if tp is None else f'{tp:.3f}'}; light P90 with heavy, queue off / alone = "
-            f"{_ratio(row['both, off']['light_p90'], row['alone']['light_p90'])}"
-        )
-    if p90_ratios:
-        print(
-            f"median over {len(p90_ratios)} passes: light P90 ratio "
-            f"{statistics.median(p90_ratios):.3f} (target <= 1.10), throughput ratio "
-            f"{statistics.median(throughput_ratios):.3f} (target >= 1.00)"
-        )
+    print("Per pass: light's P90 with heavy / light's P90 alone; fleet throughput / queue off.")
+    ratios: dict[str, tuple[list[float], list[float]]] = {}
+    for row in results:
+        alone, off = row["alone"], row["both, off"]
+        cells = []
+        for name in runs[1:]:
+            r = row[name]
+            p90 = (
+                r["light_p90"] / alone["light_p90"]
+                if r["light_p90"] and alone["light_p90"]
+                else None
+            )
+            tp = r["throughput"] / off["throughput"] if off["throughput"] else None
+            p90s, tps = ratios.setdefault(name, ([], []))
+            if p90 is not None:
+                p90s.append(p90)
+            if tp is not None:
+                tps.append(tp)
+            cells.append(f"{name}: P90 x{_f(p90)}, throughput x{_f(tp)}")
+        print(f"pass {row['pass']}: " + "; ".join(cells))
+    for name, (p90s, tps) in ratios.items():
+        if p90s and tps:
+            print(
+                f"median over {len(p90s)} passes, {name}: light P90 ratio "
+                f"{statistics.median(p90s):.3f} ({min(p90s):.3f}-{max(p90s):.3f}; target <= 1.10),"
+                f" throughput ratio {statistics.median(tps):.3f}"
+                f" ({min(tps):.3f}-{max(tps):.3f}; target >= 1.00)"
+            )
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}"
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -276,6 +297,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--max-queued-per-tenant", type=int, default=32)
     parser.add_argument("--max-wait", type=float, default=10.0)
+    parser.add_argument(
+        "--reserve",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[0, 2],
+        help="[admission] reserve per run with heavy, comma-separated (0,2); 0: the plain queue",
+    )
+    parser.add_argument("--share-window", type=float, default=10.0, help="[admission] share_window")
     parser.add_argument("--out", help="write the results as JSON here")
     return parser.parse_args(argv)
 
