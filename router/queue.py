@@ -33,11 +33,31 @@ Contract:
   key, the client's reading is paused meanwhile).
 - A client that goes away while its request waits (``Exchange.client_gone``
   through ``_finish``) leaves at once: ``leave()`` frees its place.
+- The reserve (``reserve`` places, 0 by default: the queue is work-conserving).
+  A work-conserving queue gives a tenant under its share the *next* place to
+  free up, which at saturation is one prefill away.  With a reserve, while a
+  tenant under its share of the admissions (``router.shares``) was admitted
+  within the last ``share_window`` seconds ("the reserve is wanted"), a
+  request of a tenant *not* under its share may not take a place when at
+  most ``reserve`` are free (``Balancer.free_places``: below
+  ConcurrencyThreshold, on the pool's available backends): it waits
+  (``holds_back``, on the direct path as in ``_serve``), so those places
+  stay free for the tenants under their share, whose requests take them at
+  once (``_serve_under``: out of their round-robin turn, their deficit
+  untouched).  The cost is the reserve's places, idle while nobody under
+  share uses them.  Nobody under share (one tenant, or the window passed):
+  nothing is held.  When requests are held back and nothing else would wake
+  the queue, a timer pumps when the reserve lapses (``_recheck_later``).
 - Several workers: each worker queues its own clients and admits them
   against the fleet-wide counts (its own at once, the others' within a fold
-  period); fairness and the bounds are per worker (with SO_REUSEPORT
-  spreading connections, the fleet-wide queue is N of these).  Several
-  replicas: the same, each replica's workers against the counts of all.
+  period); fairness, the bounds and the shares are per worker (with
+  SO_REUSEPORT spreading connections, the fleet-wide queue is N of these).
+  The reserve is wanted fleet-wide: each worker writes until when it wants it
+  into its own cell of the shared table (``fleet_wants``, a
+  ``router.shared.SharedDeadline``) and reads every row's, so a worker that
+  sees only the heavy tenant holds the reserve too.  Several replicas: the
+  same, each replica's workers against the counts of all, and the deadline
+  carried in each replica's row (``router.replicas``).
 """
 
 from __future__ import annotations

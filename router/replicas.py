@@ -44,6 +44,11 @@ Contract:
   lost (a watch re-listed after a compaction) only delays agreement: the
   replicas converge on a key's earliest placement the next time any of them
   routes it.
+- The admission queue's reserve (``router.queue``): the row carries until
+  when this replica's workers want it (``reserve_until``, Unix time rounded
+  up to whole seconds, so it changes at most once a second); the latest of
+  the other replicas' goes into the remote row's cell of the reserve plane
+  (``router.shared.SharedDeadline``), which every worker reads.
 - Drains across replicas (``drained``): a backend set draining leaves when
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.

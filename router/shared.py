@@ -20,7 +20,10 @@ Contract:
   blocks never share a cache line.  A row is a worker; a plane is one tracker
   (plane 0 ``Fleet.loads``, plane 1 ``Fleet.waiting``); a slot is a backend,
   numbered by the supervisor (``SharedLoadTracker.assign``).  A cell holds one
-  worker's in-flight count for one backend: never negative.
+  worker's in-flight count for one backend: never negative.  A router's table
+  has one more plane (``TABLE_PLANES``), of which each row uses one cell:
+  until when that worker wants the admission queue's reserve
+  (``SharedDeadline``, ``router.queue``).
 - One writer per cell: a worker writes only its own row, through one
   tracker per (row, plane) (pure Python has no atomic read-modify-write: a
   cell two processes increment loses updates).  A worker's cell is its own

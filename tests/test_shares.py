@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from router.shares import Shares
 
 
@@ -60,3 +62,16 @@ def test_memory_is_the_tenants_of_one_window() -> None:
     for i in range(10_000):
         shares.admitted(f"t{i}", i * 0.01)  # 100 new tenants a second
     assert len(shares) <= 101
+
+
+def test_usages_stay_finite_for_any_run_time() -> None:
+    """Usages are scaled by exp(t / window); the scale moves forward as time does."""
+    shares = Shares({}, window=1.0)
+    now = 0.0
+    for _ in range(20_000):  # 1,000 windows
+        now += 0.05
+        shares.admitted("heavy" if int(now * 20) % 4 else "light", now)
+    assert shares.under("light", now)
+    assert not shares.under("heavy", now)
+    assert all(math.isfinite(u.value) for u in shares._tenants.values())
+    assert shares._epoch > 0
