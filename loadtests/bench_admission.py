@@ -1,29 +1,34 @@
 """``python -m loadtests.bench_admission``: fair admission at saturation, live.
 
-    python -m loadtests.bench_admission --instances 4 --duration 30 --repeat 2
+    python -m loadtests.bench_admission --instances 4 --light-share 0.1 --duration 30 \
+        --repeat 3 --reserve 0,1,2
 
 Contract:
-- One simulated fleet (``loadtests.simserver``, every prompt unique so every
-  request pays a full prefill: the fleet's capacity is ``instances /
-  prefill`` requests a second) and, per run, a fresh ``prefix-router serve``
-  (PREFIX_AWARE, ``--concurrency-threshold``, the default ConcurrencyScope
-  PREFILL) in front of it.  Two tenants send streaming chat requests,
-  open loop (Poisson arrivals, seeded), through one ``aiohttp`` client:
-  ``light`` at ``--light-share`` of the fleet's capacity, ``heavy`` at
-  ``--heavy-factor`` times that (10x its share: together well above what the
-  fleet can take).  Keys: ``prompt_cache_key`` = the tenant.
-- Runs, back to back in each pass (``--repeat`` passes, the order of the
-  three reversed on every other pass):
-  ``alone``        light alone, queue on;
-  ``both, queue``  light and heavy, ``--queue`` (``[admission]`` settings below);
-  ``both, off``    light and heavy, queue off: today's least-loaded fallback.
+- Per run, a fresh simulated fleet (``loadtests.simserver``, every prompt
+  unique so every request pays a full prefill: the fleet's capacity is
+  ``instances / prefill`` requests a second; fresh because an engine keeps
+  the prefill time of requests a client gave up on) and a fresh
+  ``prefix-router serve`` (PREFIX_AWARE, ``--concurrency-threshold``, the
+  default ConcurrencyScope PREFILL, ``--workers``) in front of it.  Two
+  tenants send streaming chat requests, open loop (Poisson arrivals,
+  seeded), through one ``aiohttp`` client: ``light`` at ``--light-share`` of
+  the fleet's capacity, ``heavy`` at ``--heavy-factor`` times that (10x:
+  together above what the fleet can take).  Keys: ``prompt_cache_key`` = the
+  tenant.
+- Runs, back to back in each pass (``--repeat`` passes, the order reversed
+  on every other pass):
+  ``alone``             light alone, queue on;
+  ``both, queue``       light and heavy, ``--queue`` (``[admission]`` below);
+  ``both, reserve N``   the same with ``reserve = N``, for each N > 0 of
+                        ``--reserve`` (0 in it: the ``both, queue`` run);
+  ``both, off``         light and heavy, queue off: the least-loaded fallback.
 - Figures per run: light's TTFT P50/P90 (nearest rank, client side: request
   sent to first body byte, every 200 of the measured window), heavy's 200s and
   429s, fleet throughput (200 answers completed per second in the window),
   and every status seen (anything but 200 and 429 is a lost request).  Then,
-  per pass, the ratios the issue asks for: light's TTFT P90 with heavy (queue)
-  against alone (must be <= 1.10), fleet throughput with the queue against
-  without (must not drop); the medians over passes close the output.
+  per pass and run with heavy, the ratios the issue asks for: light's TTFT
+  P90 against alone (must be <= 1.10), fleet throughput against queue off
+  (must not drop); the medians over passes, with their range, close the output.
 - Every process is started and stopped by PID (``loadtests.supervisor``).
 """
 
@@ -161,10 +166,12 @@ def reserve_of(name: str) -> int:
     return int(name.rsplit(" ", 1)[1]) if name.startswith("both, reserve") else 0
 
 
-async def run_once(
-    args: argparse.Namespace, sims: dict[str, str], name: str, seed: int, folder: Path
-) -> dict[str, Any]:
+async def run_once(args: argparse.Namespace, name: str, seed: int, folder: Path) -> dict[str, Any]:
+    """One run on a fresh fleet: an engine keeps the prefill time of the requests a
+    client gave up on (``loadtests.simserver``), so a run after "both, off" would
+    start behind its backlog."""
     children: list[Child] = []
+    scale = ["--time-scale", str(args.time_scale), "--max-num-seqs", "256"]
     config = folder / f"router-{reserve_of(name)}.toml"
     config.write_text(
         "[admission]\n"
@@ -179,20 +186,20 @@ async def run_once(
         flags.append("--queue")
     if args.workers > 1:
         flags += ["--workers", str(args.workers)]
-    router, url, _ = await start_router(children, sims, *flags, label=f"router ({name})")
     try:
+        _, sims = await start_sims(children, args.instances, *scale)
+        _, url, _ = await start_router(children, sims, *flags, label=f"router ({name})")
         rates = {"light": args.light_rate}
         if name != "alone":
             rates["heavy"] = args.light_rate * args.heavy_factor
         records, t0, t1 = await drive(url, rates, args.duration, args.prompt_tokens, seed)
     finally:
-        await stop_checked(router)
+        for child in reversed(children):  # the router first
+            await stop_checked(child)
     return summarize(records, t0, t1)
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    children: list[Child] = []
-    scale = ["--time-scale", str(args.time_scale), "--max-num-seqs", "256"]
     prefill = 0.020 + args.prompt_tokens / 10_000  # simserver's defaults, model seconds
     capacity = args.instances / (prefill * args.time_scale)
     if args.light_rate is None:
@@ -202,21 +209,16 @@ async def main_async(args: argparse.Namespace) -> int:
         f" real, capacity ~{capacity:.1f} req/s; light {args.light_rate:.1f} req/s,"
         f" heavy {args.light_rate * args.heavy_factor:.1f} req/s"
     )
-    _, sims = await start_sims(children, args.instances, *scale)
     runs = run_names(args.reserve)
     with tempfile.TemporaryDirectory() as folder:
         results: list[dict[str, Any]] = []
-        try:
-            for p in range(args.repeat):
-                order = runs if p % 2 == 0 else runs[::-1]
-                row: dict[str, Any] = {"pass": p + 1}
-                for name in order:
-                    row[name] = await run_once(args, sims, name, args.seed + p, Path(folder))
-                    say(f"pass {p + 1} {name}: {json.dumps(row[name])}")
-                results.append(row)
-        finally:
-            for child in children:
-                await stop_checked(child)
+        for p in range(args.repeat):
+            order = runs if p % 2 == 0 else runs[::-1]
+            row: dict[str, Any] = {"pass": p + 1}
+            for name in order:
+                row[name] = await run_once(args, name, args.seed + p, Path(folder))
+                say(f"pass {p + 1} {name}: {json.dumps(row[name])}")
+            results.append(row)
     print_table(results, runs)
     if args.out:
         write_json(Path(args.out), {"args": vars(args), "results": results})
