@@ -72,6 +72,7 @@ from .shares import Shares
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
 
     from .app import Router
     from .balancer import Members
@@ -120,6 +121,7 @@ class AdmissionQueue:
         "config",
         "depth",
         "fleet_wants",
+        "refresh",
         "reserve",
         "router",
         "shares",
@@ -136,8 +138,10 @@ class AdmissionQueue:
         self.reserve = config.reserve  # places held back for tenants under their share
         self.shares = Shares(config.weights, config.share_window)
         self._wanted = 0.0  # loop time until which the reserve is wanted here
-        # Several workers (router.worker): until when any process wants it.
+        # Several workers (router.worker): until when any process wants it, and how to
+        # read the other workers' counts now (not as of the last fold) near the reserve.
         self.fleet_wants: SharedDeadline | None = None
+        self.refresh: Callable[[], object] | None = None
         self._recheck: asyncio.TimerHandle | None = None  # the reserve may lapse: pump then
 
     @property
@@ -234,6 +238,10 @@ class AdmissionQueue:
         reserve = self.reserve
         if not reserve or not self._wants(now) or self.shares.under(key, now):
             return False
+        if self.refresh is not None:
+            # A fold period late, two workers could both take "the last place but
+            # the reserve" (measured: light's P90 x1.2-1.4 with 2 workers, not x1.06).
+            self.refresh()
         router = self.router
         return router.balancer.free_places(members or router.fleet, reserve) <= reserve
 
