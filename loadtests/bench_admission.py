@@ -11,10 +11,12 @@ Contract:
   ``prefix-router serve`` (PREFIX_AWARE, ``--concurrency-threshold``, the
   default ConcurrencyScope PREFILL, ``--workers``) in front of it.  Two
   tenants send streaming chat requests, open loop (Poisson arrivals,
-  seeded), through one ``aiohttp`` client: ``light`` at ``--light-share`` of
-  the fleet's capacity, ``heavy`` at ``--heavy-factor`` times that (10x:
-  together above what the fleet can take).  Keys: ``prompt_cache_key`` = the
-  tenant.
+  seeded), each from a client process of its own (``aiohttp``; both start
+  at one instant), so light's client-side TTFT does not carry the time a
+  shared event loop would spend on heavy's requests: ``light`` at
+  ``--light-share`` of the fleet's capacity, ``heavy`` at
+  ``--heavy-factor`` times that (10x: together above what the fleet can
+  take).  Keys: ``prompt_cache_key`` = the tenant.
 - Runs, back to back in each pass (``--repeat`` passes, the order reversed
   on every other pass):
   ``alone``             light alone, queue on;
@@ -37,11 +39,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,8 @@ from .fleet import Child, start_router, start_sims, stop_checked
 from .supervisor import say
 
 __all__ = ["main"]
+
+SPAWN_S = 5.0  # the clients' processes start (imports) before their common start
 
 
 def prompt(rng: random.Random, tokens: int) -> str:
@@ -91,15 +97,26 @@ async def one(
 
 
 async def drive(
-    url: str, rates: dict[str, float], duration: float, tokens: int, seed: int
+    url: str,
+    rates: dict[str, float],
+    duration: float,
+    tokens: int,
+    seed: int,
+    *,
+    first: int = 0,
+    start_at: float | None = None,
 ) -> tuple[list[dict[str, Any]], float, float]:
-    """Open-loop Poisson arrivals per tenant for ``duration`` seconds; (records, t0, t1)."""
+    """Open-loop Poisson arrivals per tenant for ``duration`` seconds from ``start_at``
+    (``time.monotonic``; None: now); (records, t0, t1).  Tenant i of ``rates`` draws
+    from ``Random(seed * 1000 + first + i)``."""
     out: list[dict[str, Any]] = []
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         tasks: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))  # the other tenant's too
         t0 = time.perf_counter()
 
         async def tenant(name: str, rate: float, rng: random.Random) -> None:
@@ -118,7 +135,7 @@ async def drive(
 
         await asyncio.gather(
             *(
-                tenant(name, rate, random.Random(seed * 1_000 + i))
+                tenant(name, rate, random.Random(seed * 1_000 + first + i))
                 for i, (name, rate) in enumerate(rates.items())
             )
         )
@@ -131,6 +148,43 @@ async def drive(
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
     return out, t0, t1
+
+
+def drive_alone(
+    url: str,
+    name: str,
+    rate: float,
+    index: int,
+    duration: float,
+    tokens: int,
+    seed: int,
+    start_at: float,
+) -> tuple[list[dict[str, Any]], float, float]:
+    """``drive`` for one tenant, in a process of its own (``run_once``)."""
+    rates = {name: rate}
+    return asyncio.run(drive(url, rates, duration, tokens, seed, first=index, start_at=start_at))
+
+
+async def drive_apart(
+    url: str, rates: dict[str, float], duration: float, tokens: int, seed: int
+) -> tuple[list[dict[str, Any]], float, float]:
+    """``drive``, each tenant from a process of its own, all starting at one instant:
+    light's client-side TTFT does not include the time its event loop spends on
+    heavy's requests (a tenant is another client)."""
+    loop = asyncio.get_running_loop()
+    context = multiprocessing.get_context("spawn")
+    start_at = time.monotonic() + SPAWN_S
+    with ProcessPoolExecutor(max_workers=len(rates), mp_context=context) as pool:
+        done = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    pool, drive_alone, url, name, rate, i, duration, tokens, seed, start_at
+                )
+                for i, (name, rate) in enumerate(rates.items())
+            )
+        )
+    records = [record for part, _, _ in done for record in part]
+    return records, min(t0 for _, t0, _ in done), max(t1 for _, _, t1 in done)
 
 
 def summarize(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
@@ -192,7 +246,7 @@ async def run_once(args: argparse.Namespace, name: str, seed: int, folder: Path)
         rates = {"light": args.light_rate}
         if name != "alone":
             rates["heavy"] = args.light_rate * args.heavy_factor
-        records, t0, t1 = await drive(url, rates, args.duration, args.prompt_tokens, seed)
+        records, t0, t1 = await drive_apart(url, rates, args.duration, args.prompt_tokens, seed)
     finally:
         for child in reversed(children):  # the router first
             await stop_checked(child)

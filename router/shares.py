@@ -16,8 +16,8 @@ Contract:
 - Cost: ``admitted`` is O(1) (an ordered dict moved to its end, one
   exponential; the tenants that left the window are dropped from its front,
   each once); ``under`` is O(1), no exponential (see ``RESCALE_AFTER``):
-  1.6-2.5 us for both on this 2-core VM at load 5.  Memory: the tenants admitted within the
-  window.
+  1.6-2.5 us for both on this 2-core VM at load 5.  Memory: the tenants
+  admitted within the window, at most ``MAX_TENANTS``.
 - One process's view: with several workers or replicas each counts the
   admissions it makes (``router.queue`` says what that means).
 """
@@ -36,6 +36,9 @@ __all__ = ["Shares"]
 # which a ratio cancels: ``under`` needs no exponential, ``admitted`` one.  The epoch
 # moves forward (every usage rescaled) before the factor nears a float's range.
 RESCALE_AFTER = 300.0  # windows: exp(300) ~ 1e130, far from the 1.8e308 limit
+# Tenants remembered at most (a flood of new keys within a window): past it the least
+# recently admitted is forgotten early, and counts as new (under its share) if it returns.
+MAX_TENANTS = 65_536
 
 
 class _Usage:
@@ -71,6 +74,8 @@ class Shares:
         tenants = self._tenants
         usage = tenants.get(key)
         if usage is None:
+            if len(tenants) >= MAX_TENANTS:
+                self._drop(*tenants.popitem(last=False))  # the least recently admitted
             if not tenants:
                 self._oldest = now
             weight = self.weights.get(key, 1.0) if key is not None else 1.0
@@ -116,12 +121,16 @@ class Shares:
                 self._oldest = usage.at
                 return
             del tenants[key]
-            if tenants:
-                self._weight -= usage.weight
-                self._total = max(0.0, self._total - usage.value)
-            else:  # exactly nothing (no rounding left over)
-                self._weight = self._total = 0.0
+            self._drop(key, usage)
         self._oldest = math.inf
+
+    def _drop(self, key: str | None, usage: _Usage) -> None:
+        """``key`` left ``_tenants``: take its weight and usage out of the sums."""
+        if self._tenants:
+            self._weight -= usage.weight
+            self._total = max(0.0, self._total - usage.value)
+        else:  # exactly nothing (no rounding left over)
+            self._weight = self._total = 0.0
 
     def _rescale(self, now: float) -> None:
         factor = math.exp((self._epoch - now) / self.window)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from router.shares import Shares
+from router.shares import MAX_TENANTS, Shares
 
 
 def admit(shares: Shares, key: str, times: list[float]) -> None:
@@ -57,11 +57,19 @@ def test_a_tenant_leaves_the_window_and_the_others_are_alone_again() -> None:
     assert shares.next_expiry() is None
 
 
-def test_memory_is_the_tenants_of_one_window() -> None:
+def test_memory_is_the_tenants_of_one_window_and_at_most_max_tenants() -> None:
     shares = Shares({}, window=1.0)
     for i in range(10_000):
         shares.admitted(f"t{i}", i * 0.01)  # 100 new tenants a second
     assert len(shares) <= 101
+    flood = Shares({}, window=10.0)
+    for i in range(MAX_TENANTS + 5_000):  # new keys faster than a window lets go
+        flood.admitted(f"k{i}", 0.0)
+    assert len(flood) == MAX_TENANTS
+    assert flood.under("k0", 0.0)  # forgotten: new again
+    flood.admitted("heavy", 0.0)
+    flood.admitted("heavy", 0.0)
+    assert not flood.under("heavy", 0.0)
 
 
 def test_usages_stay_finite_for_any_run_time() -> None:
