@@ -495,6 +495,7 @@ class Exchange(LazyDeadline):
                 # Others of this pool wait: behind them.  Else wait if saturated, or
                 # if only the places kept for tenants under their share are free.
                 now = router.loop.time()
+                queue.asked(self.tenant_key, now)
                 if queue.busy(self.pool) or queue.holds_back(self.tenant_key, members, now):
                     self._enqueue(queue)
                     return
@@ -502,8 +503,6 @@ class Exchange(LazyDeadline):
                 if choice is SATURATED:
                     self._enqueue(queue)
                     return
-                if choice is not None:
-                    queue.admitted(self.tenant_key, now)
             else:
                 choice = router.balancer.choose(self.key_hash, self._tried, members)
         if choice is None:

@@ -36,9 +36,10 @@ Contract:
 - The reserve (``reserve`` places, 0 by default: the queue is work-conserving).
   A work-conserving queue gives a tenant under its share the *next* place to
   free up, which at saturation is one prefill away.  With a reserve, while a
-  tenant under its share of the admissions (``router.shares``) was admitted
-  within the last ``share_window`` seconds ("the reserve is wanted"), a
-  request of a tenant *not* under its share may not take a place when at
+  tenant under its share of the requests (``router.shares``; counted at each
+  keyed request's first routing attempt, ``asked``) sent one within the
+  last ``share_window`` seconds ("the reserve is wanted"), a request of a
+  tenant *not* under its share may not take a place when at
   most ``reserve`` are free (``Balancer.free_places``: below
   ConcurrencyThreshold, on the pool's available backends): it waits
   (``holds_back``, on the direct path as in ``_serve``), so those places
@@ -245,8 +246,8 @@ class AdmissionQueue:
         router = self.router
         return router.balancer.free_places(members or router.fleet, reserve) <= reserve
 
-    def admitted(self, key: str | None, now: float) -> None:
-        """A request of tenant ``key`` leaves for a backend (queued or not)."""
+    def asked(self, key: str | None, now: float) -> None:
+        """A request of tenant ``key`` arrived (its first routing attempt)."""
         if not self.reserve:
             return  # shares only say who the reserve is for
         shares = self.shares
@@ -255,10 +256,10 @@ class AdmissionQueue:
             self._wanted = now + shares.window
             if self.fleet_wants is not None:
                 self.fleet_wants.set(time.monotonic() + shares.window)
-        shares.admitted(key, now)
+        shares.asked(key, now)
 
     def _wants(self, now: float) -> bool:
-        """A tenant under its share was admitted within a window, here or (several
+        """A tenant under its share sent a request within a window, here or (several
         workers, replicas) anywhere."""
         if self._wanted > now:
             return True
@@ -350,4 +351,3 @@ class AdmissionQueue:
 
     def _took(self, exchange: Exchange, now: float) -> None:
         self._admitted.append(now)
-        self.admitted(exchange.tenant_key, now)

@@ -105,7 +105,7 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     responses: list[Learnt] = []  # Responses API ids learnt since the last write
     pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
     # Until when (Unix time, whole seconds) this replica's admission queues want their
-    # reserve: a tenant under its share was admitted there (router.queue); 0: not.
+    # reserve: a tenant under its share sent a request there (router.queue); 0: not.
     reserve_until: int = 0
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:

@@ -1,25 +1,28 @@
-"""Each tenant's recent share of the admissions, against its weight's: who the reserve is for.
+"""Each tenant's recent share of the requests, against its weight's: who the reserve is for.
 
 Contract:
-- ``admitted(key, now)`` counts one admission of tenant ``key`` (a keyed
-  request that left for a backend through the admission queue's test, queued
-  or not; ``router.queue``).  A tenant's *usage* is an exponentially
-  weighted count of its admissions, with a time constant of ``window``
-  seconds (an admission counts 1, ``window`` seconds later 1/e).
-- Active tenants: those admitted within the last ``window`` seconds; W is
-  the sum of their weights (``weights[key]``, default 1).  A tenant's fair
-  share is ``weight / W`` of the admissions.
+- ``asked(key, now)`` counts one request of tenant ``key`` (a keyed request
+  at its first routing attempt with the admission queue on: ``router.queue``;
+  what it asks, whether it is then admitted, waits or is refused).  A
+  tenant's *usage* is an exponentially weighted count of its requests, with a
+  time constant of ``window`` seconds (a request counts 1, ``window`` seconds
+  later 1/e).  Requests, not admissions: what a tenant is admitted depends on
+  the reserve itself (holding the heavy tenant back raises the light one's
+  part of the admissions towards its share), what it asks does not.
+- Active tenants: those with a request within the last ``window`` seconds;
+  W is the sum of their weights (``weights[key]``, default 1).  A tenant's
+  fair share is ``weight / W`` of the requests.
 - ``under(key, now)``: its usage is less than its fair share of all usage
-  (``usage / total < weight / W``), or it is new (no admission in the
-  window) while others are active.  A tenant alone is not under its share
-  (nobody to compare with), nor is one at it.
-- Cost: ``admitted`` is O(1) (an ordered dict moved to its end, one
+  (``usage / total < weight / W``), or it is new (no request in the window)
+  while others are active.  A tenant alone is not under its share (nobody
+  to compare with), nor is one at it.
+- Cost: ``asked`` is O(1) (an ordered dict moved to its end, one
   exponential; the tenants that left the window are dropped from its front,
   each once); ``under`` is O(1), no exponential (see ``RESCALE_AFTER``):
   1.6-2.5 us for both on this 2-core VM at load 5.  Memory: the tenants
-  admitted within the window, at most ``MAX_TENANTS``.
+  active within the window, at most ``MAX_TENANTS``.
 - One process's view: with several workers or replicas each counts the
-  admissions it makes (``router.queue`` says what that means).
+  requests it receives (``router.queue`` says what that means).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from collections.abc import Mapping
 __all__ = ["Shares"]
 
 
-# Usages are kept scaled by exp((t - epoch) / window): an admission at t adds that
+# Usages are kept scaled by exp((t - epoch) / window): a request at t adds that
 # factor, so decaying every usage to "now" multiplies all of them by the same number,
-# which a ratio cancels: ``under`` needs no exponential, ``admitted`` one.  The epoch
+# which a ratio cancels: ``under`` needs no exponential, ``asked`` one.  The epoch
 # moves forward (every usage rescaled) before the factor nears a float's range.
 RESCALE_AFTER = 300.0  # windows: exp(300) ~ 1e130, far from the 1.8e308 limit
 # Tenants remembered at most (a flood of new keys within a window): past it the least
-# recently admitted is forgotten early, and counts as new (under its share) if it returns.
+# recently active is forgotten early, and counts as new (under its share) if it returns.
 MAX_TENANTS = 65_536
 
 
@@ -46,12 +49,12 @@ class _Usage:
 
     def __init__(self, weight: float):
         self.value = 0.0  # the scaled weighted count
-        self.at = 0.0  # its last admission (the window is counted from it)
+        self.at = 0.0  # its last request (the window is counted from it)
         self.weight = weight
 
 
 class Shares:
-    """Recent admissions per tenant (see the module's contract)."""
+    """Recent requests per tenant (see the module's contract)."""
 
     __slots__ = ("_epoch", "_oldest", "_tenants", "_total", "_weight", "weights", "window")
 
@@ -62,20 +65,20 @@ class Shares:
         self._total = 0.0  # the active tenants' scaled usages, summed
         self._weight = 0.0  # W: the active tenants' weights
         self._epoch = 0.0
-        self._oldest = math.inf  # at most the least recent admission's time
+        self._oldest = math.inf  # at most the least recent request's time
 
     def __len__(self) -> int:
-        """Active tenants (as of the last ``admitted`` or ``under``)."""
+        """Active tenants (as of the last ``asked`` or ``under``)."""
         return len(self._tenants)
 
-    def admitted(self, key: str | None, now: float) -> None:
-        """Count one admission of tenant ``key`` at ``now`` (loop time, never decreasing)."""
+    def asked(self, key: str | None, now: float) -> None:
+        """Count one request of tenant ``key`` at ``now`` (loop time, never decreasing)."""
         self._expire(now)
         tenants = self._tenants
         usage = tenants.get(key)
         if usage is None:
             if len(tenants) >= MAX_TENANTS:
-                self._drop(*tenants.popitem(last=False))  # the least recently admitted
+                self._drop(*tenants.popitem(last=False))  # the least recently active
             if not tenants:
                 self._oldest = now
             weight = self.weights.get(key, 1.0) if key is not None else 1.0
@@ -91,7 +94,7 @@ class Shares:
         self._total += one
 
     def under(self, key: str | None, now: float) -> bool:
-        """Whether tenant ``key`` takes less than its weight's share of the admissions.
+        """Whether tenant ``key`` asks less than its weight's share of the requests.
         A tenant alone here is not (nobody to compare with); a new one beside
         others is."""
         self._expire(now)
@@ -105,7 +108,7 @@ class Shares:
         return usage.value * self._weight < usage.weight * self._total
 
     def next_expiry(self) -> float | None:
-        """When the least recently admitted tenant leaves the window (None: nobody active)."""
+        """When the least recently active tenant leaves the window (None: nobody active)."""
         for usage in self._tenants.values():
             return usage.at + self.window
         return None

@@ -1,4 +1,4 @@
-"""``router.shares``: who is under its share of the admissions (pure: the tests pass the clock)."""
+"""``router.shares``: who is under its share of the requests (pure: the tests pass the clock)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from router.shares import MAX_TENANTS, Shares
 
 
 def admit(shares: Shares, key: str, times: list[float]) -> None:
-    """Admissions of ``key`` at ``times`` (the clock never goes back)."""
+    """Requests of ``key`` at ``times`` (the clock never goes back)."""
     for now in times:
-        shares.admitted(key, now)
+        shares.asked(key, now)
 
 
 def test_a_tenant_alone_is_not_under_its_share_and_a_new_one_beside_it_is() -> None:
@@ -47,7 +47,7 @@ def test_a_tenant_leaves_the_window_and_the_others_are_alone_again() -> None:
     admit(shares, "light", [0.6])
     admit(shares, "heavy", [1.0, 1.5])
     assert shares.under("light", 1.5)
-    assert shares.next_expiry() == 1.6  # light, the least recently admitted
+    assert shares.next_expiry() == 1.6  # light, the least recently active
     assert len(shares) == 2
     assert not shares.under("heavy", 1.7)  # light left: heavy is alone
     assert len(shares) == 1
@@ -60,15 +60,15 @@ def test_a_tenant_leaves_the_window_and_the_others_are_alone_again() -> None:
 def test_memory_is_the_tenants_of_one_window_and_at_most_max_tenants() -> None:
     shares = Shares({}, window=1.0)
     for i in range(10_000):
-        shares.admitted(f"t{i}", i * 0.01)  # 100 new tenants a second
+        shares.asked(f"t{i}", i * 0.01)  # 100 new tenants a second
     assert len(shares) <= 101
     flood = Shares({}, window=10.0)
     for i in range(MAX_TENANTS + 5_000):  # new keys faster than a window lets go
-        flood.admitted(f"k{i}", 0.0)
+        flood.asked(f"k{i}", 0.0)
     assert len(flood) == MAX_TENANTS
     assert flood.under("k0", 0.0)  # forgotten: new again
-    flood.admitted("heavy", 0.0)
-    flood.admitted("heavy", 0.0)
+    flood.asked("heavy", 0.0)
+    flood.asked("heavy", 0.0)
     assert not flood.under("heavy", 0.0)
 
 
@@ -78,7 +78,7 @@ def test_usages_stay_finite_for_any_run_time() -> None:
     now = 0.0
     for _ in range(20_000):  # 1,000 windows
         now += 0.05
-        shares.admitted("heavy" if int(now * 20) % 4 else "light", now)
+        shares.asked("heavy" if int(now * 20) % 4 else "light", now)
     assert shares.under("light", now)
     assert not shares.under("heavy", now)
     assert all(math.isfinite(u.value) for u in shares._tenants.values())
