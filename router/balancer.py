@@ -355,6 +355,27 @@ class Balancer:
         picked = self.peek(key_hash, members)
         return picked is not None and picked[1] is _FALLBACK
 
+    def free_places(self, members: Members, limit: int) -> int:
+        """Places below ConcurrencyThreshold on ``members``' available backends (the
+        counts the threshold reads), counted up to ``limit + 1`` (the admission
+        queue's reserve only asks "more than ``limit``?").  Other strategies than
+        PREFIX_AWARE have no bound: ``limit + 1``."""
+        if self.config.strategy is not Strategy.PREFIX_AWARE:
+            return limit + 1
+        fleet = self.fleet
+        counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts
+        threshold = self._bound.threshold
+        skip = fleet.unavailable
+        free = 0
+        for name in members.ring.weights:
+            if name not in skip:
+                load = counts.get(name, 0)
+                if load < threshold:
+                    free += threshold - load
+                    if free > limit:
+                        return free
+        return free
+
     @property
     def bound(self) -> LoadBound:
         """ConcurrencyThreshold and, in IN_FLIGHT mode, the balance factor."""

@@ -325,6 +325,12 @@ class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weights: dict[TenantKey, Annotated[float, Meta(ge=0.01, le=1000.0)]] = msgspec.field(
         default_factory=dict
     )
+    # Places (one below a backend's ConcurrencyThreshold) that a tenant not under its share
+    # of the requests may not take while another tenant is under its share (0: none held).
+    reserve: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    share_window: Seconds = (
+        10.0  # the requests a share is counted over; a tenant is active this long
+    )
 
 
 class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

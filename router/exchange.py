@@ -113,7 +113,7 @@ _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 if TYPE_CHECKING:
     from msgspec import Raw
 
-    from .balancer import Choice
+    from .balancer import Choice, Members
     from .client import ClientConnection
     from .fleet import ModelPool
     from .keyworker import Keyed
@@ -494,8 +494,11 @@ class Exchange(LazyDeadline):
         if choice is None:
             queue = router.queue
             if queue is not None and self.key_hash is not None and not self._tried:
-                # Others of this pool wait: behind them.  Else wait if saturated.
-                if queue.busy(self.pool):
+                # Others of this pool wait: behind them.  Else wait if saturated, or
+                # if only the places kept for tenants under their share are free.
+                now = router.loop.time()
+                queue.asked(self.tenant_key, now)
+                if queue.busy(self.pool) or queue.holds_back(self.tenant_key, members, now):
                     self._enqueue(queue)
                     return
                 choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
@@ -539,6 +542,11 @@ class Exchange(LazyDeadline):
         if not self.request_complete:
             # A native body still streaming: hold what came, read no more meanwhile.
             self._conn.pause_reading_for_upstream(True)
+
+    def members(self) -> Members | None:
+        """What this request routes over (None: its model is served no more)."""
+        fleet = self._router.fleet
+        return fleet if self.model is None else fleet.members_for(self.model)
 
     def admit(self, now: float) -> bool:
         """The queue offers a place: route now if a backend is below its bound.

@@ -432,11 +432,18 @@ class _Answer:
     ) -> Explanation | None:
         """The admission queue's answer (the data path's order), or None: routed now."""
         pool = None if members is None else cast("ModelPool", members).model
+        until = "a backend of its walk is below its bound"
         if queue.busy(pool):
             why = (
                 "other requests of its pool wait in the admission queue already"
                 f" ({queue.depth} waiting in all): it would go behind them"
             )
+        elif queue.holds_back(self.tenant_key, members, self.router.loop.time()):
+            why = (
+                f"no more places are free than the reserve ({queue.reserve}), kept for the"
+                " tenants under their share of the admissions, and this one is not"
+            )
+            until = "more places are free or nobody is under its share"
         elif self.router.balancer.saturated(key_hash, members):
             why = "every backend of the walk is at its bound"
         else:
@@ -458,8 +465,8 @@ class _Answer:
             None,
             None,
             None,
-            f"{why}: it would wait in the admission queue ({tenant}) until a backend of its"
-            f" walk is below its bound, at most {config.max_wait:g} s (then 429)",
+            f"{why}: it would wait in the admission queue ({tenant}) until {until}, at most"
+            f" {config.max_wait:g} s (then 429)",
             "wait",
         )
 

@@ -51,6 +51,11 @@ Contract:
   lost (a watch re-listed after a compaction) only delays agreement: the
   replicas converge on a key's earliest placement the next time any of them
   routes it.
+- The admission queue's reserve (``router.queue``): the row carries until
+  when this replica's workers want it (``reserve_until``, Unix time rounded
+  up to whole seconds, so it changes at most once a second); the latest of
+  the other replicas' goes into the remote row's cell of the reserve plane
+  (``router.shared.SharedDeadline``), which every worker reads.
 - Drains across replicas (``drained``): a backend set draining leaves when
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
 import time
@@ -79,7 +85,7 @@ from hashring.shared import Record
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
-from .shared import DEFAULT_PERIOD, PLANES, SharedTable
+from .shared import DEFAULT_PERIOD, PLANES, SharedDeadline, SharedTable
 
 __all__ = ["PERIOD", "Replicas", "Row"]
 
@@ -109,6 +115,9 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     records: list[FleetRecord] = []  # TRAFFIC placements since the last write
     responses: list[Learnt] = []  # Responses API ids learnt since the last write
     pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
+    # Until when (Unix time, whole seconds) this replica's admission queues want their
+    # reserve: a tenant under its share sent a request there (router.queue); 0: not.
+    reserve_until: int = 0
     at: float = 0.0  # wall-clock time of the counts (0: a version that did not say)
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
@@ -145,6 +154,8 @@ class Replicas:
         self.id = replica_id or os.urandom(6).hex()
         self.table = table
         self.remote = table.rows - 1  # the last row: the other replicas' sum
+        # The admission queue's reserve: the workers' deadlines read, the others' written.
+        self._wants = SharedDeadline(table, self.remote, rows=self.remote)
         self.slots = slots
         self.applied = applied
         self.others: dict[str, Row] = {}
@@ -204,7 +215,9 @@ class Replicas:
 
     def local_row(self) -> Row:
         loads, waiting = self.local()
-        return Row(self.applied(), loads, waiting)
+        left = self._wants.latest() - time.monotonic()
+        until = math.ceil(time.time() + left) if left > 0 else 0  # whole seconds: few writes
+        return Row(self.applied(), loads, waiting, reserve_until=until)
 
     async def _publish_loop(self) -> None:
         attempt = 0
@@ -326,6 +339,9 @@ class Replicas:
         for plane, sums in enumerate(self.estimate(local)):
             for name, slot in slots.items():
                 table.cells[table.index(self.remote, plane, slot)] = sums.get(name, 0)
+        until = max((row.reserve_until for row in self.others.values()), default=0)
+        left = until - time.time()
+        self._wants.set(time.monotonic() + left if left > 0 else 0.0)
 
     async def _extrapolate_loop(self) -> None:
         """Keep the remote row following this replica's own counts between rows."""

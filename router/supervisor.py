@@ -89,7 +89,7 @@ from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
 from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
-from .shared import PLANES, SharedLoadTracker, SharedTable
+from .shared import PLANES, TABLE_PLANES, SharedLoadTracker, SharedTable
 from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class Workers:
         )
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
-        self.table = SharedTable.create(count + remote, SLOTS, PLANES)
+        self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
         self.slots: dict[str, int] = {}
         for name in router.fleet.backends:
             self._take_slot(name)

@@ -75,7 +75,14 @@ from .fleet import AdminState, Backend, Fleet
 from .health import HealthMonitor
 from .log import configure, get_logger
 from .metrics import Histogram
-from .shared import DEFAULT_PERIOD, PLANES, SharedLoadTracker, SharedTable
+from .shared import (
+    DEFAULT_PERIOD,
+    PLANES,
+    TABLE_PLANES,
+    SharedDeadline,
+    SharedLoadTracker,
+    SharedTable,
+)
 
 __all__ = ["main", "report"]
 
@@ -181,6 +188,10 @@ class _Worker:
             # Another worker's (or replica's) request ended: a place may be free here.
             for tracker in self.trackers:
                 tracker.on_fold = router.queue.wake
+            # The reserve is wanted where any worker (or replica) saw a tenant under its
+            # share; deciding at its edge, a worker reads the others' counts first.
+            router.queue.fleet_wants = SharedDeadline(table, init.index)
+            router.queue.refresh = self._fold
         router.balancer.share_placement(init.stamp)
         router.responses.apply(init.responses)
         # A follow-up may reach another worker a moment after the answer: new ids
@@ -189,6 +200,14 @@ class _Worker:
         router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
+
+    def _fold(self) -> None:
+        """Fold the other rows in now; a change wakes the queue as the timed fold would
+        have (it will not: it sees these rows as read)."""
+        changed = [tracker.fold() for tracker in self.trackers]
+        queue = self.router.queue
+        if any(changed) and queue is not None:
+            queue.wake()
 
     def _publish(self) -> None:
         """Send the placements made since the last call, if any; again in a period."""
@@ -297,7 +316,7 @@ async def _run(channel_fd: int, table_fd: int) -> None:
     init = await channel.receive()
     if not isinstance(init, Init):
         raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
-    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, PLANES)
+    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

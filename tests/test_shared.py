@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from hashring import Lease
 from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.fleet import Fleet
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 from tests.harness.routers import SAGEMAKER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ NAMES = [f"b{slot}" for slot in range(SLOTS)]
 #   read           (read-only) prints the folded counts of plane 0 and exits
 WORKER = """
 import json, random, sys
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 fd, rows, slots, row = map(int, sys.argv[1:5])
 mode = sys.argv[5]
 table = SharedTable.attach(fd, rows, slots, 2)
@@ -453,13 +454,17 @@ class _Remote:
         return {name: count for name, count in cells.items() if count}
 
 
-def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
-    table: SharedTable,
-) -> None:
+def router_table() -> SharedTable:
+    """Rows 0-3 a replica's workers', row 4 the remote one; a router's planes."""
+    return SharedTable.create(rows=5, slots=SLOTS, planes=TABLE_PLANES)
+
+
+def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since() -> None:
     from router.replicas import Row
 
+    table = router_table()
     estimate = _Remote(table)
-    arrives, remote = estimate.arrives, estimate.remote
+    replicas, arrives, remote = estimate.replicas, estimate.arrives, estimate.remote
     zero, one, waiting = worker(table, 0), worker(table, 1), worker(table, 0, plane=1)
 
     held = [zero.acquire("b0")]
@@ -483,14 +488,26 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
     for tracker in (zero, one, waiting):
         tracker.close()
 
+    # The admission queue's reserve: a worker's deadline goes out in the row (Unix
+    # time, whole seconds up); another replica's comes into the remote row's cell.
+    wants = SharedDeadline(table, 2)
+    assert replicas.local_row().reserve_until == 0
+    wants.set(time.monotonic() + 5)
+    assert 0 < replicas.local_row().reserve_until - time.time() <= 6
+    wants.set(0)
+    reader = SharedDeadline(table, None)
+    arrives("r3", Row(0, reserve_until=int(time.time()) + 30))
+    assert 28 < reader.latest() - time.monotonic() <= 30
+    arrives("r3", Row(0, reserve_until=int(time.time()) - 1))  # lapsed
+    assert reader.latest() < time.monotonic()
+    os.close(table.fd)
 
-def test_a_row_is_based_on_this_replicas_counts_when_it_was_published(
-    table: SharedTable,
-) -> None:
+def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
     # A row spends time in etcd's watch before it arrives: what this replica
     # gained meanwhile is what the other most likely gained too.
     from router.replicas import HISTORY, Row
 
+    table = router_table()
     estimate = _Remote(table)
     replicas, zero = estimate.replicas, worker(table, 0)
     held = [zero.acquire("b0")]
@@ -512,3 +529,4 @@ def test_a_row_is_based_on_this_replicas_counts_when_it_was_published(
     for lease in held:
         lease.release()
     zero.close()
+    os.close(table.fd)
