@@ -3,6 +3,7 @@
     prefix-router serve --listen 127.0.0.1:8080 --backend a=http://10.0.0.1:8000 ...
     prefix-router demo [--serve]
     prefix-router explain /v1/chat/completions body.json   (admin/explain_cli.py)
+    prefix-router ab-report [--admin URL ...]              (admin/ab_cli.py)
 
 ``serve`` lays its flags over the TOML file given with ``--config`` and
 validates the result once; a bad value exits with status 2 and a message that
@@ -50,7 +51,7 @@ from router.config import (
 )
 from router.state import State, StateError, StateFile
 
-from . import explain_cli
+from . import ab_cli, explain_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -383,12 +384,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                 text = Path(text).read_text()
             except OSError as exc:
                 raise ConfigError(f"cannot read --routing-config {text}: {exc.strerror}") from None
-        routing = {
-            "RoutingStrategy": parse_routing(text).strategy.value,
-            "PrefixAwareRoutingConfig": parse_routing(text).document()["RoutingConfig"][
-                "PrefixAwareRoutingConfig"
-            ],
-        }
+        routing = parse_routing(text).document()["RoutingConfig"]  # an experiment's Arms too
     routing = dict(routing)
     if args.strategy is not None:
         routing["RoutingStrategy"] = STRATEGY_ALIASES.get(args.strategy.lower(), args.strategy)
@@ -695,8 +691,15 @@ def _check_config(path: str) -> int:
         print(f"{path}: invalid configuration: {exc}", file=sys.stderr)
         return 2
     routing = config.routing
+    strategy = routing.strategy.value
+    if routing.arms:  # an A/B experiment: each arm's weight and strategy
+        arms = ", ".join(
+            f"{arm.name} {arm.weight:g} {arm_routing.strategy.value}"
+            for arm, arm_routing in zip(routing.arms, routing.arm_configs(), strict=True)
+        )
+        strategy = f"experiment {routing.experiment} ({arms})"
     print(
-        f"{path}: ok: {len(config.backends)} backends, {routing.strategy.value},"
+        f"{path}: ok: {len(config.backends)} backends, {strategy},"
         f" listen {config.listen}, admin {config.admin_listen}"
     )
     return 0
@@ -713,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.add_argument("file", metavar="FILE", help="the TOML file serve --config would read")
     explain_cli.add_parser(sub)
+    ab_cli.add_parser(sub)
     sub.add_parser(
         "bench",
         add_help=False,
@@ -732,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         return _check_config(args.file)
     if args.command == "explain":
         return explain_cli.run(args)
+    if args.command == "ab-report":
+        return ab_cli.run(args)
     from admin import load_token, requires_token
 
     try:

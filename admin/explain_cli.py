@@ -125,6 +125,8 @@ def render(answer: dict[str, Any]) -> str:
         lines.append(
             f"  request: {kind}; key ({key['source']}): {what}{salt}, digest {key['digest']}"
         )
+    if answer.get("arm") is not None:
+        lines.append(f"  arm: {answer['arm']} ({answer['strategy']})")
     if answer["model"] is not None:
         lines.append(f"  model: {answer['model']}, pool {', '.join(answer['pool'] or [])}")
     if answer["response_id"] is not None:

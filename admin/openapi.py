@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from router.arms import ExperimentView
 from router.config import BackendSpec, RoutingConfig
 from router.control import BackendPatch, BackendView, DrainView, Stats
 from router.explain import DEFAULT_K, MAX_K, DryRequest, Explanation
@@ -206,6 +207,21 @@ def _paths() -> dict[str, Any]:
                 "responses": _responses({"200": _ok("The statistics.", _ref("Stats"))}),
             }
         },
+        "/admin/ab": {
+            "get": {
+                "operationId": "getExperiment",
+                "summary": "An A/B experiment's arms, their TTFT samples, and the test",
+                "description": (
+                    "Per arm of the RoutingConfig's Arms: requests, errors, TTFT percentiles"
+                    " and a bottom-k sample of TTFTs (mergeable across replicas), the"
+                    " attributed prefix-cache hit rate; each arm against the first with a"
+                    " Mann-Whitney U test.  `prefix-router ab-report` reads it."
+                ),
+                "responses": _responses(
+                    {"200": _ok("The experiment.", _ref("ExperimentView"))}, "404"
+                ),
+            }
+        },
         "/admin/route": {
             "post": {
                 "operationId": "explainRoute",
@@ -303,6 +319,7 @@ def _components() -> dict[str, Any]:
             BackendView,
             DrainView,
             Stats,
+            ExperimentView,
             RoutingDocument,
             RoutingConfig,
             Probe,

@@ -119,6 +119,11 @@ async def get_stats(request: web.Request) -> web.Response:
     return json_response(await request.app[CONTROL].stats())
 
 
+async def get_experiment(request: web.Request) -> web.Response:
+    """An A/B experiment's arms, each with its TTFT sample, and the test (router.arms)."""
+    return json_response(await request.app[CONTROL].experiment())
+
+
 async def explain_route(request: web.Request) -> web.Response:
     """The dry run of a routing decision: where this request would go, and why."""
     k = query_int(request, "k", DEFAULT_K, low=1, high=MAX_K)
@@ -158,6 +163,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/admin/routing", get_routing),
     ("PUT", "/admin/routing", put_routing),
     ("GET", "/admin/stats", get_stats),
+    ("GET", "/admin/ab", get_experiment),
     ("POST", "/admin/route", explain_route),
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),

@@ -21,6 +21,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_admission   the fair admission queue, live: two tenants, one at 10x; TTFT and throughput
   bench_tenants     per-tenant metrics: ns a request, entries and bytes after 100,000 keys
   bench_slowstart   slow start in a live scale event: the minute after an add, with and without
+  bench_ab          A/B arms against separate runs of the two configs, live, with ground truth
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
   report            re-print a saved run's tables (``--since`` for the warm part)

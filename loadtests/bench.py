@@ -208,6 +208,9 @@ async def send(
         async with session.post(target, data=encode(body), headers=headers) as resp:
             request_id = resp.headers.get("x-request-id", "")
             sample.instance = resp.headers.get("x-sim-instance")
+            # The simulator's own count of this request's prompt and cached tokens.
+            sample.prompt_tokens = int(resp.headers.get("x-sim-prompt-tokens", 0))
+            sample.cached_tokens = int(resp.headers.get("x-sim-cached-tokens", 0))
             tokens = 0
             async for line in resp.content:
                 if not line.startswith(b"data:"):

@@ -52,6 +52,8 @@ class AccessRecord(msgspec.Struct, omit_defaults=False):
     total_ms: float
     bytes_in: int
     bytes_out: int
+    # An A/B experiment's arm (router.arms); absent from the line when there is none.
+    arm: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class RefusedRecord(msgspec.Struct):
@@ -109,6 +111,7 @@ class AccessLog:
             round((exchange.ended - exchange.started) * 1000, 3),
             exchange.bytes_in,
             exchange.bytes_out,
+            msgspec.UNSET if exchange.arm is None else exchange.arm.name,
         )
         buffer = self._buffer
         self._encoder.encode_into(record, buffer, -1)

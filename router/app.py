@@ -31,6 +31,7 @@ import msgspec
 
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
+from .arms import ArmCollector
 from .balancer import Balancer
 from .cachecheck import Repeats
 from .cachesalt import Salter
@@ -110,6 +111,8 @@ class Router:
         # metrics_top 0 and no queue: nothing per tenant to count (~2 us a request saved).
         self._per_tenant = bool(tenants.metrics_top) or self.queue is not None
         self.collector.registry.register(TenantCollector(self))
+        self.collector.registry.register(ArmCollector(self))  # A/B arms (router.arms)
+        self.health.after_round = self._scraped  # the arms' hit rates (router.arms)
         self.repeats = Repeats()  # keys sent to each backend before (router.cachecheck)
         self.stopping = False
         self.active = 0  # exchanges started and not finished
@@ -302,6 +305,8 @@ class Router:
     def exchange_finished(self, exchange: Exchange) -> None:
         self.active -= 1
         self.recorder.observe(exchange)
+        if exchange.arm is not None:
+            exchange.arm.stats.observe(exchange)
         if self._per_tenant:
             self.tenants.observe(
                 exchange.tenant_key,
@@ -315,6 +320,12 @@ class Router:
             self.tracer.end(exchange)  # type: ignore[union-attr]  # a span means a tracer
         if not self.active:
             self._quiet.set()
+
+    def _scraped(self, fresh: list[str]) -> None:
+        """A scrape round read ``fresh`` backends: the experiment's hit-rate cells."""
+        arms = self.balancer.arms
+        if arms is not None:
+            arms.attribute(self.health.scraped, fresh)
 
     def request_refused(self, status: int, reason: str) -> None:
         """A request answered with an error before it became an exchange."""

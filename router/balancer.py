@@ -47,6 +47,12 @@ Contract:
   bound; other strategies never saturate.  With ``on_release`` set, every
   ``Choice`` calls it when it lets go of a lease (``first_byte`` included), so
   the queue wakes when a place frees up.
+- A/B experiments (``router.arms``): with ``Arms`` in the config, ``arms``
+  holds an ``Experiment`` whose arms are Balancers of their own over the same
+  fleet (and its in-flight counts); the data path routes a keyed request with
+  its arm's (``Experiment.assign``).  This balancer passes ``share_placement``,
+  ``publish_records``, ``apply_records`` and its queue wake on to them; their
+  placement records are tagged with the arm (``tag``).
 """
 
 from __future__ import annotations
@@ -62,11 +68,13 @@ from hashring import (
     LoadBound,
     Placement,
     Ring,
+    hash_key,
     pick,
 )
 from hashring.bounded import Ranked
 from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 
+from .arms import ARM_TAG, Experiment
 from .config import RoutingConfig, Strategy
 from .fleet import ANY_MODEL, Backend, Fleet, ModelPool
 
@@ -144,8 +152,11 @@ class Balancer:
         "_pools",
         "_prefill_scope",
         "_rng",
+        "_seed",
         "_select_keyed",
         "_stamp",
+        "_tag",
+        "arms",
         "config",
         "engine_ranks",
         "fleet",
@@ -156,9 +167,19 @@ class Balancer:
     # TRAFFIC mode without a BalanceFactor: 5 % over a fair share of recent requests.
     DEFAULT_TRAFFIC_FACTOR = 1.05
 
-    def __init__(self, fleet: Fleet, config: RoutingConfig, *, seed: int | None = None):
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: RoutingConfig,
+        *,
+        seed: int | None = None,
+        tag: str | None = None,
+    ):
         self.fleet = fleet
         self._rng = random.Random(seed)
+        self._seed = seed
+        self._tag = tag  # an experiment arm's: its placement records' pool tag
+        self.arms: Experiment | None = None
         self._placement: Placement | None = None
         # TRAFFIC per model pool: its placement and, when shared, its log.
         self._pools: dict[str, tuple[Placement, PlacementLog | None]] = {}
@@ -180,6 +201,9 @@ class Balancer:
         """
         self._stamp = stamp
         self._share()
+        if self.arms is not None:
+            for arm in self.arms.arms:
+                arm.balancer.share_placement(stamp)
 
     def _share(self) -> None:
         placement = self._placement
@@ -187,7 +211,7 @@ class Balancer:
             self.placement_log = None
         elif self.placement_log is None or self.placement_log.placement is not placement:
             placement.scan_replicas = STALE_SCAN_REPLICAS
-            self.placement_log = PlacementLog(placement, self._stamp)
+            self.placement_log = PlacementLog(placement, self._stamp, pool=self._tag)
         if placement is None:
             self._pools.clear()
         for model, (pooled, log) in self._pools.items():
@@ -204,35 +228,58 @@ class Balancer:
         log = None
         if self._stamp is not None:
             placement.scan_replicas = STALE_SCAN_REPLICAS
-            log = PlacementLog(placement, self._stamp, pool=model)
+            tag = model if self._tag is None else f"{self._tag} {model}"
+            log = PlacementLog(placement, self._stamp, pool=tag)
         self._pools[model] = placement, log
         return placement, log
 
     def publish_records(self) -> list[Record]:
-        """Every log's records since the last call (``PlacementLog.publish``)."""
+        """Every log's records since the last call (``PlacementLog.publish``), the
+        experiment's arms' included."""
+        records: list[Record] = []
         log = self.placement_log
-        if log is None:
-            return []
-        records = log.publish()
-        for _, pool_log in self._pools.values():
-            if pool_log is not None:
-                records += pool_log.publish()
+        if log is not None:
+            records = log.publish()
+            for _, pool_log in self._pools.values():
+                if pool_log is not None:
+                    records += pool_log.publish()
+        if self.arms is not None:
+            for arm in self.arms.arms:
+                records += arm.balancer.publish_records()
         return records
 
     def apply_records(self, records: Iterable[Record]) -> None:
-        """Fold in another process's records, each into its pool's placement."""
+        """Fold in another process's records, each into its pool's placement (an
+        arm's into that arm's balancer)."""
+        pooled: dict[str, list[Record]] = {}
+        own: list[Record] = []
+        armed: dict[str, tuple[list[Record], dict[str, list[Record]]]] = {}
+        for record in records:
+            pool = record.pool
+            if pool is None:
+                own.append(record)
+            elif pool.startswith(ARM_TAG):
+                name, _, model = pool[len(ARM_TAG) :].partition(" ")
+                mine, pools = armed.setdefault(name, ([], {}))
+                if model:
+                    pools.setdefault(model, []).append(record)
+                else:
+                    mine.append(record)
+            else:
+                pooled.setdefault(pool, []).append(record)
+        self._apply_records(own, pooled)
+        if armed and self.arms is not None:
+            for arm in self.arms.arms:
+                if arm.name in armed:
+                    arm.balancer._apply_records(*armed[arm.name])
+
+    def _apply_records(self, own: list[Record], pooled: dict[str, list[Record]]) -> None:
         log = self.placement_log
         if log is None:
             return
         fleet = self.fleet
-        pooled: dict[str, list[Record]] = {}
-        own: list[Record] = []
-        for record in records:
-            if record.pool is None:
-                own.append(record)
-            else:
-                pooled.setdefault(record.pool, []).append(record)
-        log.apply(fleet.ring, own)
+        if own:
+            log.apply(fleet.ring, own)
         for model, batch in pooled.items():
             pool = fleet.any_model if model == ANY_MODEL else fleet.pools.get(model)
             if pool is None:
@@ -267,6 +314,33 @@ class Balancer:
             Strategy.PREFIX_AWARE: self._prefix_aware,
         }[config.strategy]
         self.config = config
+        if config.arms:
+            self.arms = Experiment(config, self._arm, self.arms)
+        elif self.arms is not None:
+            self.arms.retire()  # the experiment is over: every key routes by the top level
+            self.arms = None
+
+    def set_engine_ranks(self, ranks: Mapping[str, int] | None) -> None:
+        """Break ties by ``ranks`` from now on (router.signals), in every arm too."""
+        self.engine_ranks = ranks
+        if self.arms is not None:
+            for arm in self.arms.arms:
+                arm.balancer.engine_ranks = ranks
+
+    def _arm(self, name: str, config: RoutingConfig) -> Balancer:
+        """A new arm's balancer: the same fleet and in-flight counts, its own placement."""
+        seed = None if self._seed is None else hash_key(f"{self._seed}:{name}".encode())
+        arm = Balancer(self.fleet, config, seed=seed, tag=ARM_TAG + name)
+        arm.on_release = self._released
+        arm.engine_ranks = self.engine_ranks  # the fleet's engines, whichever arm
+        if self._stamp is not None:
+            arm.share_placement(self._stamp)
+        return arm
+
+    def _released(self) -> None:
+        """An arm let go of a lease: this balancer's wake (the queue's), if any."""
+        if self.on_release is not None:
+            self.on_release()
 
     def choose(
         self,

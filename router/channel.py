@@ -38,6 +38,7 @@ import msgspec
 
 from hashring.shared import Record
 
+from .arms import ArmReport
 from .config import Config
 from .control.ops import Op
 from .explain import DryRequest, Explanation
@@ -133,6 +134,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     responses: dict[str, int] = {}  # ResponseIds.counts()
     tenants: list[TenantDelta] = []  # per-tenant counts since the last report (router.tenants)
     queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
+    arms: list[ArmReport] = []  # an A/B experiment's arms, totals (router.arms)
 
 
 class Explain(msgspec.Struct, tag=True, frozen=True):

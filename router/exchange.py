@@ -55,6 +55,9 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
   /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
   Where it declares none, nothing of this happens (no read of ``model``).
+- A/B experiments (``router.arms``): a keyed request is assigned its arm once,
+  by its key, when it is first routed (``arm``), and every attempt (retries,
+  the admission queue, a follow-up) routes with that arm's balancer.
 - Tenants (``router.tenants``, ``router.queue``, ``router.cachesalt``): ``tenant_key`` is the
   ``[tenants] header`` when configured and sent, else the routing salt's key
   (``prompt_cache_key`` or the SageMaker header), else None.  With the
@@ -113,7 +116,8 @@ _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 if TYPE_CHECKING:
     from msgspec import Raw
 
-    from .balancer import Choice, Members
+    from .arms import Arm
+    from .balancer import Balancer, Choice, Members
     from .client import ClientConnection
     from .fleet import ModelPool
     from .keyworker import Keyed
@@ -153,6 +157,7 @@ class Exchange(LazyDeadline):
         "_tried",
         "_upstream_bytes",
         "_upstream_framed",
+        "arm",
         "bytes_in",
         "bytes_out",
         "choice",
@@ -221,6 +226,7 @@ class Exchange(LazyDeadline):
         self.repeat = False  # its key was sent to the chosen backend before (cachecheck)
         self.model: str | None = None  # the body's, where the fleet declares models
         self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
+        self.arm: Arm | None = None  # its A/B experiment arm, once routed (router.arms)
         self._listing = False  # GET /v1/models of a fleet that declares models: ours
         self.tenant = False
         self.tenant_key: str | None = None  # who the request is for (metrics, the queue)
@@ -483,6 +489,7 @@ class Exchange(LazyDeadline):
                 return
             self.pool = members.model
         choice = None
+        balancer = self._balancer()
         response_id = self._response_id
         if response_id is not None and not self._tried:
             name = router.responses.backend_of(response_id)
@@ -501,12 +508,12 @@ class Exchange(LazyDeadline):
                 if queue.busy(self.pool) or queue.holds_back(self.tenant_key, members, now):
                     self._enqueue(queue)
                     return
-                choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+                choice = balancer.choose(self.key_hash, self._tried, members, queue=True)
                 if choice is SATURATED:
                     self._enqueue(queue)
                     return
             else:
-                choice = router.balancer.choose(self.key_hash, self._tried, members)
+                choice = balancer.choose(self.key_hash, self._tried, members)
         if choice is None:
             serving = "" if model is None else f" for model `{_shown(model)}`"
             if self._tried:
@@ -515,6 +522,17 @@ class Exchange(LazyDeadline):
                 self._fail(503, f"no backend{serving} is available")
             return
         self._dispatch(choice)
+
+    def _balancer(self) -> Balancer:
+        """The balancer that routes this request: its experiment arm's, if any."""
+        balancer = self._router.balancer
+        arms = balancer.arms
+        if arms is None or self.key_hash is None:
+            return balancer
+        arm = self.arm
+        if arm is None or arm.retired:
+            arm = self.arm = arms.assign(self.key_hash)
+        return arm.balancer
 
     def _dispatch(self, choice: Choice) -> None:
         self.choice = choice
@@ -558,7 +576,7 @@ class Exchange(LazyDeadline):
             self._stop_queue_timer()
             self._unknown_model(model)
             return True
-        choice = router.balancer.choose(self.key_hash, self._tried, members, queue=True)
+        choice = self._balancer().choose(self.key_hash, self._tried, members, queue=True)
         if choice is SATURATED:
             return False
         self._stop_queue_timer()
@@ -790,6 +808,8 @@ class Exchange(LazyDeadline):
             # head before prefill, their first SSE event after it.
             assert self.choice is not None
             self.choice.first_byte()  # ConcurrencyScope PREFILL lets go of its lease
+            if self.arm is not None:  # its engine has counted its prefix-cache hits by now
+                self.arm.stats.prefilled(self.choice.backend.name, self.status, self.bytes_in)
         self.bytes_out += len(data)
         if self._scan is not None:
             self._learn(self._scan, data)

@@ -35,6 +35,9 @@ Contract:
   wait in it (every backend of its walk at its bound, or others of its pool
   waiting already) has ``admission`` "wait" and no backend: where it then
   goes depends on what frees up first.
+- An A/B experiment (``router.arms``): a keyed request's ``arm`` is the one
+  its key is assigned to (``Experiment.assign``, as the data path), and the
+  rest of the answer is that arm's balancer's (its strategy, walk, bounds).
 - Framing is the body's: ``Content-Length`` is set from the body (any
   ``Content-Length`` or ``Transfer-Encoding`` given is dropped), and a
   ``Host`` is added if none is given, as every HTTP/1.1 client sends one.
@@ -193,6 +196,9 @@ class Explanation(msgspec.Struct, frozen=True):
     view: str = "this process"  # whose counts these are
     # Engine signals broke a tie: where it would go without them (None: nowhere else).
     without_engine_signals: str | None = None
+    # An A/B experiment (router.arms): the arm the key falls in, whose RoutingConfig
+    # decides (``strategy`` is the arm's); None: no experiment, or no key.
+    arm: str | None = None
 
 
 def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "") -> Explanation:
@@ -340,6 +346,8 @@ class _Answer:
         self.hot: HotKey | None = None
         self.tenant_key: str | None = None  # the admission queue's tenant
         self.unsignalled: str | None = None  # the backend without engine signals, if another
+        self.balancer = router.balancer  # an experiment's arm's, once the key is known
+        self.arm: str | None = None
 
     def head(
         self,
@@ -370,7 +378,7 @@ class _Answer:
             pool=self.pool,
             response_id=self.response_id,
             response_backend=self.response_backend,
-            strategy=self.router.balancer.config.strategy.value,
+            strategy=self.balancer.config.strategy.value,
             home=self.home,
             hot_key=self.hot,
             walk=self.walk,
@@ -381,6 +389,7 @@ class _Answer:
             view=self.view,
             admission=admission,
             without_engine_signals=self.unsignalled if backend is not None else None,
+            arm=self.arm,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -390,7 +399,17 @@ class _Answer:
         return self._done(backend, decision_label(decision, position), None, reason)
 
     def route(self, key_hash: int | None, members: Members | None) -> Explanation:
-        balancer = self.router.balancer
+        experiment = self.router.balancer.arms
+        if experiment is not None and key_hash is not None:
+            arm = experiment.assign(key_hash)  # the data path's Exchange._balancer
+            self.arm, self.balancer = arm.name, arm.balancer
+            total = sum(a.weight for a in experiment.arms)
+            self.note += (
+                f"A/B experiment {experiment.id!r}: the key falls in arm {arm.name!r}"
+                f" ({arm.weight:g} of {total:g} by weight), which routes by"
+                f" {arm.routing.strategy.value}; "
+            )
+        balancer = self.balancer
         fleet = self.router.fleet
         strategy = balancer.config.strategy
         ring_of = fleet if members is None else members
@@ -444,7 +463,7 @@ class _Answer:
                 " tenants under their share of the admissions, and this one is not"
             )
             until = "more places are free or nobody is under its share"
-        elif self.router.balancer.saturated(key_hash, members):
+        elif self.balancer.saturated(key_hash, members):
             why = "every backend of the walk is at its bound"
         else:
             return None
@@ -472,7 +491,7 @@ class _Answer:
 
     def _walk(self, key_hash: int, members: Members, placement: Placement | None) -> None:
         """The first ``k`` backends of the key's walk with their counts and bounds."""
-        balancer = self.router.balancer
+        balancer = self.balancer
         fleet = self.router.fleet
         ring = members.ring
         weights = ring.weights
@@ -542,7 +561,7 @@ class _Answer:
 
     def _why(self, name: str, decision: str, position: int, placement: Placement | None) -> str:
         """One sentence for a PREFIX_AWARE decision."""
-        balancer = self.router.balancer
+        balancer = self.balancer
         fleet = self.router.fleet
         unit = "waiting" if balancer.prefill_scope else "in flight"
         threshold = balancer.bound.threshold

@@ -17,8 +17,9 @@ Contract:
   every backend's ``/metrics`` at once for vLLM's (or SGLang's) prefix-cache
   and queue figures.  Before it, ``before_round`` (a supervisor: add up the
   workers' counts) runs and each backend's repeated-key counts are read;
-  after it ``cache`` (``router.cachecheck``) judges each backend and, with
-  engine signals on, ``signals`` (``router.signals``) ranks them.
+  after it ``cache`` (``router.cachecheck``) judges each backend, with
+  engine signals on ``signals`` (``router.signals``) ranks them, and
+  ``after_round`` gets the backends read (``router.arms``: the arms' hit rates).
 - Everything here runs on the control side of the loop: tasks and timers, no
   work on the request path beyond two integer updates per request.
 """
@@ -115,6 +116,8 @@ class HealthMonitor:
         self.signals: EngineSignals | None = None  # engine signals on: told every round
         # Awaited before each scrape round (a supervisor adds up its workers' counts).
         self.before_round: Callable[[], Awaitable[None]] | None = None
+        # Called after each round with the backends read in it (router.arms' hit rates).
+        self.after_round: Callable[[list[str]], None] | None = None
         self._rounds: asyncio.Task[None] | None = None
         self.rounds = 0  # scrape rounds done (``wait`` re-checks after each)
         self._watches: dict[str, _Watch] = {}
@@ -303,6 +306,8 @@ class HealthMonitor:
             self.signals.scraped(
                 ((b.name, self.scraped.get(b.name) if ok else None) for b, ok in got), time.time()
             )
+        if fresh and self.after_round is not None:
+            self.after_round([b.name for b, ok in zip(backends, read, strict=True) if ok])
         self.rounds += 1
         self._changed()
 

@@ -92,7 +92,7 @@ class EngineSignals:
         self.figures: dict[str, Signal] = {}
         # Told every round's figures (a supervisor passes them on to its workers).
         self.on_change: Callable[[dict[str, Signal]], None] | None = None
-        balancer.engine_ranks = {}  # on: every backend ranks 0 until the first round
+        balancer.set_engine_ranks({})  # on: every backend ranks 0 until the first round
 
     def scraped(self, backends: Iterable[tuple[str, Scraped | None]], at: float) -> None:
         """A scrape round: each backend's figures, None where its scrape failed."""
@@ -108,6 +108,6 @@ class EngineSignals:
     def set(self, figures: dict[str, Signal]) -> None:
         """Route by ``figures`` from now on (a worker: what its supervisor read)."""
         self.figures = figures
-        self._balancer.engine_ranks = {
-            name: value for name, signal in figures.items() if (value := signal.rank)
-        }
+        self._balancer.set_engine_ranks(
+            {name: value for name, signal in figures.items() if (value := signal.rank)}
+        )

@@ -23,6 +23,8 @@ Contract:
   Per-tenant series (``router.tenants``) come as deltas since the last
   report and are absorbed into the supervisor's own bounded view; the
   workers get one digest key in their ``Init``, so a tenant has one label.
+  An A/B experiment's arms (``router.arms``) are added up the same way, their
+  TTFT samples merged (bottom-k).
   In-flight counts are read from the table (all rows, folded on read).
 - ``explain`` (the admin API's dry run, ``router.explain``) is answered by
   the first worker up, not here: a worker holds what the data path decides
@@ -560,6 +562,10 @@ class Workers:
             sum(report.queue[0] for report in reports),
             sum(report.queue[1] for report in reports),
         )
+        arms = router.balancer.arms
+        if arms is not None:  # an A/B experiment: its arms' totals, from scratch each read
+            arms.reset()
+            arms.absorb([arm for report in reports for arm in report.arms])
         self.tracing = dict(tracing)
 
 

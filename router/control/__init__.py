@@ -13,7 +13,8 @@ Contract:
   shared store of several replicas is unreachable; retry later),
   ``Rejected`` -> 400 (a dry-run request the data port would refuse).
 - ``explain`` is a read: a dry run of the routing decision
-  (``router.explain``) that changes nothing.
+  (``router.explain``) that changes nothing.  So is ``experiment``: an A/B
+  experiment's figures (``router.arms``).
 - Views are msgspec Structs: they encode straight to the JSON the admin API
   returns, and their JSON Schemas go into its OpenAPI document.
 """
@@ -25,6 +26,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
+from ..arms import ExperimentView
 from ..config import BackendSpec, RoutingConfig
 from ..explain import DryRequest, Explanation
 
@@ -201,6 +203,9 @@ class Stats(msgspec.Struct, frozen=True):
     workers: list[WorkerView] = msgspec.field(default_factory=list)  # empty: one process
     models: list[ModelView] = msgspec.field(default_factory=list)  # empty: none declared
     responses: ResponseStats = msgspec.field(default_factory=ResponseStats)
+    # An A/B experiment's arms (router.arms), without their TTFT samples (/admin/ab
+    # has them); None: the RoutingConfig has no Arms.
+    experiment: ExperimentView | None = None
 
 
 class Control(Protocol):
@@ -234,3 +239,8 @@ class Control(Protocol):
     async def metrics(self) -> bytes: ...
 
     async def explain(self, request: DryRequest, k: int) -> Explanation: ...
+
+    async def experiment(self) -> ExperimentView:
+        """The A/B experiment's figures with each arm's TTFT sample (mergeable across
+        replicas, router.arms); NotFound when the RoutingConfig has no Arms."""
+        ...

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ..arms import ExperimentView
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..explain import DryRequest, Explanation, Refused, explain
 from ..fleet import ANY_MODEL, AdminState, Backend
@@ -185,7 +186,15 @@ class RouterControl:
                 held=len(router.responses),
                 capacity=router.responses.capacity,
             ),
+            experiment=router.balancer.arms.view() if router.balancer.arms is not None else None,
         )
+
+    async def experiment(self) -> ExperimentView:
+        await self._refresh()
+        arms = self._router.balancer.arms
+        if arms is None:
+            raise NotFound("no A/B experiment: the RoutingConfig has no Arms")
+        return arms.view(samples=True)
 
     async def explain(self, request: DryRequest, k: int) -> Explanation:
         """The dry run: here, or with workers in one of them (``Workers.explain``)."""

@@ -49,6 +49,7 @@ from typing import Protocol
 
 import msgspec
 
+from ..arms import ExperimentView
 from ..config import BackendSpec, RoutingConfig
 from ..control import (
     BackendPatch,
@@ -375,3 +376,6 @@ class DiscoveredControl:
 
     async def explain(self, request: DryRequest, k: int) -> Explanation:
         return await self.inner.explain(request, k)
+
+    async def experiment(self) -> ExperimentView:
+        return await self.inner.experiment()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 
+from router.arms import ExperimentView
 from router.config import BackendSpec, RoutingConfig
 from router.control import (
     BackendPatch,
@@ -172,6 +173,9 @@ class FakeControl:
             router_answer=503 if first is None else None,
             reason=f"fake: k={k}",
         )
+
+    async def experiment(self) -> ExperimentView:
+        raise NotFound("no A/B experiment: the RoutingConfig has no Arms")
 
     # -- Control: changes ------------------------------------------------------------
 
