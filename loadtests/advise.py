@@ -30,17 +30,28 @@ Contract
   ``Balancer`` under the RoutingConfig with that PrefixLength, the
   simulated engines' prefix caches) with each request's routing hash taken
   from its digest at that length (``digest << 16``: the real hash with its
-  low 16 bits cleared).  The engines need tokens, not digests, so each
-  request gets synthetic text (``Sampled.prompt_text``): the characters
-  between two logged lengths are a pattern drawn from the digest at the
-  longer one, and past the last logged length a pattern of its own.  Two
-  requests thus share exactly the prefix up to the longest logged length
-  whose digests agree: a lower bound of what they really share (it lies
-  between that length and the next logged one).  The hit rate printed is
-  the replay's, so it errs low, by up to the gap between logged lengths on
-  each shared prefix; every candidate is replayed on the same synthetic
-  tokens, so the comparison between candidates is fair.  Tokens are 4
-  characters (the simulator's tokenizer).
+  low 16 bits cleared), or its session's hash.  The engines need tokens, not
+  digests, so each request gets synthetic text (``Sampled.prompt_text``,
+  4 characters a token as the simulator's tokenizer): the characters between
+  two logged lengths are a pattern drawn from the digest at the longer one,
+  and past the last logged length a pattern of the request's own.  Two
+  requests thus share, in the replay, the prefix up to the longest logged
+  length where their digests agree: a lower bound of what they really share
+  (the truth lies between that length and the next logged one, or the end
+  of the shorter key).  ``--lower-bound`` replays exactly that.
+- The estimate (the default) closes part of that gap: where a key matches,
+  at every logged length below its end, the most recent key that ended
+  between the same two logged lengths (a whole key), it is taken to extend
+  it, the shorter of the two being a prefix of the longer (``link``): the
+  next turn of a conversation, the next question after the same document.
+  Exact when a request is the one before it plus more (chats, agents);
+  high by the earlier key's last part otherwise (two questions after one
+  document share the document, not the questions: ~1 % of a ``long``
+  prompt); low where the most recent whole key is another conversation's
+  (first turns shorter than the first logged length: they share only what
+  the digests show).  Every candidate is replayed on the same synthetic
+  text, so the comparison between candidates is fair either way; what
+  differs between them is the routing alone.
 - Candidates: the logged lengths from 1,024 to 65,536 (``--lengths`` picks
   some).  The current PrefixLength is ``--prefix-length``, else the
   config file's, else the logged length whose digest equals the lines'
@@ -172,6 +183,17 @@ Pieces = tuple[tuple[str, int], ...]
 MAX_PIECES = 16  # a chain of extensions longer than this is cut (the estimate errs low)
 
 
+def _cut(pieces: Pieces, chars: int) -> Pieces:
+    """The first ``chars`` characters of ``pieces``."""
+    out = []
+    for source, length in pieces:
+        if chars <= 0:
+            break
+        out.append((source, min(length, chars)))
+        chars -= length
+    return tuple(out)
+
+
 def link(requests: Sequence[Sampled]) -> list[Sampled]:
     """The estimate's extensions (see the module contract): ``requests`` (by arrival)
     with ``extends`` set where a key is longer than the most recent whole key that
@@ -192,12 +214,14 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
             if pieces is None:
                 pieces = ()
                 earlier = whole_at.get((level, below))
-                if earlier is not None and earlier[1] != digest and earlier[0] < request.size:
+                if earlier is not None and earlier[1] != digest:
                     size, other = earlier
                     prefix = nodes.get((level, other), ())
                     if len(prefix) < MAX_PIECES:
                         own = size - start - sum(chars for _, chars in prefix)
-                        pieces = (*prefix, (other, own)) if own > 0 else prefix
+                        # Shared: the shorter of the two, within this segment.
+                        end = min(size, request.size, request.lengths[level]) - start
+                        pieces = _cut((*prefix, (other, own)), end)
                 nodes[node] = pieces
             extends.append(pieces or None)
             if request.whole and level == len(request.digests) - 1:
@@ -680,6 +704,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=1.0,
         help="wall seconds a model second of the fleet that served the sample (simulated fleets)",
     )
+    p.add_argument(
+        "--lower-bound",
+        action="store_true",
+        help="share only what the digests show (no estimate of the rest)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return p.parse_args(argv)
@@ -777,12 +806,14 @@ def main(argv: list[str] | None = None) -> int:
         params=params,
         tolerance=args.tolerance,
         seed=args.seed,
+        lower_bound=args.lower_bound,
     )
     if args.json:
         out = {
             "recommended": advice.recommended,
             "reason": advice.reason,
             "current": advice.current,
+            "hit_rates": "lower bound" if args.lower_bound else "estimate",
             "requests": advice.requests,
             "span_s": advice.span_s,
             "instances": advice.instances,
@@ -791,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    print(_heading(advice, sample))
+    print(_heading(advice, sample, args.lower_bound))
     print()
     print(table(advice))
     print()
@@ -800,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _heading(advice: Advice, sample: Sample) -> str:
+def _heading(advice: Advice, sample: Sample, lower_bound: bool) -> str:
     text = (
         f"{advice.requests:,} requests over {advice.span_s:,.0f} s"
         f" from {sample.files} file{'s' if sample.files != 1 else ''},"
@@ -809,10 +840,9 @@ def _heading(advice: Advice, sample: Sample) -> str:
     )
     if sample.skipped:
         text += "\nskipped: " + ", ".join(f"{n:,} {what}" for what, n in sample.skipped.items())
-    return text + (
-        "\npredicted hit rates are lower bounds: two requests share, in the replay,"
-        " their prefix up to the longest logged length where their digests agree"
-    )
+    if lower_bound:
+        text += "\nhit rates: lower bounds (requests share what their digests show, no more)"
+    return text
 
 
 if __name__ == "__main__":

@@ -116,6 +116,19 @@ def offline(
         progress=False,
     )
     advise_s = time.perf_counter() - clock
+    bound = advise.advise(  # what the digests alone show (advise --lower-bound)
+        sample,
+        routing,
+        candidates,
+        CURRENT,
+        instances=[f"sim-{i}" for i in range(params.instances)],
+        params=params,
+        tolerance=tolerance,
+        seed=seed,
+        progress=False,
+        lower_bound=True,
+    )
+    lower = {r.length: r.hit_rate for r in bound.rows}
     best = max(true, key=lambda g: true[g]["hit_rate"])
     gap = (true[best]["hit_rate"] - true[advice.recommended]["hit_rate"]) * 100
     return {
@@ -126,11 +139,15 @@ def offline(
         "recommended": advice.recommended,
         "recommended_hit_rate": true[advice.recommended]["hit_rate"],
         "gap_points": gap,
+        "lower_bound_recommended": bound.recommended,
+        "lower_bound_gap_points": (true[best]["hit_rate"] - true[bound.recommended]["hit_rate"])
+        * 100,
         "reason": advice.reason,
         "rows": [
             {
                 "length": r.length,
                 "predicted": r.hit_rate,
+                "lower_bound": lower[r.length],
                 "true": true[r.length]["hit_rate"],
                 "predicted_p90": r.ttft_p90,
                 "true_p90": true[r.length]["ttft_p90"],
@@ -149,19 +166,22 @@ def offline(
 def _offline_table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| workload | requests | best by brute force | its hit rate | recommended | its hit rate"
-        " | gap | predicted / true hit rate per PrefixLength |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        " | gap | lower bound's pick, gap | hit rate per PrefixLength: estimate / lower bound"
+        " / true |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         per = ", ".join(
-            f"{row['length']}: {row['predicted'] * 100:.1f} / {row['true'] * 100:.1f}"
+            f"{row['length']}: {row['predicted'] * 100:.1f} / {row['lower_bound'] * 100:.1f}"
+            f" / {row['true'] * 100:.1f}"
             for row in r["rows"]
         )
         lines.append(
             f"| {r['workload']} | {r['requests']:,} | {r['best']}"
             f" | {r['best_hit_rate'] * 100:.1f} % | {r['recommended']}"
             f" | {r['recommended_hit_rate'] * 100:.1f} %"
-            f" | {r['gap_points']:.2f} | {per} |"
+            f" | {r['gap_points']:.2f} | {r['lower_bound_recommended']},"
+            f" {r['lower_bound_gap_points']:.2f} | {per} |"
         )
     return "\n".join(lines)
 

@@ -49,6 +49,11 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   ``X-Prefix-Router-Decision: decision=<the access log's>; key=<its prefix_hash>``
   (``; backend=<name>`` only with ``decision_header_backend``); answers the
   router makes itself (errors, ``/v1/models``) do not.
+- Opt-in (``[advisor] key_digests``, ``router.keydigests``): a keyed
+  request's access line gets the digests of its prompt's key at several
+  lengths: an OpenAI body's from the one decode (and its key, when that holds
+  the whole prompt), a native body's fed the pieces as they arrive, the same
+  objects that are forwarded.  Off, one attribute is checked per body piece.
 - Models (``router.fleet``, "Model pools"): where the fleet declares models,
   an OpenAI request's ``model`` (read from the one decode of its body) picks
   the pool it routes over, retries included; a model no backend serves is

@@ -174,15 +174,24 @@ class NativeDigests:
         self._size += size
         lengths = self.lengths
         index = self._index
+        if index == len(lengths):
+            return  # past the largest length: nothing more to hash
+        hasher = self._hasher
+        fed = self._fed
         start = 0
-        while index < len(lengths) and start < size:
-            take = min(lengths[index] - self._fed, size - start)
-            self._hasher.update(data if take == size else memoryview(data)[start : start + take])
-            self._fed += take
-            start += take
-            if self._fed == lengths[index]:
-                self._digests.append(_hexdigest(self._hasher))
-                index += 1
+        while True:
+            boundary = lengths[index]
+            end = start + boundary - fed  # where the next length falls in this piece
+            if end > size:
+                hasher.update(memoryview(data)[start:] if start else data)
+                fed += size - start
+                break
+            hasher.update(memoryview(data)[start:end] if start or end < size else data)
+            self._digests.append(_hexdigest(hasher))
+            fed, start, index = boundary, end, index + 1
+            if index == len(lengths) or start == size:
+                break
+        self._fed = fed
         self._index = index
 
     def ended(self) -> None:

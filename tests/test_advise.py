@@ -25,6 +25,7 @@ from openai import AsyncOpenAI
 from loadtests import advise
 from loadtests.advise import Row, Sampled, link, recommend
 from loadtests.simserver.model import tokenize
+from router.config import parse_routing
 from router.keydigests import KeyDigests
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.processes import ROOT, spawn_router, stop
@@ -166,15 +167,18 @@ def test_synthetic_prompts_share_up_to_the_longest_common_digest() -> None:
     assert 4096 <= shared(a, sampled(3, ["a1", "a2", "a3"], None, size=9000)) < 4096 + 64
 
 
-def test_a_longer_key_extends_the_earlier_whole_one() -> None:
-    """The next turn extends the previous one, whole at 1,500: the estimate shares it all."""
+def test_a_key_extends_the_most_recent_whole_key_it_matches_below_its_end() -> None:
+    """The next turn extends the previous one, whole at 1,500: the estimate shares it
+    all; a sibling shorter than the key it follows is taken as its prefix."""
     first = sampled(0, ["t1", "p2"], 1500)
     second = sampled(1, ["t1", "q2", "q3"], 3000)
-    other = sampled(2, ["o1"], 800)
-    linked = link([first, second, other])
-    assert shared(*linked[:2]) == 1500
+    shorter = sampled(2, ["t1", "r2"], 1200)
+    alone = sampled(3, ["o1"], 800)
+    linked = link([first, second, shorter, alone])
+    assert shared(linked[0], linked[1]) == 1500
     assert shared(first, second) == 1024  # without: the lower bound
-    assert linked[2].extends == (None,)
+    assert shared(linked[0], linked[2]) == 1200
+    assert linked[3].extends == (None,)  # nothing whole below it
 
 
 def row(length: int, hit: float, p90: float, current: bool = False) -> Row:
@@ -193,3 +197,29 @@ def test_the_recommendation_keeps_the_current_length_unless_another_is_better() 
     # Two as good, neither the current: the lower P90 TTFT.
     rows = [row(1024, 0.82, 0.05), row(2048, 0.821, 0.04), row(4096, 0.7, 0.06, current=True)]
     assert recommend(rows)[0] == 2048
+
+
+def test_a_body_sample_is_keyed_as_the_access_log_would_be(tmp_path: Path) -> None:
+    sample = tmp_path / "bodies.jsonl"
+    chat = json.dumps({"model": "m", "messages": turn(0, 1)})
+    entries = [
+        {"ts": 2.0, "path": "/v1/chat/completions", "body": chat, "output_tokens": 7},
+        {"ts": 1.0, "path": "/invocations", "body_base64": "eHl6"},  # b"xyz"
+        {"ts": 3.0, "path": "/v1/chat/completions", "body": chat, "headers": {"X-Session-Id": "a"}},
+        {"ts": 4.0, "path": "/v1/chat/completions", "body": "{not json"},
+    ]
+    sample.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    routing = parse_routing({})
+    found = advise.from_bodies(str(sample), routing, (1024, 2048), advise.Reading())
+    assert found.skipped == {"unusable: request body is not valid JSON": 1}
+    native, first, sessioned = found.requests
+    assert [r.at for r in found.requests] == [0.0, 1.0, 2.0]  # by time, from the first
+    assert native.size == 3
+    assert native.whole
+    assert first.max_tokens == 7
+    assert native.max_tokens == 128  # the fleet model's default
+    assert first.lengths == (1024, 2048, 4096)
+    assert first.size == 3471
+    assert first.key_at(1024) != first.key_at(2048)
+    assert sessioned.key_at(1024) == sessioned.key_at(4096) == sessioned.session
+    assert sessioned.digests == first.digests  # its prompt's, for the cache

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hashring import hash_key, tenant_seed
+from loadtests.advise import key_body
+from router.config import parse_routing
 from router.extract import decode_openai, prompt_key
 from router.keydigests import KeyDigester, NativeDigests, digest_of, openai_digests
 from tests.harness.backends import StartBackend, echo
@@ -159,6 +161,18 @@ async def test_access_lines_carry_the_digests_and_no_text(
         "length": 5000,
     }
     assert "key_digests" not in passthrough  # no key, no digests
+    # A captured body sample (prefix-router advise --bodies) is keyed as the log keys it.
+    routing = parse_routing({"PrefixAwareRoutingConfig": {"PrefixLength": 2048}})
+    headers = {"X-Session-Id": "s-1", "X-Amzn-SageMaker-Prefix-Aware-Id": "t"}
+    for line, path, sent, body_bytes in (
+        (prompt, "/v1/chat/completions", {}, chat),
+        (hi, "/v1/chat/completions", {}, short),
+        (sessioned, "/v1/chat/completions", headers, chat),
+        (body, "/invocations", {}, native),
+    ):
+        source, digest, digests = key_body(path, sent, body_bytes, routing, (1024, 8192))
+        assert (source, digest) == (line["key_source"], line["prefix_hash"])
+        assert json.loads(msgspec.json.encode(digests)) == line["key_digests"]
 
 
 async def test_off_by_default_the_line_is_unchanged(
