@@ -42,6 +42,7 @@ __all__ = [
     "Arm",
     "ArmPrefixAware",
     "ArmRouting",
+    "AdvisorConfig",
     "BackendSpec",
     "CacheSaltConfig",
     "Config",
@@ -531,6 +532,21 @@ class EngineSignalsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tru
     enabled: bool = False
 
 
+class AdvisorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Key digests in the access log for ``prefix-router advise`` (router.keydigests)."""
+
+    key_digests: bool = False
+    # The lengths digested besides the current PrefixLength: the advisor's
+    # candidates (those from 1,024 to 65,536); shorter ones refine its cache model.
+    lengths: Annotated[
+        tuple[Annotated[int, Meta(ge=256, le=65_536)], ...], Meta(min_length=1, max_length=32)
+    ] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+    def __post_init__(self) -> None:
+        if len(set(self.lengths)) != len(self.lengths):
+            raise ValueError(f"advisor lengths lists a length twice: {list(self.lengths)}")
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -575,6 +591,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     engine_signals: EngineSignalsConfig = msgspec.field(default_factory=EngineSignalsConfig)
+    advisor: AdvisorConfig = msgspec.field(default_factory=AdvisorConfig)  # key digests, off
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")
