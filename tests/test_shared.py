@@ -502,6 +502,7 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since()
     assert reader.latest() < time.monotonic()
     os.close(table.fd)
 
+
 def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
     # A row spends time in etcd's watch before it arrives: what this replica
     # gained meanwhile is what the other most likely gained too.
