@@ -2,6 +2,7 @@
 
     prefix-router serve --listen 127.0.0.1:8080 --backend a=http://10.0.0.1:8000 ...
     prefix-router demo [--serve]
+    prefix-router advise access.log ...   (loadtests/advise.py: which PrefixLength fits)
     prefix-router explain /v1/chat/completions body.json   (admin/explain_cli.py)
     prefix-router ab-report [--admin URL ...]              (admin/ab_cli.py)
 
@@ -156,6 +157,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="... and the backend's name in it (implies --decision-header)",
     )
     serve.add_argument(
+        "--key-digests",
+        action="store_true",
+        default=None,
+        help="key digests at several PrefixLengths in each access line (prefix-router advise)",
+    )
+    serve.add_argument(
+        "--key-digest-lengths",
+        type=_int_list,
+        metavar="N,N,...",
+        help="the lengths digested besides PrefixLength (1024,2048,...,65536)",
+    )
+    serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help='admin API listener (127.0.0.1:9091) or "off"'
     )
     serve.add_argument(
@@ -181,6 +194,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     serve.add_argument(
         "--scrape-interval", type=float, metavar="S", help="between two scrape rounds (10)"
+    )
+    serve.add_argument(
+        "--engine-signals",
+        action="store_true",
+        default=None,
+        help="break routing ties by the engines' queue and KV-cache use (scrapes their"
+        " /metrics every --scrape-interval)",
     )
     serve.add_argument(
         "--slow-start",
@@ -268,6 +288,13 @@ def _comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(item) for item in _comma_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers N,N,...") from None
+
+
 # Discovery flags (argparse dests) for DiscoverConfig fields.
 DISCOVER_FLAGS = (
     ("discover", "source"),
@@ -350,8 +377,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["cache_salt"] = cache_salt
     if args.queue:
         data["admission"] = {**data.get("admission", {}), "queue": True}
+    advisor = dict(data.get("advisor", {}))
+    if args.key_digests:
+        advisor["key_digests"] = True
+    if args.key_digest_lengths is not None:
+        advisor["lengths"] = args.key_digest_lengths
+    if advisor:
+        data["advisor"] = advisor
     if args.tenant_header is not None:
         data["tenants"] = {**data.get("tenants", {}), "header": args.tenant_header}
+    if args.engine_signals is not None:
+        data["engine_signals"] = {**data.get("engine_signals", {}), "enabled": True}
     health = dict(data.get("health", {}))
     if args.health_path is not None:
         health["path"] = args.health_path
@@ -713,14 +749,20 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
         help="routing-quality benchmark (python -m loadtests.bench --help for its options)",
     )
+    sub.add_parser(
+        "advise",
+        add_help=False,
+        help="which PrefixLength fits your traffic, from access logs with key digests"
+        " (prefix-router advise --help)",
+    )
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
+    if rest and args.command not in ("bench", "advise"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     from router.log import configure
 
     configure()
-    if args.command in ("demo", "bench"):
+    if args.command in ("demo", "bench", "advise"):
         extra = ["--serve"] if args.command == "demo" and args.serve else []
         return _run_loadtests(args.command, [*extra, *rest])
     if args.command == "check-config":

@@ -151,6 +151,14 @@ def render(answer: dict[str, Any]) -> str:
         mark = "eligible" if step["eligible"] else "at its bound"
         if step["state"] != "available":
             mark = step["state"]
+        engine = step.get("engine")
+        if engine is not None:
+            waiting = "?" if engine["waiting"] is None else f"{engine['waiting']:g}"
+            kv = engine["kv_cache_usage"]
+            kv_text = "?" if kv is None else f"{kv * 100:.0f} %"
+            mark += f"; engine: {waiting} waiting, KV {kv_text}, rank {engine['rank']}"
         lines.append(f"    {place:>2} {step['backend']}: {counts}; {bounds}; {mark}")
+    if answer.get("without_engine_signals") is not None:
+        lines.append(f"  without engine signals: {answer['without_engine_signals']}")
     lines.append(f"  ({answer['view']})")
     return "\n".join(lines)

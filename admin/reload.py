@@ -17,7 +17,7 @@ Contract:
   set; a changed URL or models list under one name is refused with a
   warning (remove the name, add a new one).
 - Everything else (listeners, TLS, workers, etcd, state file, access log,
-  health checks, vnodes, seed, cache_salt) needs a restart: a reload that changes one
+  health checks, vnodes, seed, cache_salt, advisor) needs a restart: a reload that changes one
   logs ``config fields need a restart`` naming them and applies the rest.
 - Connections are never dropped: nothing here touches a listener, and a
   drained backend finishes its requests.
@@ -61,6 +61,8 @@ RESTART_FIELDS = (
     "cache_salt",
     "tenants",
     "admission",
+    "engine_signals",
+    "advisor",
 )
 
 

@@ -17,6 +17,11 @@ Contract:
 - When every candidate is at its bound, ``FALLBACK`` returns the one with the
   fewest in flight (earliest in the walk on ties, so even fallback keeps some
   affinity).  With no candidate at all, ``pick`` returns None.
+- ``ranks`` (optional: a number per member, lower first, absent 0) breaks
+  the fallback's ties before the walk order does; nothing else reads it, so
+  it never outweighs a load or passes over an eligible member.  A ``Ranked``
+  pick says a rank decided: without ranks another member would have won.
+  The router feeds it its engines' queues (``router.signals``).
 - The threshold and the balance factor may count different things: with
   ``balance_loads`` (and ``balance_total``) the factor's bound and the
   fallback read those counts, the threshold reads ``loads``.  The router uses
@@ -35,7 +40,7 @@ from typing import NamedTuple
 
 from .ring import Ring
 
-__all__ = ["Decision", "LoadBound", "Pick", "exact_factor", "pick", "walk"]
+__all__ = ["Decision", "LoadBound", "Pick", "Ranked", "exact_factor", "pick", "walk"]
 
 
 class Decision(enum.StrEnum):
@@ -50,6 +55,13 @@ class Pick(NamedTuple):
     member: str
     decision: Decision
     position: int  # in the walk, counting only members that were not avoided
+
+
+class Ranked(Pick):
+    """A ``Pick`` that ``ranks`` settled: without them another member would have
+    won.  The same fields (it equals the plain tuple); its type says it."""
+
+    __slots__ = ()
 
 
 # NamedTuple's generated __new__ is Python code (~400 ns); tuple.__new__ is not.
@@ -99,6 +111,7 @@ def pick(
     total: int | None = None,
     balance_loads: Mapping[str, int] | None = None,
     balance_total: int | None = None,
+    ranks: Mapping[str, int] | None = None,
 ) -> Pick | None:
     """Choose the member for ``key_hash``; see the module contract.
 
@@ -106,6 +119,7 @@ def pick(
     the in-flight count over all ring members if the caller keeps it; avoided
     members' loads are taken out here.  ``balance_loads`` and ``balance_total``,
     when given, are what the balance factor and the fallback count instead.
+    ``ranks`` breaks the fallback's ties (the contract).
     """
     # ``bounded`` is the ring's friend: it reads private attributes here to
     # save two property calls on every request.
@@ -155,6 +169,7 @@ def pick(
         balance_loads,
         balance_loads,
         soft=False,
+        ranks=ranks,
     )
 
 
@@ -175,6 +190,7 @@ def walk(
     fallback_loads: Mapping[str, int],
     *,
     soft: bool,
+    ranks: Mapping[str, int] | None = None,
 ) -> Pick | None:
     """The one bounded walk of the key's preference list (``pick`` and ``Placement``).
 
@@ -183,13 +199,16 @@ def walk(
     share_den)`` (no share bound when ``share_num`` is 0) wins: ``PRIMARY`` at
     position 0, else ``OVERFLOW``.  With ``soft``, the share bound gives way
     before the threshold does: the first member below ``threshold`` wins next.
-    Else ``FALLBACK``: the fewest ``fallback_loads`` (earliest on ties).
-    Integer arithmetic only: a float bound lets one request too many through.
+    Else ``FALLBACK``: the fewest ``fallback_loads``, then (with ``ranks``) the
+    lowest rank, then the earliest.  Integer arithmetic only: a float bound
+    lets one request too many through.
     """
     weights = ring._view  # a friend's read: this runs on the request path
-    best: Pick | None = None
+    best: str | None = None  # the fallback so far, and its place, load and rank
+    best_at = best_load = best_rank = 0
+    plain: str | None = None  # ... and the one without ranks (earliest on ties)
+    plain_load = 0
     below: Pick | None = None
-    best_load = 0
     position = 0
     for member in ring.walk(key_hash):
         if member in avoid:
@@ -202,7 +221,19 @@ def walk(
             if soft and below is None:
                 below = _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
         load = fallback_loads.get(member, 0)
-        if best is None or load < best_load:
-            best, best_load = _new_pick(Pick, (member, FALLBACK, position)), load
+        if ranks is None:
+            if best is None or load < best_load:
+                best, best_at, best_load = member, position, load
+        else:
+            rank = ranks.get(member, 0)
+            if best is None or load < best_load or (load == best_load and rank < best_rank):
+                best, best_at, best_load, best_rank = member, position, load, rank
+            if plain is None or load < plain_load:
+                plain, plain_load = member, load
         position += 1
-    return below if below is not None else best
+    if below is not None:
+        return below
+    if best is None:
+        return None
+    kind = Ranked if ranks is not None and best != plain else Pick
+    return _new_pick(kind, (best, FALLBACK, best_at))

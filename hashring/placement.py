@@ -49,6 +49,11 @@ Contract:
   fleet.  ``Placement(..., hot_evidence=None)`` restores the former rule:
   shares count against the full window, so no key looks hot before ~1.5
   shares of it (220 decisions on 7 members) have gone by.
+- ``ranks`` (optional, lower first: the router's engine queues,
+  ``router.signals``) breaks ties and nothing else: between a hot key's
+  replicas with the same ``fallback_loads`` (before the fewest recent
+  requests), and in the fallback (``bounded.walk``).  A key's home, its
+  overflow in walk order and every bound are decided without it.
 - Every routed request counts in the window; the table remembers at most
   ``capacity`` keys, least recently used first out.
 - ``peek`` is ``route`` without its effects (the admin API's dry run,
@@ -74,10 +79,12 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Set
 from itertools import islice
 
-from .bounded import Decision, Pick, exact_factor, walk
+from .bounded import Decision, Pick, Ranked, exact_factor, walk
 from .ring import Ring
 
 __all__ = ["Placement"]
+
+_new_pick = tuple.__new__  # NamedTuple's __new__ is Python code (hashring.bounded)
 
 DEFAULT_CAPACITY = 1 << 16
 WINDOW_PER_MEMBER = 100
@@ -176,6 +183,7 @@ class Placement:
         *,
         avoid: Set[str] = frozenset(),
         fallback_loads: Mapping[str, int] | None = None,
+        ranks: Mapping[str, int] | None = None,
     ) -> Pick | None:
         """What ``route`` would return now, with the same arguments; changes nothing.
 
@@ -192,14 +200,20 @@ class Placement:
             shadow._counts = Counter(member for member, _ in shadow._recent)
             shadow._key_counts = dict(Counter(key for _, key in shadow._recent))
             return shadow.peek(
-                ring, key_hash, loads, threshold, avoid=avoid, fallback_loads=fallback_loads
+                ring,
+                key_hash,
+                loads,
+                threshold,
+                avoid=avoid,
+                fallback_loads=fallback_loads,
+                ranks=ranks,
             )
         if fallback_loads is None:
             fallback_loads = loads
         home = self._table.get(key_hash)
         if home is None or home not in ring:
             chosen = self._walk(
-                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=True
+                ring, key_hash, loads, fallback_loads, threshold, avoid, ranks, bounded=True
             )
             return chosen
         members = len(ring)
@@ -207,13 +221,22 @@ class Placement:
         chosen = None
         if share:
             chosen = self._replica(
-                ring, key_hash, home, share, threshold, loads, fallback_loads, avoid, peek=True
+                ring,
+                key_hash,
+                home,
+                share,
+                threshold,
+                loads,
+                fallback_loads,
+                avoid,
+                ranks,
+                peek=True,
             )
         if chosen is None and home not in avoid and loads.get(home, 0) < threshold:
             return Pick(home, Decision.PRIMARY, 0)
         if chosen is None:
             chosen = self._walk(
-                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=False
+                ring, key_hash, loads, fallback_loads, threshold, avoid, ranks, bounded=False
             )
             if chosen is not None and chosen.decision is Decision.PRIMARY:
                 chosen = Pick(chosen.member, Decision.OVERFLOW, chosen.position)
@@ -228,10 +251,11 @@ class Placement:
         *,
         avoid: Set[str] = frozenset(),
         fallback_loads: Mapping[str, int] | None = None,
+        ranks: Mapping[str, int] | None = None,
     ) -> Pick | None:
         """The member for ``key_hash``.  ``loads`` is what ``threshold`` bounds;
         when every member is at it, the one with the fewest ``fallback_loads``
-        (default ``loads``) takes the request."""
+        (default ``loads``) takes the request; ``ranks`` breaks ties (the contract)."""
         if fallback_loads is None:
             fallback_loads = loads
         members = len(ring)
@@ -250,7 +274,7 @@ class Placement:
             )
             if share:
                 chosen = self._replica(
-                    ring, key_hash, home, share, threshold, loads, fallback_loads, avoid
+                    ring, key_hash, home, share, threshold, loads, fallback_loads, avoid, ranks
                 )
             if chosen is None and home not in avoid and loads.get(home, 0) < threshold:
                 chosen = Pick(home, Decision.PRIMARY, 0)
@@ -259,14 +283,14 @@ class Placement:
                 # walk passes it by (or, when all are at theirs, may return it as
                 # the least loaded).  Not a new home.
                 chosen = self._walk(
-                    ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=False
+                    ring, key_hash, loads, fallback_loads, threshold, avoid, ranks, bounded=False
                 )
                 if chosen is not None and chosen.decision is Decision.PRIMARY:
                     chosen = Pick(chosen.member, Decision.OVERFLOW, chosen.position)
             # else: a hot key's replica
         else:
             chosen = self._walk(
-                ring, key_hash, loads, fallback_loads, threshold, avoid, bounded=True
+                ring, key_hash, loads, fallback_loads, threshold, avoid, ranks, bounded=True
             )
             if chosen is not None and chosen.decision is not Decision.FALLBACK:
                 self._remember(key_hash, chosen.member)
@@ -320,13 +344,15 @@ class Placement:
         loads: Mapping[str, int],
         fallback_loads: Mapping[str, int],
         avoid: Set[str],
+        ranks: Mapping[str, int] | None = None,
         *,
         peek: bool = False,
     ) -> Pick | None:
         """The least loaded of a hot key's replicas below ``threshold``, or None.
 
-        Ties (common: a few requests in flight each) go to the replica with the
-        fewest recent requests; by walk order alone the home would win them all.
+        Ties (common: a few requests in flight each) go to the lowest of
+        ``ranks`` if given, then to the replica with the fewest recent requests;
+        by walk order alone the home would win them all.
         Past ``SCAN_REPLICAS`` only two replicas, taken in rotation, are compared;
         if neither can take the request, all are.  ``peek``: neither the rotation
         nor the kept replica lists change.
@@ -349,11 +375,13 @@ class Placement:
             first = tick % count
             second = (first + 1 + (tick // count) % (count - 1)) % count
             chosen = self._least_loaded(
-                replicas, (first, second), home, threshold, loads, fallback_loads
+                replicas, (first, second), home, threshold, loads, fallback_loads, ranks
             )
             if chosen is not None:
                 return chosen
-        return self._least_loaded(replicas, range(count), home, threshold, loads, fallback_loads)
+        return self._least_loaded(
+            replicas, range(count), home, threshold, loads, fallback_loads, ranks
+        )
 
     def _least_loaded(
         self,
@@ -363,19 +391,39 @@ class Placement:
         threshold: int,
         loads: Mapping[str, int],
         fallback_loads: Mapping[str, int],
+        ranks: Mapping[str, int] | None,
     ) -> Pick | None:
         recent = self._counts
-        best: Pick | None = None
-        best_load = (0, 0)
+        # Positions: the least loaded by (in flight, recent), and by (in flight, rank,
+        # recent) with ranks; integers compared, no tuple a replica.
+        plain = best = -1
+        plain_load = plain_recent = best_load = best_rank = best_recent = 0
         for position in positions:  # counting only replicas not avoided, as walks do
             member = replicas[position]
             if loads.get(member, 0) >= threshold:
                 continue
-            load = (fallback_loads.get(member, 0), recent[member])
-            if best is None or load < best_load:
-                decision = Decision.PRIMARY if member == home else Decision.OVERFLOW
-                best, best_load = Pick(member, decision, position), load
-        return best
+            load = fallback_loads.get(member, 0)
+            seen = recent[member]
+            if plain < 0 or load < plain_load or (load == plain_load and seen < plain_recent):
+                plain, plain_load, plain_recent = position, load, seen
+            if ranks is not None:
+                rank = ranks.get(member, 0)
+                if (
+                    best < 0
+                    or load < best_load
+                    or (
+                        load == best_load
+                        and (rank < best_rank or (rank == best_rank and seen < best_recent))
+                    )
+                ):
+                    best, best_load, best_rank, best_recent = position, load, rank, seen
+        if ranks is None:
+            best = plain
+        if best < 0:
+            return None
+        member = replicas[best]
+        decision = Decision.PRIMARY if member == home else Decision.OVERFLOW
+        return _new_pick(Ranked if best != plain else Pick, (member, decision, best))
 
     def _replica_list(self, ring: Ring, key_hash: int, home: str, count: int) -> list[str]:
         """``home`` then the next members of the key's walk, at least ``count`` in
@@ -411,6 +459,7 @@ class Placement:
         fallback_loads: Mapping[str, int],
         threshold: int,
         avoid: Set[str],
+        ranks: Mapping[str, int] | None,
         *,
         bounded: bool,
     ) -> Pick | None:
@@ -435,6 +484,7 @@ class Placement:
             self._counts,
             fallback_loads,
             soft=True,
+            ranks=ranks,
         )
 
     def _remember(self, key_hash: int, member: str) -> None:

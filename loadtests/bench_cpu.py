@@ -3,6 +3,7 @@
     python -m loadtests.bench_cpu [--tree PATH] [--seconds 8] [--profile OUT]
     python -m loadtests.bench_cpu --otel [--rounds 5]
     python -m loadtests.bench_cpu --cache-salt [--rounds 5]
+    python -m loadtests.bench_cpu --key-digests [--rounds 5]
 
 Runs a ``Router`` from ``--tree`` (a checkout; default this one) in this
 process on uvloop, in front of ``loadtests.fastbackend`` (2 instances, another
@@ -25,6 +26,10 @@ body carries a ``prompt_cache_key`` both ways, so on, each request gets its
 tenant's ``cache_salt`` inserted); then, in this process, a request's keying
 work (decode, key, tenant seed, hash) without and with the salt step, 100
 tenants, median ns of 7 alternating runs of 20,000 requests.
+
+``--key-digests`` does the same for the advisor's key digests
+(``router.keydigests``), the access log written to a file both ways; then the
+digests' own work in this process for three bodies (``_digest_work``).
 """
 
 from __future__ import annotations
@@ -132,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile dump here")
     parser.add_argument("--otel", action="store_true", help="compare tracing off and on")
     parser.add_argument("--cache-salt", action="store_true", help="compare cache_salt off and on")
+    parser.add_argument(
+        "--key-digests", action="store_true", help="compare [advisor] key_digests off and on"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="with --otel: off/on pairs")
     args = parser.parse_args(argv)
     _use_tree(args.tree.resolve())
@@ -142,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cache_salt:
         return _cache_salt(args.seconds, args.rounds, body)
+    if args.key_digests:
+        return _key_digests(args.seconds, args.rounds, body)
     if not args.otel:
         uvloop.run(run(args.seconds, args.profile, body))
         return 0
@@ -177,6 +187,81 @@ def _cache_salt(seconds: float, rounds: int, body: bytes) -> int:
     print(f"cache_salt on: {b - a:+.1f} us/req, ratio on/off {b / a:.2f}")
     _keying(body)
     return 0
+
+
+def _key_digests(seconds: float, rounds: int, body: bytes) -> int:
+    """Off/on pairs of the router with ``[advisor] key_digests``, the access log written
+    to a file both ways (which goes first alternates); then the digests' own work in
+    this process for three bodies."""
+    import uvloop
+
+    off: list[float] = []
+    on: list[float] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        log = str(Path(scratch) / "access.log")
+        for i in range(rounds):
+            for digests in (False, True) if i % 2 == 0 else (True, False):
+                overrides: dict[str, Any] = {"access_log": log}
+                if digests:
+                    overrides["advisor"] = {"key_digests": True}
+                figure = uvloop.run(run(seconds, None, body, overrides=overrides))
+                (on if digests else off).append(figure)
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"router CPU, access log on, median of {rounds}: off {a:.1f} us/req, on {b:.1f} us/req")
+    print(f"key_digests on: {b - a:+.1f} us/req, ratio on/off {b / a:.2f}")
+    _digest_work(body)
+    return 0
+
+
+def _digest_work(chat: bytes, count: int = 2_000, repeats: int = 7) -> None:
+    """The digests' work alone, medians of ``repeats`` alternating runs: (a)'s chat body
+    (its prompt longer than PrefixLength: rendered again at 65,540 characters), a
+    ``long`` document (~33,000 characters) and a 64 KiB native body (in 16 KiB pieces)."""
+    from hashring import PrefixHasher, hash_key
+    from router.extract import decode_openai, prompt_key
+    from router.keydigests import DEFAULT_LENGTHS, KeyDigester
+
+    from .workloads import build, encode
+
+    digester = KeyDigester(DEFAULT_LENGTHS)
+    document = encode(build("long", seed=1, duration=2.0, rate=1.0)[0].chat_body())
+    native = bytes(range(256)) * 256
+    pieces = [memoryview(native)[i : i + 16384] for i in range(0, len(native), 16384)]
+
+    def openai(body: bytes, digests: bool) -> None:
+        for _ in range(count):
+            request = decode_openai(body, 4096)
+            key = prompt_key(request, 4096)
+            hash_key(key)
+            if digests:
+                digester.openai(request, key, 4096, None)
+
+    def body_pieces(_body: bytes, digests: bool) -> None:
+        for _ in range(count):
+            hasher = PrefixHasher(4096)
+            native_digests = digester.native(4096, 0) if digests else None
+            for piece in pieces:
+                hasher.feed(piece)
+                if native_digests is not None:
+                    native_digests.feed(piece)
+            hasher.digest()
+            if native_digests is not None:
+                native_digests.ended()
+                native_digests.field()
+
+    for name, work, sample in (
+        ("(a) chat, 4 KiB prompt", openai, chat),
+        ("long document, ~33,000 characters", openai, document),
+        ("native 64 KiB in 4 pieces", body_pieces, native),
+    ):
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(repeats):
+            for digests in (False, True):
+                started = time.perf_counter_ns()
+                work(sample, digests)
+                samples[digests].append((time.perf_counter_ns() - started) / count / 1000)
+        a, b = statistics.median(samples[False]), statistics.median(samples[True])
+        print(f"{name}: keying {a:.1f} us, with digests {b:.1f} us ({b - a:+.1f} us)")
 
 
 SECRET = b"bench-secret-0123456789abcdef"

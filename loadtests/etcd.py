@@ -14,6 +14,11 @@ Contract:
   it by PID (SIGKILL: the crash case), ``stop()`` terminates it by PID
   (SIGKILL after 10 s), and ``start()`` again brings it back on the same ports
   and data dir, with every key and revision kept.
+- Ports: ``free_port`` is free a moment before etcd binds it; another
+  process (a client connection's ephemeral source port, a parallel test) can
+  take it in between.  The first ``start()`` then draws new ports and tries
+  again (``BIND_ATTEMPTS``); a restart keeps its ports, since its clients
+  know them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ import aiohttp
 from .supervisor import free_port
 
 __all__ = ["EtcdServer", "etcd_binary"]
+
+BIND_ATTEMPTS = 5
+
+
+class _PortTaken(RuntimeError):
+    """etcd exited at start because one of its ports was taken meanwhile."""
 
 
 def etcd_binary() -> str | None:
@@ -51,6 +62,8 @@ class EtcdServer:
         self.peer_port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
         self.log = data_dir.parent / f"{data_dir.name}.log"
+        self._started = False  # once up, its ports are its clients' and stay
+        self._log_from = 0  # where this start's output begins in the log
 
     @property
     def url(self) -> str:
@@ -62,9 +75,22 @@ class EtcdServer:
 
     async def start(self, within: float = 30.0) -> None:
         assert self.proc is None, "already running"
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                await self._start(within)
+            except _PortTaken:
+                if self._started or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                self.client_port, self.peer_port = free_port(), free_port()
+            else:
+                self._started = True
+                return
+
+    async def _start(self, within: float) -> None:
         client = self.url
         peer = f"http://127.0.0.1:{self.peer_port}"
         with self.log.open("ab") as log:
+            self._log_from = log.tell()
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary,
                 "--name=test",
@@ -91,8 +117,12 @@ class EtcdServer:
         async with asyncio.timeout(within), aiohttp.ClientSession() as http:
             while True:
                 if self.proc.returncode is not None:
-                    raise RuntimeError(
-                        f"etcd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
+                    with self.log.open("rb") as log:
+                        log.seek(self._log_from)
+                        output = log.read().decode(errors="replace")
+                    taken = "address already in use" in output
+                    raise (_PortTaken if taken else RuntimeError)(
+                        f"etcd exited with {self.proc.returncode}: {output[-2000:]}"
                     )
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with http.get(

@@ -38,6 +38,7 @@ from .cachesalt import Salter
 from .config import BackendSpec, Config, Limits, RoutingConfig, Timeouts
 from .fleet import Backend, Fleet
 from .health import HealthMonitor
+from .keydigests import KeyDigester
 from .keyworker import KeyWorker
 from .log import get_logger
 from .metrics import Recorder, RouterCollector
@@ -45,6 +46,7 @@ from .queue import AdmissionQueue
 from .responses import ResponseIds
 from .selfaddr import Listener
 from .sessions import SessionRule
+from .signals import EngineSignals
 from .slowstart import Ramp
 from .tenants import TenantCollector, TenantMetrics
 from .upstream import Pool
@@ -79,13 +81,27 @@ class Router:
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
         self.access = AccessLog(config.access_log)
+        # [advisor] key_digests: each access line gets the key's digests at several
+        # lengths (router.keydigests); None, the one check the data plane makes, when off.
+        self.key_digests = (
+            KeyDigester(config.advisor.lengths)
+            if config.advisor.key_digests and self.access.enabled
+            else None
+        )
         # X-Prefix-Router-Decision: 0 off, 1 decision and key, 2 and the backend's name.
         self.decision_header = (
             0 if not config.decision_header else 2 if config.decision_header_backend else 1
         )
         self.recorder = Recorder()
         self.collector = RouterCollector(self)
-        self.health = HealthMonitor(self.fleet, config.health)
+        health = config.health
+        if config.engine_signals.enabled and not health.scrape_metrics:
+            health = msgspec.structs.replace(health, scrape_metrics=True)  # what it reads
+        self.health = HealthMonitor(self.fleet, health)
+        # [engine_signals]: engine queues and KV use break routing ties (router.signals).
+        self.signals: EngineSignals | None = None
+        if config.engine_signals.enabled:
+            self.signals = self.health.signals = EngineSignals(self.balancer)
         tenants = config.tenants
         self.tenants = TenantMetrics(
             tenants.metrics_top,

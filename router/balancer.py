@@ -35,6 +35,12 @@ Contract:
   pool, made on the pool's first request, so a key's home, the recent-traffic
   window and hot keys are the pool's.  ``publish_records`` and
   ``apply_records`` carry every log's records between processes.
+- Engine signals (``router.signals``, off unless configured):
+  ``engine_ranks`` is a rank per backend from its engine's scraped queue and
+  KV-cache use, None when off.  PREFIX_AWARE passes it to the walk and the
+  placement, where it breaks ties only (a hot key's replicas, the fallback);
+  a decision it settled counts in ``Backend.tie_breaks``.  ``peek(...,
+  signals=False)`` answers as if it were off (the dry run says what it changed).
 - Admission queue (``router.queue``): ``choose(..., queue=True)`` answers
   ``SATURATED`` (takes no lease, counts nothing, records no placement) where
   PREFIX_AWARE would fall back because every backend of the walk is at its
@@ -65,6 +71,7 @@ from hashring import (
     hash_key,
     pick,
 )
+from hashring.bounded import Ranked
 from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 
 from .arms import ARM_TAG, Experiment
@@ -151,6 +158,7 @@ class Balancer:
         "_tag",
         "arms",
         "config",
+        "engine_ranks",
         "fleet",
         "on_release",
         "placement_log",
@@ -178,6 +186,9 @@ class Balancer:
         self._stamp: int | None = None  # this process's id in placement stamps; None: alone
         self.placement_log: PlacementLog | None = None
         self.on_release: Callable[[], None] | None = None  # the admission queue's wake
+        # router.signals: each backend's engine rank (lower first), swapped by reference
+        # after each scrape round; None: engine signals off.
+        self.engine_ranks: Mapping[str, int] | None = None
         self.configure(config)
 
     def share_placement(self, stamp: int) -> None:
@@ -309,11 +320,19 @@ class Balancer:
             self.arms.retire()  # the experiment is over: every key routes by the top level
             self.arms = None
 
+    def set_engine_ranks(self, ranks: Mapping[str, int] | None) -> None:
+        """Break ties by ``ranks`` from now on (router.signals), in every arm too."""
+        self.engine_ranks = ranks
+        if self.arms is not None:
+            for arm in self.arms.arms:
+                arm.balancer.engine_ranks = ranks
+
     def _arm(self, name: str, config: RoutingConfig) -> Balancer:
         """A new arm's balancer: the same fleet and in-flight counts, its own placement."""
         seed = None if self._seed is None else hash_key(f"{self._seed}:{name}".encode())
         arm = Balancer(self.fleet, config, seed=seed, tag=ARM_TAG + name)
         arm.on_release = self._released
+        arm.engine_ranks = self.engine_ranks  # the fleet's engines, whichever arm
         if self._stamp is not None:
             arm.share_placement(self._stamp)
         return arm
@@ -372,8 +391,11 @@ class Balancer:
 
     # -- the dry run (router.explain): read only ----------------------------------
 
-    def peek(self, key_hash: int | None, members: Members | None = None) -> _Picked | None:
-        """What ``choose(key_hash, members=members)`` would pick now; changes nothing."""
+    def peek(
+        self, key_hash: int | None, members: Members | None = None, *, signals: bool = True
+    ) -> _Picked | None:
+        """What ``choose(key_hash, members=members)`` would pick now; changes nothing.
+        ``signals=False``: as if engine signals were off."""
         if members is None:
             members = self.fleet
         rng = self._rng
@@ -385,7 +407,9 @@ class Balancer:
                 picked = self._least_outstanding(0, frozenset(), members)
                 return None if picked is None else (picked[0], "passthrough", 0)
             if self._select_keyed == self._prefix_aware:
-                return self._prefix_aware(key_hash, frozenset(), members, peek=True)
+                return self._prefix_aware(
+                    key_hash, frozenset(), members, peek=True, signals=signals
+                )
             return self._select_keyed(key_hash, frozenset(), members)
         finally:
             self._rng = rng
@@ -404,6 +428,27 @@ class Balancer:
                 return True
         picked = self.peek(key_hash, members)
         return picked is not None and picked[1] is _FALLBACK
+
+    def free_places(self, members: Members, limit: int) -> int:
+        """Places below ConcurrencyThreshold on ``members``' available backends (the
+        counts the threshold reads), counted up to ``limit + 1`` (the admission
+        queue's reserve only asks "more than ``limit``?").  Other strategies than
+        PREFIX_AWARE have no bound: ``limit + 1``."""
+        if self.config.strategy is not Strategy.PREFIX_AWARE:
+            return limit + 1
+        fleet = self.fleet
+        counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts
+        threshold = self._bound.threshold
+        skip = fleet.unavailable
+        free = 0
+        for name in members.ring.weights:
+            if name not in skip:
+                load = counts.get(name, 0)
+                if load < threshold:
+                    free += threshold - load
+                    if free > limit:
+                        return free
+        return free
 
     @property
     def bound(self) -> LoadBound:
@@ -446,12 +491,14 @@ class Balancer:
         queue: bool = False,
         *,
         peek: bool = False,
+        signals: bool = True,
     ) -> _Picked | None:
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
         ring = members.ring
         placement = self._placement
+        ranks = self.engine_ranks if signals else None  # ties only (router.signals)
         if placement is not None:
             # ConcurrencyScope PREFILL: the threshold counts only requests not yet
             # answered; a stream in its decode phase no longer competes for the
@@ -466,6 +513,7 @@ class Balancer:
                     self._bound.threshold,
                     avoid=skip,
                     fallback_loads=loads.counts,
+                    ranks=ranks,
                 )
             else:
                 log = self.placement_log
@@ -482,6 +530,7 @@ class Balancer:
                     self._bound.threshold,
                     avoid=skip,
                     fallback_loads=loads.counts,  # the least busy overall, as in pick()
+                    ranks=ranks,
                 )
                 if log is not None and chosen is not None:
                     log.decided(key_hash, chosen.member, before, time.time())
@@ -502,10 +551,13 @@ class Balancer:
                 total=total,
                 balance_loads=loads.counts,
                 balance_total=balance_total,
+                ranks=ranks,
             )
         else:
             in_flight = loads.total if members is fleet else self._pool_total()
-            chosen = pick(ring, key_hash, loads.counts, self._bound, avoid=skip, total=in_flight)
+            chosen = pick(
+                ring, key_hash, loads.counts, self._bound, avoid=skip, total=in_flight, ranks=ranks
+            )
         if chosen is None:
             return None
         member, decision, position = chosen
@@ -517,6 +569,8 @@ class Balancer:
                 backend.overflow += 1
             else:
                 backend.fallback += 1
+        if type(chosen) is Ranked and not peek:
+            backend.tie_breaks += 1
         return backend, decision, position  # a StrEnum: the string itself
 
     def _pool_total(self) -> int | None:

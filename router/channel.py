@@ -12,6 +12,9 @@ Contract:
 - Worker to supervisor: ``Ready`` once it listens; ``Failed``/``Recovered``
   (passive health: the supervisor owns health and decides); ``Idle`` when
   its own count for a draining backend reaches zero.
+- ``Signals`` (supervisor to every worker, after each scrape round with
+  engine signals on): the engines' figures the worker breaks ties by
+  (``router.signals``); ``Init`` carries the last round's.
 - ``Explain`` (supervisor to one worker) asks for the admin API's dry run
   (``router.explain``), answered by ``Explained``: the explanation, or the
   data path's refusal.
@@ -40,6 +43,7 @@ from .config import Config
 from .control.ops import Op
 from .explain import DryRequest, Explanation
 from .responses import Learnt
+from .signals import Signal
 from .slowstart import Ramp
 from .tenants import TenantDelta
 
@@ -60,6 +64,7 @@ __all__ = [
     "Records",
     "Recovered",
     "Report",
+    "Signals",
 ]
 
 MAX_FRAME = 64 << 20  # a Report of a very large fleet stays far below
@@ -77,6 +82,7 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     table_slots: int
     responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first
     ramps: dict[str, Ramp] = {}  # slow starts under way (router.slowstart)
+    signals: dict[str, Signal] = {}  # the last scrape round's engine figures (router.signals)
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
@@ -104,6 +110,7 @@ class BackendCounts(msgspec.Struct, array_like=True, frozen=True):
     idle_connections: int
     repeats_sent: int = 0  # router.cachecheck: requests repeating a key sent there
     repeats_answered: int = 0
+    tie_breaks: int = 0  # router.signals: routed here because its engine's signal broke a tie
 
 
 class HistogramData(msgspec.Struct, array_like=True, frozen=True):
@@ -144,6 +151,10 @@ class Explained(msgspec.Struct, tag=True, frozen=True):
     param: str | None = None
 
 
+class Signals(msgspec.Struct, tag=True, frozen=True):
+    figures: dict[str, Signal]  # per backend; absent: its scrape failed (rank 0)
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True):
     name: str
     reason: str
@@ -175,6 +186,7 @@ Message = (
     | Records
     | Explain
     | Explained
+    | Signals
 )
 
 _encoder = msgspec.msgpack.Encoder()

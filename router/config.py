@@ -39,6 +39,7 @@ __all__ = [
     "MAX_ARMS",
     "SESSION_SOURCES",
     "AdmissionConfig",
+    "AdvisorConfig",
     "Arm",
     "ArmPrefixAware",
     "ArmRouting",
@@ -47,6 +48,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DiscoverConfig",
+    "EngineSignalsConfig",
     "HealthConfig",
     "HealthOverride",
     "Limits",
@@ -433,6 +435,12 @@ class AdmissionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weights: dict[TenantKey, Annotated[float, Meta(ge=0.01, le=1000.0)]] = msgspec.field(
         default_factory=dict
     )
+    # Places (one below a backend's ConcurrencyThreshold) that a tenant not under its share
+    # of the requests may not take while another tenant is under its share (0: none held).
+    reserve: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    share_window: Seconds = (
+        10.0  # the requests a share is counted over; a tenant is active this long
+    )
 
 
 class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -515,6 +523,30 @@ class CacheSaltConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     keep_client: bool = False
 
 
+class EngineSignalsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Engine queues and KV-cache use as tie-breaks (router.signals): off unless ``enabled``.
+
+    On, the backends' /metrics are scraped every ``health.scrape_interval`` even
+    without ``health.scrape_metrics``."""
+
+    enabled: bool = False
+
+
+class AdvisorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Key digests in the access log for ``prefix-router advise`` (router.keydigests)."""
+
+    key_digests: bool = False
+    # The lengths digested besides the current PrefixLength: the advisor's
+    # candidates (those from 1,024 to 65,536); shorter ones refine its cache model.
+    lengths: Annotated[
+        tuple[Annotated[int, Meta(ge=256, le=65_536)], ...], Meta(min_length=1, max_length=32)
+    ] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+    def __post_init__(self) -> None:
+        if len(set(self.lengths)) != len(self.lengths):
+            raise ValueError(f"advisor lengths lists a length twice: {list(self.lengths)}")
+
+
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
@@ -558,6 +590,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache_salt: CacheSaltConfig = msgspec.field(default_factory=CacheSaltConfig)  # off by default
     tenants: TenantsConfig = msgspec.field(default_factory=TenantsConfig)
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    engine_signals: EngineSignalsConfig = msgspec.field(default_factory=EngineSignalsConfig)
+    advisor: AdvisorConfig = msgspec.field(default_factory=AdvisorConfig)  # key digests, off
 
     def __post_init__(self) -> None:
         parse_address(self.listen, "listen")

@@ -49,6 +49,11 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   ``X-Prefix-Router-Decision: decision=<the access log's>; key=<its prefix_hash>``
   (``; backend=<name>`` only with ``decision_header_backend``); answers the
   router makes itself (errors, ``/v1/models``) do not.
+- Opt-in (``[advisor] key_digests``, ``router.keydigests``): a keyed
+  request's access line gets the digests of its prompt's key at several
+  lengths: an OpenAI body's from the one decode (and its key, when that holds
+  the whole prompt), a native body's fed the pieces as they arrive, the same
+  objects that are forwarded.  Off, one attribute is checked per body piece.
 - Models (``router.fleet``, "Model pools"): where the fleet declares models,
   an OpenAI request's ``model`` (read from the one decode of its body) picks
   the pool it routes over, retries included; a model no backend serves is
@@ -58,7 +63,7 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
 - A/B experiments (``router.arms``): a keyed request is assigned its arm once,
   by its key, when it is first routed (``arm``), and every attempt (retries,
   the admission queue, a follow-up) routes with that arm's balancer.
-- Tenants (``router.tenants``, ``router.queue``): ``tenant_key`` is the
+- Tenants (``router.tenants``, ``router.queue``, ``router.cachesalt``): ``tenant_key`` is the
   ``[tenants] header`` when configured and sent, else the routing salt's key
   (``prompt_cache_key`` or the SageMaker header), else None.  With the
   admission queue on, a keyed request's first routing attempt that finds every
@@ -117,9 +122,10 @@ if TYPE_CHECKING:
     from msgspec import Raw
 
     from .arms import Arm, Experiment
-    from .balancer import Balancer, Choice
+    from .balancer import Balancer, Choice, Members
     from .client import ClientConnection
     from .fleet import ModelPool
+    from .keydigests import KeyDigests, NativeDigests
     from .keyworker import Keyed
     from .queue import AdmissionQueue
     from .tracing import Span
@@ -138,6 +144,7 @@ class Exchange(LazyDeadline):
         "_client_paused",
         "_conn",
         "_connecting",
+        "_digesting",
         "_entered",
         "_framing",
         "_hasher",
@@ -166,6 +173,7 @@ class Exchange(LazyDeadline):
         "ended",
         "http10",
         "key_bytes",
+        "key_digests",
         "key_hash",
         "key_source",
         "kind",
@@ -253,6 +261,10 @@ class Exchange(LazyDeadline):
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
+        # [advisor] key_digests on (router.keydigests): the access line's field, and
+        # the native body's digests as its pieces arrive.
+        self.key_digests: KeyDigests | NativeDigests | None = None
+        self._digesting: NativeDigests | None = None
         self._connecting = False
         self._head_sent = False  # to the client
         self._framing = NO_BODY
@@ -300,6 +312,9 @@ class Exchange(LazyDeadline):
             if seed is None:
                 return
             self.tenant = request.tenant is not None and seed != 0
+            prefix_length = router.balancer.config.prefix_aware.prefix_length
+            if router.key_digests is not None:
+                self.key_digests = self._digesting = router.key_digests.native(prefix_length, seed)
             if request.session and router.sessions.native_header:
                 # The session decides: route now, stream the body unhashed.
                 self.key_source = HEADER
@@ -307,7 +322,6 @@ class Exchange(LazyDeadline):
                 self._route()
             else:
                 self.key_source = PREFIX
-                prefix_length = router.balancer.config.prefix_aware.prefix_length
                 self._hasher = PrefixHasher(prefix_length, seed)
         elif router.fleet.pools and self.method == b"GET" and _lists_models(self.path):
             self._listing = True  # answered at the request's end: keep-alive stays
@@ -318,6 +332,8 @@ class Exchange(LazyDeadline):
 
     def request_body(self, data: bytes) -> None:
         self.bytes_in += len(data)
+        if self._digesting is not None:
+            self._digesting.feed(data)
         if self.done:
             return
         upstream = self.upstream
@@ -344,6 +360,8 @@ class Exchange(LazyDeadline):
 
     def request_end(self) -> None:
         self.request_complete = True
+        if self._digesting is not None:
+            self._digesting.ended()
         if self.done:
             return
         if self._listing:
@@ -382,6 +400,12 @@ class Exchange(LazyDeadline):
             )
             # A session key needs no prompt: the prompt is rendered only for the prefix.
             key = b"" if source in (HEADER, CONVERSATION) else prompt_key(request, limit)
+            digester = router.key_digests
+            if digester is not None:
+                tenant: str | bytes | None = request.prompt_cache_key
+                if tenant is None:
+                    tenant = self._request.tenant  # the header, when the body has none
+                self.key_digests = digester.openai(request, key, limit, tenant)
         except BadRequest as exc:
             self._fail(400, str(exc), param=exc.param)
             return
@@ -450,8 +474,10 @@ class Exchange(LazyDeadline):
         self._request.chunked = False
         salter = self._router.salter
         if salter is not None and not (client_salt and salter.keep_client):
-            tenant_key = prompt_cache_key if prompt_cache_key is not None else self._request.tenant
-            self._body, added = salted_body(self._body, salter.member(tenant_key))
+            # The request's tenant, as the metrics and the queue see it: the
+            # configured tenant header (an identity a gateway sets) before the
+            # routing salt's key, which any client may choose.
+            self._body, added = salted_body(self._body, salter.member(self.tenant_key))
             self._request.content_length += added
         if previous_response_id is not None and self.path == b"/v1/responses":
             self._response_id = previous_response_id
@@ -501,8 +527,11 @@ class Exchange(LazyDeadline):
         if choice is None:
             queue = router.queue
             if queue is not None and self.key_hash is not None and not self._tried:
-                # Others of this pool wait: behind them.  Else wait if saturated.
-                if queue.busy(self.pool):
+                # Others of this pool wait: behind them.  Else wait if saturated, or
+                # if only the places kept for tenants under their share are free.
+                now = router.loop.time()
+                queue.asked(self.tenant_key, now)
+                if queue.busy(self.pool) or queue.holds_back(self.tenant_key, members, now):
                     self._enqueue(queue)
                     return
                 choice = balancer.choose(self.key_hash, self._tried, members, queue=True)
@@ -554,6 +583,11 @@ class Exchange(LazyDeadline):
         if not self.request_complete:
             # A native body still streaming: hold what came, read no more meanwhile.
             self._conn.pause_reading_for_upstream(True)
+
+    def members(self) -> Members | None:
+        """What this request routes over (None: its model is served no more)."""
+        fleet = self._router.fleet
+        return fleet if self.model is None else fleet.members_for(self.model)
 
     def admit(self, now: float) -> bool:
         """The queue offers a place: route now if a backend is below its bound.

@@ -27,7 +27,11 @@ Contract:
   answer itself on routing (an unknown model: 404; no backend available:
   503; ``GET /v1/models`` of a fleet that declares models: 200; the
   admission queue full: 429) is an explanation with ``router_answer`` set
-  and no backend.  With the admission queue on, a keyed request that would
+  and no backend.  With engine signals on (``router.signals``) each backend
+  of the walk shows its engine's figures and rank, and a decision that a rank
+  settled (a tie on in flight) says so, with the backend it would be without
+  them (``without_engine_signals``: ``Balancer.peek(..., signals=False)``).
+  With the admission queue on, a keyed request that would
   wait in it (every backend of its walk at its bound, or others of its pool
   waiting already) has ``admission`` "wait" and no backend: where it then
   goes depends on what frees up first.
@@ -45,6 +49,7 @@ import base64
 import binascii
 import math
 import re
+import time
 from fractions import Fraction
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -77,11 +82,13 @@ if TYPE_CHECKING:
     from .balancer import Members
     from .fleet import ModelPool
     from .queue import AdmissionQueue
+    from .signals import Signal
 
 __all__ = [
     "DEFAULT_K",
     "MAX_K",
     "DryRequest",
+    "EngineView",
     "Explanation",
     "HotKey",
     "KeyView",
@@ -136,6 +143,15 @@ class KeyView(msgspec.Struct, frozen=True):
     tenant_source: Literal["prompt_cache_key", "header"] | None
 
 
+class EngineView(msgspec.Struct, frozen=True):
+    """A backend's engine as the last scrape round read it (router.signals)."""
+
+    waiting: float | None  # requests queued in the engine (None: not exposed, or no scrape)
+    kv_cache_usage: float | None  # share of its KV cache in use, 0..1
+    rank: int  # lower first: waiting, then KV use in 5 % steps; 0 without figures
+    age_s: float | None  # seconds since that round read it
+
+
 class WalkStep(msgspec.Struct, frozen=True):
     """One backend of the key's walk (its ring preference list), in order."""
 
@@ -150,6 +166,7 @@ class WalkStep(msgspec.Struct, frozen=True):
     recent: int | None  # BalanceMode TRAFFIC: its requests among the last ``window``
     share_bound: int | None  # TRAFFIC: a new key is placed here only while recent < it
     eligible: bool  # below its threshold (and balance bound): takes the request at its turn
+    engine: EngineView | None = None  # engine signals on: what breaks its ties
 
 
 class HotKey(msgspec.Struct, frozen=True):
@@ -177,6 +194,8 @@ class Explanation(msgspec.Struct, frozen=True):
     # The admission queue (on): "wait" (it would queue), "full" (429); None: routed now.
     admission: Literal["wait", "full"] | None = None
     view: str = "this process"  # whose counts these are
+    # Engine signals broke a tie: where it would go without them (None: nowhere else).
+    without_engine_signals: str | None = None
     # An A/B experiment (router.arms): the arm the key falls in, whose RoutingConfig
     # decides (``strategy`` is the arm's); None: no experiment, or no key.
     arm: str | None = None
@@ -326,6 +345,7 @@ class _Answer:
         self.home: str | None = None
         self.hot: HotKey | None = None
         self.tenant_key: str | None = None  # the admission queue's tenant
+        self.unsignalled: str | None = None  # the backend without engine signals, if another
         self.balancer = router.balancer  # an experiment's arm's, once the key is known
         self.arm: str | None = None
 
@@ -368,6 +388,7 @@ class _Answer:
             reason=self.note + reason,
             view=self.view,
             admission=admission,
+            without_engine_signals=self.unsignalled if backend is not None else None,
             arm=self.arm,
         )
 
@@ -406,6 +427,10 @@ class _Answer:
             return self.answered(503, f"no backend{serving} is available")
         backend, decision, position = picked
         name = backend.name
+        if key_hash is not None and self.router.signals is not None:
+            plain = balancer.peek(key_hash, members, signals=False)
+            if plain is not None and plain[0] is not backend:
+                self.unsignalled = plain[0].name
         if decision == "passthrough":
             why = (
                 f"no routing key ({self.method} {self.path}): the backend with the fewest in flight"
@@ -426,11 +451,18 @@ class _Answer:
     ) -> Explanation | None:
         """The admission queue's answer (the data path's order), or None: routed now."""
         pool = None if members is None else cast("ModelPool", members).model
+        until = "a backend of its walk is below its bound"
         if queue.busy(pool):
             why = (
                 "other requests of its pool wait in the admission queue already"
                 f" ({queue.depth} waiting in all): it would go behind them"
             )
+        elif queue.holds_back(self.tenant_key, members, self.router.loop.time()):
+            why = (
+                f"no more places are free than the reserve ({queue.reserve}), kept for the"
+                " tenants under their share of the admissions, and this one is not"
+            )
+            until = "more places are free or nobody is under its share"
         elif self.balancer.saturated(key_hash, members):
             why = "every backend of the walk is at its bound"
         else:
@@ -452,8 +484,8 @@ class _Answer:
             None,
             None,
             None,
-            f"{why}: it would wait in the admission queue ({tenant}) until a backend of its"
-            f" walk is below its bound, at most {config.max_wait:g} s (then 429)",
+            f"{why}: it would wait in the admission queue ({tenant}) until {until}, at most"
+            f" {config.max_wait:g} s (then 429)",
             "wait",
         )
 
@@ -481,6 +513,8 @@ class _Answer:
                         round(hot, 2), placement.replicas_of(ring, key_hash, self.home, count)
                     )
             share = exact_factor(placement.factor) * (placement.decisions + 1)
+        signals = self.router.signals
+        now = time.time()
         position = 0
         for name in ring.walk(key_hash):
             if len(self.walk) == self.k:
@@ -521,6 +555,7 @@ class _Answer:
                     recent=recent,
                     share_bound=share_bound,
                     eligible=eligible,
+                    engine=None if signals is None else _engine(signals.figures.get(name), now),
                 )
             )
 
@@ -541,11 +576,12 @@ class _Answer:
                 f"a hot key ({hot.share:g} average backends' shares of recent traffic) is served"
                 f" by its {len(hot.replicas)} replicas {', '.join(hot.replicas)}: {name} has the"
                 f" fewest in flight among those below the threshold ({counted(name)})"
+                + self._tie(name)
             )
         if decision == "fallback":
             return (
                 f"every backend of the walk is at its bound: {name} has the fewest in flight"
-                " overall (fallback)"
+                " overall (fallback)" + self._tie(name)
             )
         if placement is not None and home is not None:
             if decision == "primary":
@@ -581,6 +617,39 @@ class _Answer:
             f"the backends before it in the key's walk are at their bound: {name} is the first"
             f" below it (place {position}, {counted(name)})"
         )
+
+    def _tie(self, name: str) -> str:
+        """What engine signals changed, said after the decision ("" if nothing)."""
+        other = self.unsignalled
+        signals = self.router.signals
+        if other is None or signals is None:
+            return ""
+        in_flight = self.router.fleet.loads.get(name)
+        now = time.time()
+        return (
+            f"; it ties with {other} at {in_flight} in flight and the engine signals break the"
+            f" tie: {name}'s engine {_figures(signals.figures.get(name), now)}, {other}'s"
+            f" {_figures(signals.figures.get(other), now)} (without them: {other})"
+        )
+
+
+def _engine(signal: Signal | None, now: float) -> EngineView:
+    if signal is None:
+        return EngineView(None, None, 0, None)
+    age = round(max(0.0, now - signal.at), 3)
+    return EngineView(signal.waiting, signal.kv_usage, signal.rank, age)
+
+
+def _figures(signal: Signal | None, now: float) -> str:
+    """An engine's figures in words, for the reason sentence."""
+    if signal is None:
+        return "has no figures (rank 0)"
+    waiting = "?" if signal.waiting is None else f"{signal.waiting:g}"
+    kv = "?" if signal.kv_usage is None else f"{signal.kv_usage * 100:.0f} %"
+    return (
+        f"has {waiting} waiting and KV cache {kv} in use (rank {signal.rank},"
+        f" read {max(0.0, now - signal.at):.1f} s ago)"
+    )
 
 
 def _key(

@@ -75,6 +75,7 @@ class Backend:
         "spec",
         "state",
         "tag",
+        "tie_breaks",
         "url",
         "weight",
     )
@@ -96,6 +97,8 @@ class Backend:
         self.repeats_sent = 0
         self.repeats_answered = 0
         self.tag = backend_tag(self.name)
+        # router.signals: routed here because its engine's signal broke a tie
+        self.tie_breaks = 0
 
     @property
     def available(self) -> bool:

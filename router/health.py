@@ -17,7 +17,8 @@ Contract:
   every backend's ``/metrics`` at once for vLLM's (or SGLang's) prefix-cache
   and queue figures.  Before it, ``before_round`` (a supervisor: add up the
   workers' counts) runs and each backend's repeated-key counts are read;
-  after it ``cache`` (``router.cachecheck``) judges each backend and
+  after it ``cache`` (``router.cachecheck``) judges each backend, with
+  engine signals on ``signals`` (``router.signals``) ranks them, and
   ``after_round`` gets the backends read (``router.arms``: the arms' hit rates).
 - Everything here runs on the control side of the loop: tasks and timers, no
   work on the request path beyond two integer updates per request.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
     from .config import HealthConfig
     from .fleet import Backend, Fleet
+    from .signals import EngineSignals
 
 __all__ = ["HealthMonitor", "Scraped"]
 
@@ -58,11 +61,18 @@ _SCRAPED = {
     "vllm:gpu_cache_usage_perc": "kv_usage",
 }
 # SGLang: prompt tokens (cached ones included) and cached prompt tokens, counters
-# whose cache_source label (device, host, storage) the sum below adds up.
+# whose cache_source label (device, host, storage) the sum below adds up; its
+# scheduler's gauges (sglang/srt/metrics/collector.py: SchedulerMetricsCollector).
 _SCRAPED["sglang:prompt_tokens"] = "queries"
 _SCRAPED["sglang:cached_tokens"] = "hits"
+_SCRAPED["sglang:num_running_reqs"] = "running"
+_SCRAPED["sglang:num_queue_reqs"] = "waiting"
+_SCRAPED["sglang:token_usage"] = "kv_usage"
 # Without "# TYPE" lines the parser names a counter family after its sample.
 _SCRAPED.update({f"{name}_total": field for name, field in list(_SCRAPED.items())})
+# A share of one cache: averaged over the engines behind one URL (data-parallel
+# ranks), where counts are summed.
+_AVERAGED = frozenset({"kv_usage"})
 
 
 class Scraped:
@@ -103,6 +113,7 @@ class HealthMonitor:
         self.transitions: Counter[tuple[str, str]] = Counter()  # (backend, "up"/"down")
         self.scraped: dict[str, Scraped] = {}
         self.cache = CacheCheck(config.scrape_metrics)
+        self.signals: EngineSignals | None = None  # engine signals on: told every round
         # Awaited before each scrape round (a supervisor adds up its workers' counts).
         self.before_round: Callable[[], Awaitable[None]] | None = None
         # Called after each round with the backends read in it (router.arms' hit rates).
@@ -290,6 +301,11 @@ class HealthMonitor:
             scraped = self.scraped.get(backend.name)  # None: removed meanwhile
             if fresh and scraped is not None:
                 self.cache.judge(backend, sent, answered, scraped if ok else None)
+        if self.signals is not None:  # this round's figures only: a failed scrape has none
+            got = zip(backends, read, strict=True)
+            self.signals.scraped(
+                ((b.name, self.scraped.get(b.name) if ok else None) for b, ok in got), time.time()
+            )
         if fresh and self.after_round is not None:
             self.after_round([b.name for b, ok in zip(backends, read, strict=True) if ok])
         self.rounds += 1
@@ -319,6 +335,7 @@ class HealthMonitor:
         if scraped is None:
             return
         sums: dict[str, float] = {}
+        samples: dict[str, int] = {}
         for family in text_string_to_metric_families(text):
             field = _SCRAPED.get(family.name)
             if field is None:
@@ -327,5 +344,8 @@ class HealthMonitor:
                 if sample.name.endswith(("_created", "_bucket")):
                     continue
                 sums[field] = sums.get(field, 0.0) + sample.value  # summed over engines
+                samples[field] = samples.get(field, 0) + 1
+        for field in _AVERAGED & sums.keys():
+            sums[field] /= samples[field]
         for field in Scraped.__slots__:  # absent now: None, never a stale (flat) figure
             setattr(scraped, field, sums.get(field))

@@ -221,6 +221,12 @@ class RouterCollector:
             " (prefix caching off, or a cache too small); 0 otherwise, unknown included.",
             labels=["backend"],
         )
+        ties = CounterMetricFamily(
+            "prefix_router_engine_tie_breaks",
+            "Requests routed here because its engine's queue or KV-cache use broke a tie"
+            " (--engine-signals).",
+            labels=["backend"],
+        )
         cache = router.health.cache
         for name, count in sorted(router.idle_connections().items()):
             idle.add_metric([name], count)
@@ -233,8 +239,11 @@ class RouterCollector:
             fallback.add_metric([name], backend.fallback)
             errors.add_metric([name], backend.errors)
             cache_suspect.add_metric([name], 1 if cache.status(name) == "suspect_off" else 0)
+            ties.add_metric([name], backend.tie_breaks)
         yield from (in_flight, healthy, draining, weight, overflow, fallback, errors, idle)
         yield cache_suspect
+        if router.signals is not None:
+            yield ties
 
         for metric, source, text in (
             ("prefix_router_ttft_seconds", recorder.ttft, "Time to first response byte."),

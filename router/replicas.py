@@ -18,9 +18,16 @@ Contract:
   fleet, not one replica (SageMaker's semantics).  The remote row is written
   by this process alone, so it needs no atomics.
 - The estimate: another replica's row as published, plus what this replica's
-  own counts gained per backend since that row arrived (a loss counts as
-  none: no replica's request is taken as finished before its row says so);
-  rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
+  own counts gained per backend since that row was published (a loss counts
+  as none: no replica's request is taken as finished before its row says
+  so); rewritten every ``EXTRAPOLATE_PERIOD`` while the own counts move.
+  "Since published": a row carries its wall-clock time (``Row.at``), and each
+  replica keeps its own counts of the last ``HISTORY`` periods, so the time a
+  row spent in etcd's watch and this loop's queue counts as what it is, the
+  others' gains, not as nothing.  A row from an older version (no time), one
+  older than the history, or a first row before any history is based on the
+  oldest or current counts at hand.  Hosts' clocks are taken to agree within
+  a few ms (NTP); a skew shifts the base by as much.
   Why: a published row is up to ``PERIOD`` + the watch's delay old, and every
   replica reads the same old rows, so all of them see the first members of a
   hot key's walk below the threshold and each adds its own requests on top
@@ -44,6 +51,11 @@ Contract:
   lost (a watch re-listed after a compaction) only delays agreement: the
   replicas converge on a key's earliest placement the next time any of them
   routes it.
+- The admission queue's reserve (``router.queue``): the row carries until
+  when this replica's workers want it (``reserve_until``, Unix time rounded
+  up to whole seconds, so it changes at most once a second); the latest of
+  the other replicas' goes into the remote row's cell of the reserve plane
+  (``router.shared.SharedDeadline``), which every worker reads.
 - Drains across replicas (``drained``): a backend set draining leaves when
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.
@@ -59,9 +71,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 
 import msgspec
@@ -71,7 +85,7 @@ from hashring.shared import Record
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
-from .shared import DEFAULT_PERIOD, PLANES, SharedTable
+from .shared import DEFAULT_PERIOD, PLANES, SharedDeadline, SharedTable
 
 __all__ = ["PERIOD", "Replicas", "Row"]
 
@@ -82,6 +96,10 @@ TTL = 3
 # How often the remote row follows this replica's own counts between the
 # others' rows: the workers' fold period, so each fold sees a fresh estimate.
 EXTRAPOLATE_PERIOD = DEFAULT_PERIOD
+# This replica's own counts kept for basing the estimate at a row's publish
+# time: one a period, 0.5 s (a row older than that on arrival is based on the
+# oldest: the estimate then counts less than it could, never more).
+HISTORY = round(0.5 / EXTRAPOLATE_PERIOD)
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
 
 
@@ -97,6 +115,10 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     records: list[FleetRecord] = []  # TRAFFIC placements since the last write
     responses: list[Learnt] = []  # Responses API ids learnt since the last write
     pool_records: list[Record] = []  # TRAFFIC placements of model pools (``Record.pool``)
+    # Until when (Unix time, whole seconds) this replica's admission queues want their
+    # reserve: a tenant under its share sent a request there (router.queue); 0: not.
+    reserve_until: int = 0
+    at: float = 0.0  # wall-clock time of the counts (0: a version that did not say)
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
         """This row carrying ``records`` (the fleet's in ``records``, the pools' apart)
@@ -132,11 +154,15 @@ class Replicas:
         self.id = replica_id or os.urandom(6).hex()
         self.table = table
         self.remote = table.rows - 1  # the last row: the other replicas' sum
+        # The admission queue's reserve: the workers' deadlines read, the others' written.
+        self._wants = SharedDeadline(table, self.remote, rows=self.remote)
         self.slots = slots
         self.applied = applied
         self.others: dict[str, Row] = {}
-        # This replica's own counts, per plane, when each other replica's row arrived.
+        # This replica's own counts, per plane, when each other replica's row was
+        # published (as ``_history`` has them), and the last HISTORY periods' counts.
         self._bases: dict[str, list[dict[str, int]]] = {}
+        self._history: deque[tuple[float, list[dict[str, int]]]] = deque(maxlen=HISTORY)
         self._lease = 0
         self._published: Row | None = None
         self._records: list[Record] = []
@@ -189,7 +215,9 @@ class Replicas:
 
     def local_row(self) -> Row:
         loads, waiting = self.local()
-        return Row(self.applied(), loads, waiting)
+        left = self._wants.latest() - time.monotonic()
+        until = math.ceil(time.time() + left) if left > 0 else 0  # whole seconds: few writes
+        return Row(self.applied(), loads, waiting, reserve_until=until)
 
     async def _publish_loop(self) -> None:
         attempt = 0
@@ -208,7 +236,9 @@ class Replicas:
                 records, self._records = self._records, []
                 responses, self._responses = self._responses, []
                 if records or responses or row != self._published:
-                    value = row.with_records(records, responses) if records or responses else row
+                    value = msgspec.structs.replace(row, at=time.time())
+                    if records or responses:
+                        value = value.with_records(records, responses)
                     try:
                         await self.client.put(self.key, _encoder.encode(value), lease=self._lease)
                     except BaseException:
@@ -265,9 +295,24 @@ class Replicas:
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
-        self._bases[replica] = self.local()
+        self._bases[replica] = self._local_at(row.at)
         if (row.records or row.pool_records or row.responses) and self.on_records is not None:
             self.on_records(row.placements(), row.responses)
+
+    def remember(self, now: float, local: list[dict[str, int]]) -> None:
+        """Keep ``local`` as this replica's own counts at wall-clock ``now``."""
+        self._history.append((now, local))
+
+    def _local_at(self, at: float) -> list[dict[str, int]]:
+        """This replica's own counts as of wall-clock ``at``: the last kept at or
+        before it, the oldest kept if it is older, now without a time or history."""
+        history = self._history
+        if not at or not history:
+            return self.local()
+        for kept, counts in reversed(history):
+            if kept <= at:
+                return counts
+        return history[0][1]
 
     def estimate(self, local: list[dict[str, int]] | None = None) -> list[Counter[str]]:
         """The other replicas' counts per plane, as the contract estimates them."""
@@ -294,16 +339,20 @@ class Replicas:
         for plane, sums in enumerate(self.estimate(local)):
             for name, slot in slots.items():
                 table.cells[table.index(self.remote, plane, slot)] = sums.get(name, 0)
+        until = max((row.reserve_until for row in self.others.values()), default=0)
+        left = until - time.time()
+        self._wants.set(time.monotonic() + left if left > 0 else 0.0)
 
     async def _extrapolate_loop(self) -> None:
         """Keep the remote row following this replica's own counts between rows."""
         written: list[dict[str, int]] | None = None
         while True:
             await asyncio.sleep(EXTRAPOLATE_PERIOD)  # a period, not a wait for an event
+            local = self.local()
+            self.remember(time.time(), local)
             if not self.others:
                 written = None
                 continue
-            local = self.local()
             if local != written:
                 self._write_remote(local)
                 written = local

@@ -20,7 +20,10 @@ Contract:
   blocks never share a cache line.  A row is a worker; a plane is one tracker
   (plane 0 ``Fleet.loads``, plane 1 ``Fleet.waiting``); a slot is a backend,
   numbered by the supervisor (``SharedLoadTracker.assign``).  A cell holds one
-  worker's in-flight count for one backend: never negative.
+  worker's in-flight count for one backend: never negative.  A router's table
+  has one more plane (``TABLE_PLANES``), of which each row uses one cell:
+  until when that worker wants the admission queue's reserve
+  (``SharedDeadline``, ``router.queue``).
 - One writer per cell: a worker writes only its own row, through one
   tracker per (row, plane) (pure Python has no atomic read-modify-write: a
   cell two processes increment loses updates).  A worker's cell is its own
@@ -72,7 +75,15 @@ from itertools import compress
 
 from hashring import Lease, LoadTracker
 
-__all__ = ["DEFAULT_PERIOD", "PLANES", "SharedLoadTracker", "SharedTable"]
+__all__ = [
+    "DEFAULT_PERIOD",
+    "PLANES",
+    "RESERVE_PLANE",
+    "TABLE_PLANES",
+    "SharedDeadline",
+    "SharedLoadTracker",
+    "SharedTable",
+]
 
 MAGIC = 0x50_52_4C_4F_41_44_53_31  # "PRLOADS1"
 VERSION = 1
@@ -80,6 +91,10 @@ HEADER = 8  # cells
 LINE = 8  # cells per 64-byte cache line
 CELL = 8  # bytes
 PLANES = 2  # what a router shares: plane 0 Fleet.loads, plane 1 Fleet.waiting
+# Past the trackers' planes, one cell per row (slot 0): until when the admission
+# queue's reserve is wanted there (``SharedDeadline``, ``router.queue``).
+RESERVE_PLANE = PLANES
+TABLE_PLANES = PLANES + 1  # a router's table: the trackers' planes and the reserve's
 
 # How often a worker folds the other rows in.  A fold at 1,000 backends x 8
 # workers costs ~3 us when no other row changed and ~70-120 us when they did
@@ -446,6 +461,33 @@ class SharedLoadTracker(LoadTracker):
         if self.row is not None:
             self._mine.release()
             self._mine = _zeros(self.table.slots)
+
+
+class SharedDeadline:
+    """One deadline per row on plane ``RESERVE_PLANE``, slot 0: CLOCK_MONOTONIC
+    (``time.monotonic``, the same clock in every process of the host) in
+    microseconds, 0 for none.  ``set`` writes the own row's cell (one writer per
+    cell, as the trackers); ``latest`` reads every row's, now (no fold: a few
+    loads)."""
+
+    __slots__ = ("_cells", "_own", "_rows")
+
+    def __init__(self, table: SharedTable, row: int | None, rows: int | None = None):
+        """``row``: the cell ``set`` writes (None: read only); ``rows``: the rows
+        ``latest`` reads, from the first (None: all)."""
+        self._cells = table.cells
+        self._own = None if row is None else table.index(row, RESERVE_PLANE)
+        count = table.rows if rows is None else rows
+        self._rows = [table.index(r, RESERVE_PLANE) for r in range(count)]
+
+    def set(self, until: float) -> None:
+        assert self._own is not None, "a read-only SharedDeadline"
+        self._cells[self._own] = int(until * 1e6)
+
+    def latest(self) -> float:
+        """The latest deadline of the rows read, in ``time.monotonic`` seconds (0: none)."""
+        cells = self._cells
+        return max(cells[i] for i in self._rows) / 1e6
 
 
 def _zeros(slots: int) -> memoryview:

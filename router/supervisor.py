@@ -84,13 +84,14 @@ from .channel import (
     Records,
     Recovered,
     Report,
+    Signals,
 )
 from .control import Rejected, Unavailable, WorkerView
 from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
 from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
-from .shared import PLANES, SharedLoadTracker, SharedTable
+from .shared import PLANES, TABLE_PLANES, SharedLoadTracker, SharedTable
 from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ if TYPE_CHECKING:
     from .app import Router
     from .explain import DryRequest, Explanation
     from .responses import Learnt
+    from .signals import Signal
 
 __all__ = ["Workers", "reserve"]
 
@@ -183,7 +185,7 @@ class Workers:
         )
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
-        self.table = SharedTable.create(count + remote, SLOTS, PLANES)
+        self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
         self.slots: dict[str, int] = {}
         for name in router.fleet.backends:
             self._take_slot(name)
@@ -208,6 +210,9 @@ class Workers:
         # The prefix-cache check judges on every worker's repeated keys, added up
         # just before each scrape round (router.cachecheck).
         router.health.before_round = self.refresh
+        # Engine signals (router.signals): every round's figures to every worker.
+        if router.signals is not None:
+            router.signals.on_change = self._signals_changed
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -291,6 +296,7 @@ class Workers:
             table_slots=SLOTS,
             responses=router.responses.snapshot(),
             ramps=dict(fleet.ramps),
+            signals=router.signals.figures if router.signals is not None else {},
         )
 
     async def _spawn(self, worker: _Worker) -> None:
@@ -431,7 +437,7 @@ class Workers:
             futures.append(future)
         return futures
 
-    def _send_all(self, message: Records, *, but: _Worker | None = None) -> None:
+    def _send_all(self, message: Records | Signals, *, but: _Worker | None = None) -> None:
         """Send ``message`` to every worker up (but one), expecting no answer."""
         for worker in self._workers:
             if worker is not but and worker.channel is not None:
@@ -444,6 +450,9 @@ class Workers:
         worker that starts in between would get the op twice (in its ``Init`` and here)
         and refuse it, or, the other way round, never."""
         return asyncio.gather(*self._ask(lambda seq: Apply(seq, op)))
+
+    def _signals_changed(self, figures: dict[str, Signal]) -> None:
+        self._send_all(Signals(figures))  # a restarting worker gets them in its Init
 
     def _health_changed(self, name: str, healthy: bool) -> None:
         # A recovery ramp (slow start) runs from the moment the supervisor saw it up.
@@ -490,12 +499,18 @@ class Workers:
         raise Unavailable("no worker could answer now; retry")
 
     async def refresh(self) -> None:
-        """Add up every worker's accounting into the supervisor's router."""
+        """Add up every worker's accounting into the supervisor's router.
+
+        The supervisor's own fold comes first: every count the answer shows was in
+        the table before any worker folded for it, so a caller who reads a count
+        knows every worker's balancer sees it too.  (Folding after the workers
+        answered could show a lease taken between their folds and this one, which
+        a worker would not see until its next timed fold.)"""
+        for tracker in self._trackers:
+            tracker.fold()
         futures = self._ask(Query)
         reports = [r for r in await asyncio.gather(*futures) if isinstance(r, Report)]
         self._merge(reports)
-        for tracker in self._trackers:
-            tracker.fold()
 
     def _merge(self, reports: list[Report]) -> None:
         router = self.router
@@ -506,13 +521,14 @@ class Workers:
         for report in reports:
             tracing.update(report.tracing)
             for name, counts in report.backends.items():
-                row = totals.setdefault(name, [0, 0, 0, 0, 0, 0])
+                row = totals.setdefault(name, [0, 0, 0, 0, 0, 0, 0])
                 row[0] += counts.requests
                 row[1] += counts.overflow
                 row[2] += counts.fallback
                 row[3] += counts.errors
                 row[4] += counts.repeats_sent
                 row[5] += counts.repeats_answered
+                row[6] += counts.tie_breaks
                 idle[name] += counts.idle_connections
             for name, kind, decision, status, count in report.requests:
                 recorder.requests[name, kind, decision, status] += count
@@ -527,12 +543,13 @@ class Workers:
             recorder.models.update(report.models)
             recorder.sources.update(report.sources)
         for backend in router.fleet.backends.values():
-            requests, overflow, fallback, errors, sent, answered = totals.get(
-                backend.name, (0, 0, 0, 0, 0, 0)
+            requests, overflow, fallback, errors, sent, answered, ties = totals.get(
+                backend.name, (0, 0, 0, 0, 0, 0, 0)
             )
             backend.requests, backend.overflow = requests, overflow
             backend.fallback, backend.errors = fallback, errors
             backend.repeats_sent, backend.repeats_answered = sent, answered
+            backend.tie_breaks = ties
         router.recorder = recorder
         router.reported_idle = dict(idle)
         responses = router.responses

@@ -25,6 +25,8 @@ Contract:
   (``router.responses``) go in the same messages, sent at the end of the loop
   iteration that learnt them; the ids the fleet knew when the worker started
   come in ``Init``.
+- Engine signals (``router.signals``): the supervisor scrapes; the worker
+  breaks ties by the figures of its ``Init`` and then of each ``Signals``.
 - Health belongs to the supervisor: this process runs no checks, it reports
   passive failures (and the first good answer after one) and applies the
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
@@ -64,6 +66,7 @@ from .channel import (
     Records,
     Recovered,
     Report,
+    Signals,
 )
 from .config import tls_context
 from .control.ops import AddBackend, RemoveBackend, apply
@@ -72,7 +75,14 @@ from .fleet import AdminState, Backend, Fleet
 from .health import HealthMonitor
 from .log import configure, get_logger
 from .metrics import Histogram
-from .shared import DEFAULT_PERIOD, PLANES, SharedLoadTracker, SharedTable
+from .shared import (
+    DEFAULT_PERIOD,
+    PLANES,
+    TABLE_PLANES,
+    SharedDeadline,
+    SharedLoadTracker,
+    SharedTable,
+)
 
 __all__ = ["main", "report"]
 
@@ -132,6 +142,7 @@ def report(router: Router, seq: int) -> Report:
                 idle.get(name, 0),
                 b.repeats_sent,
                 b.repeats_answered,
+                b.tie_breaks,
             )
             for name, b in router.fleet.backends.items()
         },
@@ -170,12 +181,18 @@ class _Worker:
         for name, ramp in init.ramps.items():
             fleet.set_ramp(name, ramp)
         router.health = ReportedHealth(fleet, router, channel)
+        if router.signals is not None:
+            router.signals.set(init.signals)
         fleet.loads.on_idle = self._idle
         router.tenants.deltas = True  # the supervisor keeps the sums (router.tenants)
         if router.queue is not None:
             # Another worker's (or replica's) request ended: a place may be free here.
             for tracker in self.trackers:
                 tracker.on_fold = router.queue.wake
+            # The reserve is wanted where any worker (or replica) saw a tenant under its
+            # share; deciding at its edge, a worker reads the others' counts first.
+            router.queue.fleet_wants = SharedDeadline(table, init.index)
+            router.queue.refresh = self._fold
         router.balancer.share_placement(init.stamp)
         router.responses.apply(init.responses)
         # A follow-up may reach another worker a moment after the answer: new ids
@@ -184,6 +201,14 @@ class _Worker:
         router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
+
+    def _fold(self) -> None:
+        """Fold the other rows in now; a change wakes the queue as the timed fold would
+        have (it will not: it sees these rows as read)."""
+        changed = [tracker.fold() for tracker in self.trackers]
+        queue = self.router.queue
+        if any(changed) and queue is not None:
+            queue.wake()
 
     def _publish(self) -> None:
         """Send the placements made since the last call, if any; again in a period."""
@@ -256,6 +281,9 @@ class _Worker:
                     await router.fleet.settled()
                     self._flush()
                     channel.send(Applied(message.seq))
+                elif isinstance(message, Signals):
+                    if router.signals is not None:
+                        router.signals.set(message.figures)
                 elif isinstance(message, Records):
                     if message.records:
                         router.balancer.apply_records(message.records)
@@ -289,7 +317,7 @@ async def _run(channel_fd: int, table_fd: int) -> None:
     init = await channel.receive()
     if not isinstance(init, Init):
         raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
-    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, PLANES)
+    table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

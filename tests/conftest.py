@@ -68,12 +68,31 @@ async def sim_fleet() -> AsyncIterator[SimFleet]:
 # -- the router ------------------------------------------------------------------
 
 
+# Where the two loops differ: transports, protocols, timers and TLS.  These files
+# run on uvloop (what ``serve`` runs) and on the stdlib loop (a library user's);
+# the other test_router files test routing logic above the transport, on uvloop.
+BOTH_LOOPS = {
+    "test_router_app.py",
+    "test_router_client.py",
+    "test_router_exchange.py",
+    "test_router_health.py",
+    "test_router_heads.py",
+    "test_router_streaming.py",
+    "test_router_tls.py",
+    "test_router_upstream.py",
+}
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
-    """Router tests run on uvloop (production) and on the stdlib loop."""
+    """Router tests run on uvloop (production), transport-level ones on the stdlib
+    loop as well; the rest of the suite on the stdlib loop."""
     import uvloop
 
-    if item.path.name.startswith("test_router"):
+    name = item.path.name
+    if name in BOTH_LOOPS:
         return {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
+    if name.startswith("test_router"):
+        return {"uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
 
 

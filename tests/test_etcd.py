@@ -7,6 +7,7 @@ health change), bounded by ``asyncio.timeout``; no sleep stands in for one.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -323,6 +324,34 @@ async def test_etcd_killed_and_restarted(etcd: EtcdServer) -> None:
         ]
     finally:
         await shut(store)
+
+
+async def test_a_port_taken_before_etcd_binds_it_is_drawn_again_at_first_start(
+    tmp_path: Path,
+) -> None:
+    # free_port's port is free a moment before etcd binds it: hold one meanwhile.
+    assert BINARY is not None
+    etcd = EtcdServer(BINARY, tmp_path / "etcd")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = etcd.client_port = squatter.getsockname()[1]
+        await etcd.start()
+        try:
+            assert etcd.client_port != taken
+            async with EtcdClient([etcd.url]) as client:
+                await client.put(b"k", b"v")
+            await etcd.kill()
+            # A restart keeps its ports (its clients know them): taken, it fails.
+            squatter.close()
+            with socket.socket() as again:
+                again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+                again.bind(("127.0.0.1", etcd.client_port))
+                again.listen()
+                with pytest.raises(RuntimeError, match="address already in use"):
+                    await etcd.start()
+        finally:
+            await etcd.kill()
 
 
 async def test_start_while_etcd_is_down_uses_the_copy_or_refuses(tmp_path: Path) -> None:

@@ -70,19 +70,20 @@ async def explain(
     return answer
 
 
+async def spawn_logged(
+    sims: list[Any], workers: int, log: Path
+) -> tuple[asyncio.subprocess.Process, int]:
+    """``serve`` in front of ``sims`` with ``workers`` workers, its access log at ``log``."""
+    backends = (f"--backend={s.name}={s.url}" for s in sims)
+    return await spawn_router(*backends, "--workers", str(workers), "--access-log", str(log))
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_the_dry_run_names_where_the_request_then_goes_and_changes_nothing(
     workers: int, sim_fleet: SimFleet, tmp_path: Path
 ) -> None:
-    sims = await sim_fleet(3)
     log = tmp_path / "access.log"
-    proc, port = await spawn_router(
-        *(f"--backend={s.name}={s.url}" for s in sims),
-        "--workers",
-        str(workers),
-        "--access-log",
-        str(log),
-    )
+    proc, port = await spawn_logged(await sim_fleet(3), workers, log)
     try:
         async with client(port) as via, aiohttp.ClientSession() as http:
             for prompt in PROMPTS:
@@ -334,10 +335,7 @@ async def test_the_decision_header_is_opt_in_and_names_a_backend_only_when_told(
         await stop(proc)
 
 
-# One worker only: with two, a new key's first home comes from each worker's own
-# recent shares (TRAFFIC mode), which lag the other worker's by a fold, so the dry
-# run (one worker) and the request (either) can disagree; seen once in CI.
-@pytest.mark.parametrize("workers", [1])
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_session_keys_are_explained_as_the_data_path_keys_them(
     workers: int, sim_fleet: SimFleet, tmp_path: Path
 ) -> None:
@@ -345,21 +343,19 @@ async def test_session_keys_are_explained_as_the_data_path_keys_them(
     # session header keys every request of its session alike, whatever its prompt,
     # and a prompt_cache_key comes first; each dry run names the access log's
     # key_source and digest, and the request then goes where it said.
-    sims = await sim_fleet(3)
     log = tmp_path / "access.log"
-    proc, port = await spawn_router(
-        *(f"--backend={s.name}={s.url}" for s in sims),
-        "--workers",
-        str(workers),
-        "--access-log",
-        str(log),
-    )
+    proc, port = await spawn_logged(await sim_fleet(3), workers, log)
     expected: dict[str, dict[str, Any]] = {}  # by the prompt sent
     try:
         async with client(port) as via, aiohttp.ClientSession() as http:
             for i, session in enumerate(("s-1", "s-2", "s-3")):
                 headers = {"X-Session-Id": session}
                 prompts = PROMPTS[i], PROMPTS[i + 3]  # two turns, unrelated prompts
+                # A new key's first home comes from the recent shares of the worker
+                # that routes it: a barrier first, so that both workers' shares hold
+                # every request so far and the one that answers the dry run places
+                # it where the one that takes the request will.
+                await admin_call(http, proc, "GET", "/admin/stats")
                 first = await explain(http, proc, dry(chat(prompts[0]), headers=headers))
                 key = first["key"]
                 assert key["source"] == "header"
@@ -395,6 +391,7 @@ async def test_session_keys_are_explained_as_the_data_path_keys_them(
             # prompt_cache_key first: the prompt's prefix, salted by it; the header is
             # not the key then.
             cached = chat(PROMPTS[0], prompt_cache_key="tenant-a")
+            await admin_call(http, proc, "GET", "/admin/stats")  # a new key: as above
             salted = await explain(http, proc, dry(cached, headers={"X-Session-Id": "s-1"}))
             key = salted["key"]
             assert key["source"] == "prompt_cache_key"

@@ -428,7 +428,7 @@ def same(message: Message, seen: Seen, complete: bool) -> bool:
     return not complete or (message.complete and b"".join(message.body) == seen.body)
 
 
-@fuzz_settings(default=250)
+@fuzz_settings(default=150)
 @given(case=cases())
 @example(case=(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", []))
 @example(case=(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\n\r\n{}", []))
@@ -530,7 +530,7 @@ def key_of(body: bytes, limit: int) -> bytes | None:
     return key
 
 
-@fuzz_settings(default=300)
+@fuzz_settings(default=150)
 @given(body=bodies, limit=limits, seed=st.integers(0, 2**32))
 def test_extraction_of_structured_bodies(body: dict[str, Any], limit: int, seed: int) -> None:
     compact = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -543,14 +543,14 @@ def test_extraction_of_structured_bodies(body: dict[str, Any], limit: int, seed:
     assert key_of(spaced, limit) == key
 
 
-@fuzz_settings(default=300)
+@fuzz_settings(default=150)
 @given(value=json_values, limit=limits)
 def test_extraction_of_arbitrary_json(value: Any, limit: int) -> None:
     body = json.dumps(value).encode()
     assert key_of(body, limit) == key_of(body, limit)
 
 
-@fuzz_settings(default=300)
+@fuzz_settings(default=150)
 @given(body=bodies, limit=limits, data=st.data())
 def test_extraction_of_mangled_bytes(body: dict[str, Any], limit: int, data: st.DataObject) -> None:
     raw = data.draw(mutated(json.dumps(body).encode()))

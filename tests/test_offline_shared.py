@@ -150,7 +150,7 @@ def test_without_extrapolating_a_row_folded_again_changes_nothing() -> None:
 @functools.cache
 def sysprompt(replicas: int, extrapolate: bool) -> Outcome:
     requests = workloads.build(
-        "sysprompt", seed=1, duration=120, rate=FLEET["sysprompt"].rate_for(7)
+        "sysprompt", seed=1, duration=60, rate=FLEET["sysprompt"].rate_for(7)
     )
     return simulate(
         requests,

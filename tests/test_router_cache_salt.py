@@ -82,6 +82,22 @@ async def test_keep_client_keeps_a_clients_own_salt(
         assert await cached_tokens(via, "tenant-b") == 0  # without one: the tenant's
 
 
+async def test_a_tenant_header_is_the_tenant_whatever_prompt_cache_key_a_client_picks(
+    sim_fleet: SimFleet, start_router: StartRouter, secret_file: Path
+) -> None:
+    # prompt_cache_key is the client's to choose: with a tenant header (an identity
+    # a gateway sets), another tenant naming acme's key gets none of acme's entries,
+    # and acme's own turns hit under any key.
+    (sim,) = await sim_fleet(1)
+    cache_salt = {"enabled": True, "secret_file": str(secret_file)}
+    router = await start_router([sim], cache_salt=cache_salt, tenants={"header": "X-Tenant"})
+    acme, other = {"X-Tenant": "acme"}, {"X-Tenant": "globex"}
+    async with client(router.port) as via:
+        assert await cached_tokens(via, "key-1", acme) == 0
+        assert await cached_tokens(via, "key-1", other) == 0  # acme's key, not acme
+        assert await cached_tokens(via, "key-2", acme) > 500  # acme's entry, another key
+
+
 @pytest.mark.parametrize(
     ("options", "tenant"),
     [

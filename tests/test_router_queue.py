@@ -13,19 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 
 from loadtests.simserver import Timing
 from router.app import Router
-from tests.harness.backends import Backend, Seen, StartBackend, hold
+from router.explain import DryRequest, explain
+from tests.harness.backends import Backend, Seen, StartBackend
 from tests.harness.http import response
-from tests.harness.processes import ADMIN_PORTS, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +63,7 @@ class Gate:
 
     def __init__(self) -> None:
         self.arrived: list[str] = []  # tenants, in the order their requests reached it
-        self.waiting: list[asyncio.Event] = []
+        self.waiting: list[tuple[str, asyncio.Event]] = []  # (tenant, its gate), in order
         self.changed = asyncio.Event()
 
     async def __call__(self, backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
@@ -73,15 +71,21 @@ class Gate:
             writer.write(response(200, b"{}", [(b"Content-Type", b"application/json")]))
             return True
         gate = asyncio.Event()
-        self.arrived.append(json.loads(seen.body)["prompt_cache_key"])
-        self.waiting.append(gate)
+        tenant = json.loads(seen.body)["prompt_cache_key"]
+        self.arrived.append(tenant)
+        self.waiting.append((tenant, gate))
         self.changed.set()
         await gate.wait()
         writer.write(response(200, completion(seen), [(b"Content-Type", b"application/json")]))
         return True
 
-    def open_one(self) -> None:
-        self.waiting.pop(0).set()
+    def open_one(self, tenant: str | None = None) -> None:
+        """Answer the request that arrived first (of ``tenant``, if given)."""
+        for i, (whose, _) in enumerate(self.waiting):
+            if tenant is None or whose == tenant:
+                self.waiting.pop(i)[1].set()
+                return
+        raise AssertionError(f"no request of {tenant!r} is waiting")
 
     def open_all(self) -> None:
         while self.waiting:
@@ -109,6 +113,12 @@ def client(router: Router) -> openai.AsyncOpenAI:
     )
 
 
+def chat(tenant: str, text: str) -> str:
+    """The body ``ask`` sends, as text."""
+    messages = [{"role": "user", "content": text}]
+    return json.dumps({"model": MODEL, "messages": messages, "prompt_cache_key": tenant})
+
+
 async def ask(via: openai.AsyncOpenAI, tenant: str, text: str = "same prompt") -> str:
     done = await via.chat.completions.create(
         model=MODEL,
@@ -125,12 +135,41 @@ def queue_of(router: Router) -> Any:
     return router.queue
 
 
-async def test_saturated_requests_are_admitted_round_robin_by_tenant(
-    backends: StartBackend, start_router: StartRouter
-) -> None:
-    gate = Gate()
-    backend = await backends(gate)
-    router = await start_router([backend.spec], routing=ONE_AT_A_TIME, admission={"queue": True})
+Gated = Callable[..., Awaitable[tuple[Gate, Router]]]
+
+
+@pytest.fixture
+def gated(backends: StartBackend, start_router: StartRouter) -> Gated:
+    """``gate, router = await gated(places, **admission)``: ``places`` gated backends
+    (one request in flight each) behind a router with the admission queue on."""
+
+    async def start(places: int = 1, **admission: Any) -> tuple[Gate, Router]:
+        gate = Gate()
+        specs = [(await backends(gate)).spec for _ in range(places)]
+        router = await start_router(
+            specs, routing=ONE_AT_A_TIME, admission={"queue": True, **admission}
+        )
+        return gate, router
+
+    return start
+
+
+async def answered(gate: Gate, tasks: list[asyncio.Task[str]], tenant: str, done: int) -> None:
+    """Answer ``tenant``'s first waiting request and wait until ``done`` of ``tasks``
+    are: the release it made has been pumped by the time its client reads the end."""
+    gate.open_one(tenant)
+    await until(lambda: sum(task.done() for task in tasks) == done)
+
+
+async def open_in_turn(gate: Gate, upto: int) -> None:
+    """Answer the requests one at a time until ``upto`` have reached the backends."""
+    for n in range(len(gate.arrived) + 1, upto + 1):
+        gate.open_one()
+        await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+
+
+async def test_saturated_requests_are_admitted_round_robin_by_tenant(gated: Gated) -> None:
+    gate, router = await gated()
     queue = queue_of(router)
     async with client(router) as via:
         tasks = [asyncio.create_task(ask(via, "heavy", f"h{i}")) for i in range(6)]
@@ -138,9 +177,7 @@ async def test_saturated_requests_are_admitted_round_robin_by_tenant(
         await until(lambda: queue.depth == 5)
         tasks += [asyncio.create_task(ask(via, "light", f"l{i}")) for i in range(2)]
         await until(lambda: queue.depth == 7)
-        for n in range(2, 9):
-            gate.open_one()
-            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        await open_in_turn(gate, 8)
         gate.open_all()
         answers = await asyncio.gather(*tasks)
     # FIFO would be heavy x6 then light x2; round robin serves light between heavies.
@@ -151,16 +188,8 @@ async def test_saturated_requests_are_admitted_round_robin_by_tenant(
     assert router.fleet.loads.total == 0
 
 
-async def test_weights_give_a_tenant_its_share_of_the_places(
-    backends: StartBackend, start_router: StartRouter
-) -> None:
-    gate = Gate()
-    backend = await backends(gate)
-    router = await start_router(
-        [backend.spec],
-        routing=ONE_AT_A_TIME,
-        admission={"queue": True, "weights": {"gold": 2.0}},
-    )
+async def test_weights_give_a_tenant_its_share_of_the_places(gated: Gated) -> None:
+    gate, router = await gated(weights={"gold": 2.0})
     queue = queue_of(router)
     async with client(router) as via:
         tasks = [asyncio.create_task(ask(via, "first", "x"))]
@@ -169,24 +198,77 @@ async def test_weights_give_a_tenant_its_share_of_the_places(
         await until(lambda: queue.depth == 3)
         tasks += [asyncio.create_task(ask(via, "gold", f"g{i}")) for i in range(6)]
         await until(lambda: queue.depth == 9)
-        for n in range(2, 11):
-            gate.open_one()
-            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        await open_in_turn(gate, 10)
         gate.open_all()
         await asyncio.gather(*tasks)
     assert gate.arrived[1:] == ["basic", "gold", "gold"] * 3
 
 
-async def test_a_full_tenant_queue_is_answered_429_with_retry_after(
-    backends: StartBackend, start_router: StartRouter
+async def test_the_reserve_keeps_a_place_for_a_tenant_under_its_share(gated: Gated) -> None:
+    """Three places, ``reserve = 1``.  A tenant alone takes every place; once a
+    tenant under its share is active, the one over its share may not take the
+    last free place: it stays free for the other, whose request takes it at
+    once; the heavy one is admitted when a place past the reserve frees up.
+    (The plain queue would have sent h3 where l1 went.)"""
+    gate, router = await gated(3, reserve=1)
+    queue = queue_of(router)
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "heavy", f"h{i}")) for i in range(3)]
+        await gate.until(lambda: len(gate.arrived) == 3)  # alone: nothing held back
+        tasks.append(asyncio.create_task(ask(via, "light", "l0")))
+        await until(lambda: queue.depth == 1)
+        await answered(gate, tasks, "heavy", 1)  # light, the only one waiting, takes its place
+        await gate.until(lambda: len(gate.arrived) == 4)
+        tasks.append(asyncio.create_task(ask(via, "heavy", "h3")))
+        await until(lambda: queue.depth == 1)
+        await answered(gate, tasks, "heavy", 2)  # one place free, the reserve: h3 stays
+        assert queue.depth == 1
+        tasks.append(asyncio.create_task(ask(via, "light", "l1")))
+        await gate.until(lambda: len(gate.arrived) == 5)  # straight into the reserve
+        assert queue.depth == 1
+        await answered(gate, tasks, "heavy", 3)  # one free again: still the reserve
+        assert queue.depth == 1
+        await answered(gate, tasks, "light", 4)  # two free: h3 takes one
+        await gate.until(lambda: len(gate.arrived) == 6)
+        gate.open_all()
+        await asyncio.gather(*tasks)
+    assert gate.arrived == ["heavy"] * 3 + ["light", "light", "heavy"]
+    assert queue.depth == 0
+
+
+async def test_the_reserve_lapses_a_window_after_the_last_tenant_under_its_share(
+    gated: Gated,
 ) -> None:
-    gate = Gate()
-    backend = await backends(gate)
-    router = await start_router(
-        [backend.spec],
-        routing=ONE_AT_A_TIME,
-        admission={"queue": True, "max_queued_per_tenant": 2},
-    )
+    """Two places, ``reserve = 1``, a 2 s share window: a request held back for a
+    tenant that then sends nothing more is admitted when the window ends, with no
+    place freed meanwhile (a timer: without it, it would wait ``max_wait``, past
+    the test's timeout).  Fails only if two consecutive steps below are 2 s apart."""
+    gate, router = await gated(2, reserve=1, share_window=2.0, max_wait=60.0)
+    queue = queue_of(router)
+    async with client(router) as via:
+        tasks = [asyncio.create_task(ask(via, "heavy", f"h{i}")) for i in range(2)]
+        await gate.until(lambda: len(gate.arrived) == 2)
+        tasks.append(asyncio.create_task(ask(via, "light", "l0")))
+        await until(lambda: queue.depth == 1)
+        await answered(gate, tasks, "heavy", 1)  # l0 takes the place: the reserve is wanted
+        await gate.until(lambda: len(gate.arrived) == 3)
+        await answered(gate, tasks, "light", 2)
+        # The dry run says why heavy's next request would wait with a place free.
+        dry = explain(
+            router, DryRequest("POST", "/v1/chat/completions", body=chat("heavy", "h2")), 3
+        )
+        assert dry.admission == "wait"
+        assert dry.reason.startswith("no more places are free than the reserve (1)")
+        tasks.append(asyncio.create_task(ask(via, "heavy", "h2")))
+        await until(lambda: queue.depth == 1)  # one place free: the reserve
+        await gate.until(lambda: len(gate.arrived) == 4)  # the window ended
+        gate.open_all()
+        await asyncio.gather(*tasks)
+    assert gate.arrived == ["heavy", "heavy", "light", "heavy"]
+
+
+async def test_a_full_tenant_queue_is_answered_429_with_retry_after(gated: Gated) -> None:
+    gate, router = await gated(max_queued_per_tenant=2)
     queue = queue_of(router)
     async with client(router) as via:
         tasks = [asyncio.create_task(ask(via, "a", f"{i}")) for i in range(3)]
@@ -196,9 +278,7 @@ async def test_a_full_tenant_queue_is_answered_429_with_retry_after(
         # Another tenant still has its own places.
         other = asyncio.create_task(ask(via, "b", "mine"))
         await until(lambda: queue.depth == 3)
-        for n in range(2, 5):
-            gate.open_one()
-            await gate.until(lambda n=n: len(gate.arrived) == n)  # type: ignore[misc]
+        await open_in_turn(gate, 4)
         gate.open_all()
         await asyncio.gather(*tasks, other)
     error = caught.value
@@ -214,16 +294,8 @@ async def test_a_full_tenant_queue_is_answered_429_with_retry_after(
     assert sum(series.rejected[0] for series in rejected.values()) == 1
 
 
-async def test_the_wait_bound_answers_429(
-    backends: StartBackend, start_router: StartRouter
-) -> None:
-    gate = Gate()
-    backend = await backends(gate)
-    router = await start_router(
-        [backend.spec],
-        routing=ONE_AT_A_TIME,
-        admission={"queue": True, "max_wait": 0.05},
-    )
+async def test_the_wait_bound_answers_429(gated: Gated) -> None:
+    gate, router = await gated(max_wait=0.05)
     async with client(router) as via:
         first = asyncio.create_task(ask(via, "a", "held"))
         await gate.until(lambda: len(gate.arrived) == 1)
@@ -236,16 +308,8 @@ async def test_the_wait_bound_answers_429(
     assert queue_of(router).depth == 0
 
 
-async def test_a_client_that_leaves_while_queued_frees_its_place_at_once(
-    backends: StartBackend, start_router: StartRouter
-) -> None:
-    gate = Gate()
-    backend = await backends(gate)
-    router = await start_router(
-        [backend.spec],
-        routing=ONE_AT_A_TIME,
-        admission={"queue": True, "max_queued_per_tenant": 1},
-    )
+async def test_a_client_that_leaves_while_queued_frees_its_place_at_once(gated: Gated) -> None:
+    gate, router = await gated(max_queued_per_tenant=1)
     queue = queue_of(router)
     async with client(router) as via:
         held = asyncio.create_task(ask(via, "a", "held"))
@@ -335,97 +399,14 @@ async def test_overload_loses_no_request_and_memory_stays_bounded(
     assert router.fleet.waiting.total == 0
 
 
-REQUESTS = 48
-QUEUE_DEPTH = re.compile(r"^prefix_router_queue_depth (\S+)$", re.M)
-
-
-async def test_two_workers_keep_the_bounds_and_admit_across_workers(
-    backends: StartBackend, tmp_path: Path
-) -> None:
-    """Each worker queues its own clients against the fleet-wide count: with one
-    place in the fleet and 2 places per tenant per worker, at most 2 + 2 x 2 of
-    REQUESTS requests of one tenant are admitted or queued, the rest are 429 at
-    once; once the backend answers, every queued request is admitted, also those
-    whose worker learns of the free place only from the other worker's row (a
-    fold: without that wake they would wait for max_wait, past the test's
-    timeout).  SO_REUSEPORT gives each worker at least 3 of the 48 connections
-    but with a chance below 10^-11: both queue."""
-    backend = await backends(hold)
-    config = tmp_path / "router.toml"
-    config.write_text("[admission]\nqueue = true\nmax_queued_per_tenant = 2\nmax_wait = 60.0\n")
-    proc, port = await spawn_router(
-        "--config",
-        str(config),
-        "--workers",
-        "2",
-        "--strategy",
-        "prefix",
-        "--concurrency-threshold",
-        "1",
-        "--concurrency-scope",
-        "IN_FLIGHT",
-        "--balance-mode",
-        "IN_FLIGHT",
-        "--no-health-checks",
-        "--backend",
-        "{}={}".format(*backend.spec),
-    )
-    answers: list[tuple[int, dict[str, Any], str | None]] = []
-    try:
-        async with aiohttp.ClientSession() as http:
-
-            async def post(i: int) -> None:
-                async with http.post(
-                    f"http://127.0.0.1:{port}/generate",
-                    data=f"prompt {i}",
-                    headers={"X-Amzn-SageMaker-Prefix-Aware-Id": "one", "Connection": "close"},
-                ) as resp:
-                    body = await resp.json(content_type=None)
-                    answers.append((resp.status, body, resp.headers.get("Retry-After")))
-
-            tasks = [asyncio.create_task(post(i)) for i in range(REQUESTS)]
-
-            async def depth() -> int:
-                url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics"
-                async with http.get(url) as resp:
-                    found = QUEUE_DEPTH.search(await resp.text())
-                assert found is not None
-                return int(float(found.group(1)))
-
-            # Every request is answered 429, held by the backend or queued (read
-            # through /metrics, which asks both workers: a real read each time).
-            async with asyncio.timeout(30):
-                while True:
-                    if len(answers) + len(backend.heads) + await depth() >= REQUESTS:
-                        break
-                    await asyncio.sleep(0.05)
-            held, queued = len(backend.heads), await depth()
-            backend.release.set()
-            await asyncio.gather(*tasks)
-    finally:
-        await stop(proc)
-    statuses = [status for status, _, _ in answers]
-    assert len(statuses) == REQUESTS
-    assert set(statuses) <= {200, 429}
-    # The fleet-wide bound: 1 in flight (2 if both workers decided within one fold
-    # period), at most 2 queued per worker.
-    assert held <= 2
-    assert queued == 4  # both workers queued their 2
-    assert statuses.count(200) == held + queued
-    assert statuses.count(429) >= REQUESTS - 2 - 4
-    for status, body, retry_after in answers:
-        if status == 429:
-            assert body["error"]["code"] == "queue_full"  # no wait bound passed
-            assert retry_after is not None
-            assert int(retry_after) >= 1
-
-
 @pytest.mark.parametrize(
     ("section", "value", "path"),
     [
         ("admission", {"max_wait": 0}, "$.admission.max_wait"),
         ("admission", {"max_queued_per_tenant": 0}, "$.admission.max_queued_per_tenant"),
         ("admission", {"weights": {"gold": 0.0}}, "$.admission.weights"),
+        ("admission", {"reserve": -1}, "$.admission.reserve"),
+        ("admission", {"share_window": 0}, "$.admission.share_window"),
         ("tenants", {"metrics_top": -1}, "$.tenants.metrics_top"),
         ("tenants", {"header": "bad header"}, "$.tenants.header"),
         ("tenants", {"label_key": "short"}, "$.tenants.label_key"),

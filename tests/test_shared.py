@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from hashring import Lease
 from router.balancer import Balancer
 from router.config import BackendSpec, parse_routing
 from router.fleet import Fleet
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 from tests.harness.routers import SAGEMAKER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ NAMES = [f"b{slot}" for slot in range(SLOTS)]
 #   read           (read-only) prints the folded counts of plane 0 and exits
 WORKER = """
 import json, random, sys
-from router.shared import SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 fd, rows, slots, row = map(int, sys.argv[1:5])
 mode = sys.argv[5]
 table = SharedTable.attach(fd, rows, slots, 2)
@@ -421,32 +422,50 @@ def test_the_benchmark_runs_and_prints_its_tables() -> None:
 # -- the other replicas' row (router/replicas.py writes it) -----------------------
 
 
-def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
-    table: SharedTable,
-) -> None:
-    from router.etcd import EtcdClient
-    from router.replicas import Replicas, Row, _encoder
+class _Remote:
+    """A replica's estimate over ``table`` (rows 0-3 its workers', row 4 the remote
+    one), fed rows by hand: nothing is started, etcd never called."""
 
-    # Rows 0-3 are this replica's workers, row 4 the remote one.
-    replicas = Replicas(
-        EtcdClient(["http://127.0.0.1:9"]),  # never called: nothing is started
-        b"/t/",
-        table,
-        lambda: {name: slot for slot, name in enumerate(NAMES)},
-        lambda: 0,
-        replica_id="me",
-    )
-    zero, one, waiting = worker(table, 0), worker(table, 1), worker(table, 0, plane=1)
+    def __init__(self, table: SharedTable) -> None:
+        from router.etcd import EtcdClient
+        from router.replicas import Replicas
 
-    def arrives(replica: str, row: Row | None) -> None:
+        self.table = table
+        self.replicas = Replicas(
+            EtcdClient(["http://127.0.0.1:9"]),
+            b"/t/",
+            table,
+            lambda: {name: slot for slot, name in enumerate(NAMES)},
+            lambda: 0,
+            replica_id="me",
+        )
+
+    def arrives(self, replica: str, row: object) -> None:
+        from router.replicas import _encoder
+
         value = None if row is None else _encoder.encode(row)
-        replicas._take(replicas.key_prefix + replica.encode(), value)
-        replicas._write_remote()
+        self.replicas._take(self.replicas.key_prefix + replica.encode(), value)
+        self.replicas._write_remote()
 
-    def remote(plane: int = 0) -> dict[str, int]:
-        replicas._write_remote()
+    def remote(self, plane: int = 0) -> dict[str, int]:
+        self.replicas._write_remote()
+        table = self.table
         cells = {name: table.cells[table.index(4, plane, s)] for s, name in enumerate(NAMES)}
         return {name: count for name, count in cells.items() if count}
+
+
+def router_table() -> SharedTable:
+    """Rows 0-3 a replica's workers', row 4 the remote one; a router's planes."""
+    return SharedTable.create(rows=5, slots=SLOTS, planes=TABLE_PLANES)
+
+
+def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since() -> None:
+    from router.replicas import Row
+
+    table = router_table()
+    estimate = _Remote(table)
+    replicas, arrives, remote = estimate.replicas, estimate.arrives, estimate.remote
+    zero, one, waiting = worker(table, 0), worker(table, 1), worker(table, 0, plane=1)
 
     held = [zero.acquire("b0")]
     arrives("r1", Row(0, {"b0": 2}, {"b1": 1}))
@@ -468,3 +487,47 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since(
     assert remote(1) == {}
     for tracker in (zero, one, waiting):
         tracker.close()
+
+    # The admission queue's reserve: a worker's deadline goes out in the row (Unix
+    # time, whole seconds up); another replica's comes into the remote row's cell.
+    wants = SharedDeadline(table, 2)
+    assert replicas.local_row().reserve_until == 0
+    wants.set(time.monotonic() + 5)
+    assert 0 < replicas.local_row().reserve_until - time.time() <= 6
+    wants.set(0)
+    reader = SharedDeadline(table, None)
+    arrives("r3", Row(0, reserve_until=int(time.time()) + 30))
+    assert 28 < reader.latest() - time.monotonic() <= 30
+    arrives("r3", Row(0, reserve_until=int(time.time()) - 1))  # lapsed
+    assert reader.latest() < time.monotonic()
+    os.close(table.fd)
+
+
+def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
+    # A row spends time in etcd's watch before it arrives: what this replica
+    # gained meanwhile is what the other most likely gained too.
+    from router.replicas import HISTORY, Row
+
+    table = router_table()
+    estimate = _Remote(table)
+    replicas, zero = estimate.replicas, worker(table, 0)
+    held = [zero.acquire("b0")]
+    replicas.remember(100.0, replicas.local())  # b0: 1
+    held += [zero.acquire("b0"), zero.acquire("b0")]
+    replicas.remember(100.01, replicas.local())  # b0: 3
+    held.append(zero.acquire("b0"))  # b0: 4 now
+    estimate.arrives("r1", Row(0, {"b1": 1}, at=100.005))
+    assert estimate.remote() == {"b0": 3, "b1": 1}  # gained 3 since 100.0
+    estimate.arrives("r2", Row(0, {"b2": 1}, at=100.02))
+    assert estimate.remote() == {"b0": 3 + 1, "b1": 1, "b2": 1}  # r2: 1 since 100.01
+    # Older than every count kept: the oldest; no time (an older version): now.
+    estimate.arrives("r1", Row(0, {"b1": 1}, at=99.0))
+    estimate.arrives("r2", Row(0, {"b2": 1}))
+    assert estimate.remote() == {"b0": 3, "b1": 1, "b2": 1}
+    for i in range(HISTORY):  # the history is bounded
+        replicas.remember(200.0 + i, replicas.local())
+    assert len(replicas._history) == HISTORY
+    for lease in held:
+        lease.release()
+    zero.close()
+    os.close(table.fd)

@@ -208,6 +208,12 @@ async def _ramp(workers: int, sim_fleet: SimFleet) -> None:
                     batches.append((before, after, on_new))
                     if before == LAST:
                         break
+                    if after < LAST:  # one batch a step, not a busy loop over the window
+
+                        async def stepped(after: int = after) -> bool:
+                            return await _step(http, proc, new.name) > after
+
+                        await _until(stepped)
             status, view = await admin_call(http, proc, "GET", f"/admin/backends/{new.name}")
             assert view["effective_weight"] == 1
             assert view["slow_start_ends"] is None

@@ -242,7 +242,7 @@ def make_app(instance: SimInstance | SimConfig) -> web.Application:
     app[INSTANCE] = instance
     app.on_response_prepare.append(_stamp_instance)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(instance.engine, instance.config.model))
+    registry.register(EngineCollector(instance.engine, instance.config.model, instance.model_now))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(

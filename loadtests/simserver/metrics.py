@@ -1,13 +1,17 @@
 """vLLM-named Prometheus metrics of one simulated instance, read from its engine at scrape.
 
-Contract: ``EngineCollector(engine, model_name)`` is a prometheus_client collector
-that keeps no state of its own; each scrape reads the engine's gauges and counters,
-so ``Engine.reset`` (``POST /reset_prefix_cache``) zeroes the counters at once.
+Contract: ``EngineCollector(engine, model_name, now)`` is a prometheus_client
+collector that keeps no state of its own; each scrape reads the engine's gauges (at
+model time ``now()``) and counters, so ``Engine.reset`` (``POST
+/reset_prefix_cache``) zeroes the counters at once.
 Names, types, labels (``model_name``, ``engine``) and TTFT buckets follow vLLM's V1
 ``PrometheusStatLogger``; counters are exposed with the ``_total`` suffix:
 
-- ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges)
-- ``vllm:kv_cache_usage_perc`` (gauge, 0..1: pinned blocks / capacity)
+- ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges, as vLLM
+  V1's scheduler counts them: a request waits until its prefill starts,
+  ``Engine.gauges``)
+- ``vllm:kv_cache_usage_perc`` (gauge, 0..1: the blocks of the requests whose
+  prefill has started / capacity)
 - ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (tokens)
 - ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``
 - ``vllm:request_success_total{finished_reason="stop"|"length"|"abort"}``
@@ -20,7 +24,7 @@ when a request ends (vLLM observes it at the first token).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -37,15 +41,17 @@ _LABELS = ["model_name", "engine"]
 
 
 class EngineCollector:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, now: Callable[[], float]) -> None:
         self._engine = engine
         self._labels = [model_name, "0"]  # one engine core per simulated instance
+        self._now = now  # model time
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
         cache = engine.cache
         stats = engine.stats
         labels = self._labels
+        running, waiting, kv_usage = engine.gauges(self._now())
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=_LABELS)
@@ -60,17 +66,17 @@ class EngineCollector:
         yield gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            engine.running,
+            running,
         )
         yield gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            engine.waiting,
+            waiting,
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            cache.usage,
+            kv_usage,
         )
         yield counter(
             "vllm:prefix_cache_queries",

@@ -429,6 +429,30 @@ class Engine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def gauges(self, now: float) -> tuple[int, int, float]:
+        """vLLM's scheduler gauges at model time ``now``: requests running and
+        waiting, and the share of the KV cache in use (0..1).
+
+        As vLLM V1's scheduler counts them: a request waits until its prefill is
+        first scheduled, and its KV blocks are in use from then on (vLLM allocates
+        them chunk by chunk as the prefill runs; cached blocks no running request
+        holds are free).  Here a request waits in the FIFO beyond ``max_num_seqs``
+        and, once admitted, behind the prefills before it (``prefill_start``: the
+        serialised prefill is a token budget a long prefill takes whole); from its
+        prefill's start its blocks count, a block shared by several requests once.
+        """
+        blocks: set[int] = set()
+        started = 0
+        for ticket in self._running:
+            assert ticket.plan is not None
+            assert ticket.allocation is not None
+            if ticket.plan.prefill_start <= now:
+                started += 1
+                blocks.update(ticket.allocation.keys)
+        waiting = len(self._waiting) + len(self._running) - started
+        capacity = self.cache.capacity_blocks
+        return started, waiting, len(blocks) / capacity if capacity else 0.0
+
     def submit(self, tokens: array[int], max_tokens: int, now: float, salt: bytes = b"") -> Ticket:
         """A request arrives; it is admitted at once if a slot is free."""
         if len(tokens) == 0:

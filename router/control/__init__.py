@@ -138,6 +138,10 @@ class BackendView(msgspec.Struct, frozen=True):
     # when its ramp ends (unix seconds; None: not ramping).
     effective_weight: float | None = None
     slow_start_ends: float | None = None
+    # Engine signals (router.signals; None: off): the rank its last scrape gave it
+    # (lower first; 0: idle, or no figures) and the requests a rank sent here.
+    engine_rank: int | None = None
+    engine_tie_breaks: int | None = None
 
 
 class DrainView(msgspec.Struct, frozen=True):

@@ -234,6 +234,8 @@ class RouterControl:
         ramp = fleet.ramps.get(backend.name)
         window = list(router.recorder.windows.get(backend.name, ()))
         scraped = router.health.scraped.get(backend.name)
+        signals = router.signals
+        signal = signals.figures.get(backend.name) if signals is not None else None
         return BackendView(
             name=backend.name,
             url=backend.url,
@@ -257,6 +259,8 @@ class RouterControl:
             prefix_cache_check=router.health.cache.view(backend),
             effective_weight=fleet.effective_weight(backend.name),
             slow_start_ends=ramp.start + ramp.seconds if ramp is not None else None,
+            engine_rank=None if signals is None else signal.rank if signal is not None else 0,
+            engine_tie_breaks=None if signals is None else backend.tie_breaks,
         )
 
     # -- changes -------------------------------------------------------------------

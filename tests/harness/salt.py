@@ -24,13 +24,16 @@ def client(port: int, **options: Any) -> openai.AsyncOpenAI:
     )
 
 
-async def cached_tokens(via: openai.AsyncOpenAI, tenant: str, **extra: Any) -> int:
+async def cached_tokens(
+    via: openai.AsyncOpenAI, tenant: str, headers: dict[str, str] | None = None, **extra: Any
+) -> int:
     """One chat turn of ``tenant`` (its prompt_cache_key) on DOCUMENT: tokens served from cache."""
     completion = await via.chat.completions.create(
         model=MODEL,
         messages=[{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Hi"}],
         max_tokens=2,
         extra_body={"prompt_cache_key": tenant, **extra},
+        extra_headers=headers,
     )
     assert completion.usage is not None
     assert completion.usage.prompt_tokens_details is not None

