@@ -2,14 +2,14 @@
 
 Contract:
 - Reads ``GET /admin/ab`` of one router, or of every replica given
-  (``--admin`` repeated), and merges them (``router.arms.merge_views``:
+  (``--admin`` repeated), and merges them (``router.abreport.merge_views``:
   counts added up, TTFT samples merged bottom-k, the hit-rate fit's sums
   added up), so R replicas report as one experiment.
 - Prints per arm its weight, requests and share, 5xx errors, TTFT
   P50/P90/P99 (nearest rank, over the merged sample), the attributed
   prefix-cache hit rate (± its 95 % half-width) and the repeat rate; then
   each arm against the first: the changes, the Mann-Whitney U test
-  (``router.arms.TEST`` says which) and a percentile-bootstrap 95 %
+  (``router.abreport.TEST`` says which) and a percentile-bootstrap 95 %
   interval of the P90 difference (``--bootstrap`` resamples, seeded: run
   twice, the same interval).  ``--json``: the merged view (samples left out).
 - Exit status: 0 reported, 1 an admin API answered an error (404: no
@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
+from router.abreport import ExperimentView, merge_views
 from router.abtest import bootstrap_difference
-from router.arms import ExperimentView, merge_views
 from router.config import ConfigError
 
 from .auth import load_token

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from router.arms import ExperimentView
+from router.abreport import ExperimentView
 from router.config import BackendSpec, RoutingConfig
 from router.control import BackendPatch, BackendView, DrainView, Stats
 from router.explain import DEFAULT_K, MAX_K, DryRequest, Explanation

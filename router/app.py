@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from .abreport import ArmCollector
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
-from .arms import ArmCollector
 from .balancer import Balancer
 from .cachecheck import Repeats
 from .cachesalt import Salter

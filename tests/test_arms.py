@@ -25,8 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hashring import hash_key
+from router.abreport import SAMPLE
 from router.abtest import bootstrap_difference, least_squares, mann_whitney, merge
-from router.arms import SAMPLE, ArmStats, HitAttribution, arm_seed, rendezvous
+from router.arms import ArmStats, HitAttribution, arm_seed, rendezvous
 from router.balancer import Balancer
 from router.config import (
     BackendSpec,

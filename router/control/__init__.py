@@ -26,7 +26,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 from msgspec import Meta
 
-from ..arms import ExperimentView
+from ..abreport import ExperimentView
 from ..config import BackendSpec, RoutingConfig
 from ..explain import DryRequest, Explanation
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..arms import ExperimentView
+from ..abreport import ExperimentView
 from ..config import BackendSpec, Limits, RoutingConfig, Timeouts
 from ..explain import DryRequest, Explanation, Refused, explain
 from ..fleet import ANY_MODEL, AdminState, Backend

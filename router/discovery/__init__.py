@@ -49,7 +49,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..arms import ExperimentView
+from ..abreport import ExperimentView
 from ..config import BackendSpec, RoutingConfig
 from ..control import (
     BackendPatch,

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 
-from router.arms import ExperimentView
+from router.abreport import ExperimentView
 from router.config import BackendSpec, RoutingConfig
 from router.control import (
     BackendPatch,
