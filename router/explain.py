@@ -460,7 +460,7 @@ class _Answer:
         elif queue.holds_back(self.tenant_key, members, self.router.loop.time()):
             why = (
                 f"no more places are free than the reserve ({queue.reserve}), kept for the"
-                " tenants under their share of the admissions, and this one is not"
+                " tenants under their share of the requests, and this one is not"
             )
             until = "more places are free or nobody is under its share"
         elif self.balancer.saturated(key_hash, members):
