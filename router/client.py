@@ -524,7 +524,13 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             # read our answer before the kernel resets the connection.
             self._paused = 0
             transport.resume_reading()
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:
+                # The stdlib loop shuts the socket down at once when nothing is
+                # buffered, and a client that reset it gives ENOTCONN: gone, close.
+                transport.close()
+                return
             self.router.loop.call_later(LINGER_SECONDS, self._linger_over)
         else:
             transport.close()

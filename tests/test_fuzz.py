@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import random
@@ -446,6 +447,29 @@ async def test_fuzzed_request_heads_keep_the_router_sound(
 ) -> None:
     note(f"case = {case!r}")  # pytest-asyncio hides the arguments in the report
     await run_case(harness, *case)
+
+
+class ResetTransport(FakeTransport):
+    """A client that reset its end before the router's half-close: the stdlib
+    loop's ``write_eof`` shuts the socket down at once and raises ENOTCONN."""
+
+    def write_eof(self) -> None:
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+
+async def test_a_half_close_on_a_reset_client_closes_quietly(harness: Harness) -> None:
+    """A refused request closes lingering (half-close, then drain); a client
+    already gone makes ``write_eof`` raise on the stdlib loop.  The connection is
+    closed, nothing escapes ``data_received`` and the loop logs no error."""
+    conn = ClientConnection(harness.router)
+    transport = ResetTransport(conn, harness.router.loop)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")  # a 400
+    async with asyncio.timeout(WAIT):
+        await transport.lost.wait()
+    assert parse_responses(bytes(transport.out)).statuses == [400]
+    assert conn not in harness.router.connections
+    assert harness.loop_errors == []
 
 
 # =============================================================================
