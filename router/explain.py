@@ -37,7 +37,9 @@ Contract:
   goes depends on what frees up first.
 - An A/B experiment (``router.arms``): a keyed request's ``arm`` is the one
   its key is assigned to (``Experiment.assign``, as the data path), and the
-  rest of the answer is that arm's balancer's (its strategy, walk, bounds).
+  rest of the answer is that arm's balancer's (its strategy, walk, bounds;
+  under Split BACKENDS its walk is on the ring of its own backends, named
+  in ``arm_backends``).
 - Framing is the body's: ``Content-Length`` is set from the body (any
   ``Content-Length`` or ``Transfer-Encoding`` given is dropped), and a
   ``Host`` is added if none is given, as every HTTP/1.1 client sends one.
@@ -199,6 +201,9 @@ class Explanation(msgspec.Struct, frozen=True):
     # An A/B experiment (router.arms): the arm the key falls in, whose RoutingConfig
     # decides (``strategy`` is the arm's); None: no experiment, or no key.
     arm: str | None = None
+    # Split BACKENDS (router.split): the backends the arm owns, the only ones it routes
+    # over (``walk`` is on their ring); None: it shares the fleet.
+    arm_backends: list[str] | None = None
 
 
 def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "") -> Explanation:
@@ -348,6 +353,7 @@ class _Answer:
         self.unsignalled: str | None = None  # the backend without engine signals, if another
         self.balancer = router.balancer  # an experiment's arm's, once the key is known
         self.arm: str | None = None
+        self.arm_backends: list[str] | None = None
 
     def head(
         self,
@@ -390,6 +396,7 @@ class _Answer:
             admission=admission,
             without_engine_signals=self.unsignalled if backend is not None else None,
             arm=self.arm,
+            arm_backends=self.arm_backends,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -409,10 +416,17 @@ class _Answer:
                 f" ({arm.weight:g} of {total:g} by weight), which routes by"
                 f" {arm.routing.strategy.value}; "
             )
+            owned = None if experiment.split is None else experiment.split.owned()
+            if owned is not None:
+                self.arm_backends = list(owned.get(arm.name, ()))
+                self.note += (
+                    f"Split BACKENDS: it routes over its own {', '.join(self.arm_backends)}; "
+                )
+            elif experiment.split is not None:
+                self.note += "Split BACKENDS suspended (fewer backends than arms): the fleet; "
         balancer = self.balancer
-        fleet = self.router.fleet
         strategy = balancer.config.strategy
-        ring_of = fleet if members is None else members
+        ring_of = balancer.members(members)  # an arm's own backends under Split BACKENDS
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
