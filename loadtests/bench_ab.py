@@ -499,8 +499,9 @@ def render(
                     return "-"
                 return f"{value:.3f}" if ratio else f"{value:+.1f}"
 
+            noise = spread(separate[key], 3 if ratio else 1)
             lines.append(
-                f"| {names[key]} | {shown(alone)} | {shown(arms)} | {spread(separate[key], 3 if ratio else 1)} |"
+                f"| {names[key]} | {shown(alone)} | {shown(arms)} | {noise} |"
                 f" {'; '.join(cells)} | {within} of {len(rows)} |"
             )
         lines += [

@@ -21,7 +21,8 @@ Contract:
   Every request of a key is in one arm, so the cache entries of a key are
   made by one arm's routing only.
 - Each arm routes with a ``Balancer`` of its own over the same ``Fleet``: its
-  ring is the fleet's, and the in-flight counts it bounds are the fleet's
+  ring is the fleet's (under Split BACKENDS, below, its own backends'), and
+  the in-flight counts it bounds are the fleet's
   (per backend, every arm's requests and every worker's and replica's
   included), so ConcurrencyThreshold and BalanceFactor bound the backends
   whatever arm the load comes from.  TRAFFIC placement is the arm's own

@@ -13,6 +13,7 @@ worker (and replica) draws the partition the supervisor reports, the rule's
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import aiohttp
@@ -20,7 +21,7 @@ import pytest
 
 from router.split import owners
 from tests.harness.etcd import EtcdServer
-from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 from tests.test_ab_live import ask, body, client, document, put_everywhere, two_replicas
 
@@ -65,6 +66,18 @@ async def dry_run(
     status, answer = await admin_call(http, proc, "POST", "/admin/route", dry)
     assert status == 200, answer
     return answer
+
+
+async def report_text(proc: asyncio.subprocess.Process) -> str:
+    """``prefix-router ab-report``'s text over ``proc``'s admin API."""
+    admin = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}"
+    command = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admin", "ab-report", "--admin", admin, "--bootstrap", "50",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await command.communicate()
+    assert command.returncode == 0, err
+    return out.decode()
 
 
 async def test_two_workers_route_each_arm_over_its_own_backends_as_the_rule_says(
@@ -129,6 +142,8 @@ async def test_two_workers_route_each_arm_over_its_own_backends_as_the_rule_says
             for _ in range(2):
                 for doc in docs:
                     assert await ask(openai, doc) in after[arms[doc]]
+            shown = "; ".join(f"{arm} {', '.join(part)}" for arm, part in after.items())
+            assert f"Split BACKENDS, each arm on its own: {shown}\n" in await report_text(proc)
     finally:
         await openai.close()
         await stop(proc)
