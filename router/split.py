@@ -27,7 +27,10 @@ Contract:
   is what the arm routes a request over: the backends of ``members`` (the
   fleet, or a model's pool) that it owns, as a ``Part`` (a ``ModelPool``
   with a ring of its own, built at once on the first request after a
-  membership change and kept per membership), or ``members`` itself when
+  membership change and kept per membership: that request's loop stalls
+  for it, 5 ms for 4 of 8 backends, 24 ms for 32 of 64, 112 ms for 128 of
+  256 on the project's 2-core VM, where the fleet's own ring is built in
+  2 ms slices), or ``members`` itself when
   the split is suspended, when the arm owns no backend of that pool, or
   when none of its own is available (down or draining): the request is
   served by the whole pool rather than failed.  In-flight counts stay the
