@@ -371,6 +371,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 row["interval"] = bootstrap(
                     four, four_keys, args.since, args.resamples, seed=round_
                 )
+            # Each round's figures as they come: a long session keeps what it ran.
+            (out / "rows.json").write_text(json.dumps(table, indent=1, default=str))
+            say(render(table, args, variants, rate))
         await stop_checked(fleet)
     except asyncio.CancelledError:
         say("interrupted")
