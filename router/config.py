@@ -12,7 +12,8 @@ Contract:
   1-1,024) and extensions: ``BalanceFactor`` (>= 1.0; absent = off),
   ``BalanceMode``, ``ConcurrencyScope``, and the affinity key's sources,
   ``SessionKeys`` (in precedence order, ``prefix`` last) with ``SessionHeader``
-  (router.sessions).
+  (router.sessions), and an A/B experiment's ``Experiment``, ``Arms`` and
+  ``Split`` (router.arms, router.split).
 - ``cache_salt``: the engine-side cache isolation (router.cachesalt); its
   secret is read by that module, never held in ``Config`` (which the admin
   API and the logs may show).
