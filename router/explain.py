@@ -76,6 +76,7 @@ from .fleet import AdminState
 from .heads import TENANT_HEADER, Kind, read_request
 from .responses import response_id_of
 from .sessions import CONVERSATION, HEADER, PREFIX, PROMPT_CACHE_KEY, conversation_key, header_key
+from .split import Part, Split
 
 if TYPE_CHECKING:
     from hashring import Placement
@@ -416,17 +417,11 @@ class _Answer:
                 f" ({arm.weight:g} of {total:g} by weight), which routes by"
                 f" {arm.routing.strategy.value}; "
             )
-            owned = None if experiment.split is None else experiment.split.owned()
-            if owned is not None:
-                self.arm_backends = list(owned.get(arm.name, ()))
-                self.note += (
-                    f"Split BACKENDS: it routes over its own {', '.join(self.arm_backends)}; "
-                )
-            elif experiment.split is not None:
-                self.note += "Split BACKENDS suspended (fewer backends than arms): the fleet; "
         balancer = self.balancer
         strategy = balancer.config.strategy
         ring_of = balancer.members(members)  # an arm's own backends under Split BACKENDS
+        if experiment is not None and experiment.split is not None and self.arm is not None:
+            self._split(experiment.split, ring_of)
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
@@ -459,6 +454,23 @@ class _Answer:
         else:
             why = self._why(name, decision, position, placement)
         return self.chosen(name, decision, position, why)
+
+    def _split(self, split: Split, ring_of: Members) -> None:
+        """Split BACKENDS: the arm's own backends, and whether it routes over them."""
+        owned = split.owned()
+        if owned is None:
+            self.note += "Split BACKENDS suspended (fewer backends than arms): the fleet; "
+            return
+        assert self.arm is not None
+        self.arm_backends = list(owned.get(self.arm, ()))
+        mine = ", ".join(self.arm_backends)
+        if isinstance(ring_of, Part):
+            self.note += f"Split BACKENDS: it routes over its own {mine}; "
+        else:
+            self.note += (
+                f"Split BACKENDS: it owns {mine}, none of them available here (or serving"
+                " its model): it routes over them all; "
+            )
 
     def _queued(
         self, queue: AdmissionQueue, key_hash: int, members: Members | None
