@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,23 +76,6 @@ def test_split_is_written_only_when_it_is_backends() -> None:
 def test_a_bad_split_is_refused_naming_it(routing: Any, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         parse_routing(routing)
-
-
-def test_check_config_says_the_arms_split_the_backends(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from admin.cli import main
-
-    path = tmp_path / "split.toml"
-    path.write_text(
-        '[RoutingConfig]\nExperiment = "pa-1"\nSplit = "BACKENDS"\n'
-        '[[RoutingConfig.Arms]]\nName = "control"\nWeight = 90\n'
-        'RoutingConfig = {RoutingStrategy = "RANDOM"}\n'
-        '[[RoutingConfig.Arms]]\nName = "prefix"\nWeight = 10\n'
-    )
-    assert main(["check-config", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert "(control 90 RANDOM, prefix 10 PREFIX_AWARE), each arm on backends of its own" in out
 
 
 # -- the partition -----------------------------------------------------------------------
