@@ -12,6 +12,7 @@ Contract:
   (``router.abreport.TEST`` says which) and a percentile-bootstrap 95 %
   interval of the P90 difference (``--bootstrap`` resamples, seeded: run
   twice, the same interval).  ``--json``: the merged view (samples left out).
+  Under Split BACKENDS (router.split) a line names each arm's own backends.
 - Exit status: 0 reported, 1 an admin API answered an error (404: no
   experiment) or the replicas run different experiments, 2 bad arguments or
   an admin API that cannot be reached.  Blocking stdlib HTTP: a command.
@@ -149,6 +150,11 @@ def render(view: ExperimentView, rounds: int) -> str:
         padded = [cell.rjust(width) for cell, width in zip(row, widths, strict=True)]
         padded[0] = row[0].ljust(widths[0])
         lines.append("  ".join(padded).rstrip())
+    if view.split_suspended:
+        lines.append("Split BACKENDS suspended: fewer backends than arms, every arm shares them")
+    elif view.split == "BACKENDS":  # router.split: the arms share no backend
+        owned = "; ".join(f"{arm.name} {', '.join(arm.owns or ())}" for arm in view.arms)
+        lines.append(f"Split BACKENDS, each arm on its own: {owned}")
     for c in view.comparisons:
         changes = (
             f"TTFT P50 {_percent(c.ttft_p50_change, True)},"

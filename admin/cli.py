@@ -725,6 +725,8 @@ def _check_config(path: str) -> int:
             for arm, arm_routing in zip(routing.arms, routing.arm_configs(), strict=True)
         )
         strategy = f"experiment {routing.experiment} ({arms})"
+        if routing.split == "BACKENDS":  # router.split
+            strategy += ", each arm on backends of its own"
     print(
         f"{path}: ok: {len(config.backends)} backends, {strategy},"
         f" listen {config.listen}, admin {config.admin_listen}"

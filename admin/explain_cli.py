@@ -126,7 +126,9 @@ def render(answer: dict[str, Any]) -> str:
             f"  request: {kind}; key ({key['source']}): {what}{salt}, digest {key['digest']}"
         )
     if answer.get("arm") is not None:
-        lines.append(f"  arm: {answer['arm']} ({answer['strategy']})")
+        owns = answer.get("arm_backends")  # Split BACKENDS (router.split)
+        on = "" if owns is None else f", on its own {', '.join(owns)}"
+        lines.append(f"  arm: {answer['arm']} ({answer['strategy']}){on}")
     if answer["model"] is not None:
         lines.append(f"  model: {answer['model']}, pool {', '.join(answer['pool'] or [])}")
     if answer["response_id"] is not None:

@@ -22,6 +22,7 @@ from router.control import BackendPatch, Control
 from router.explain import DEFAULT_K, MAX_K, DryRequest
 
 from .bodies import convert, decode, parse, query_bool, query_int, query_seconds, read_json
+from .errors import RequestError
 from .schemas import Probe, RoutingDocument
 
 __all__ = [
@@ -111,7 +112,18 @@ async def put_routing(request: web.Request) -> web.Response:
         routing = convert(data, RoutingDocument).routing_config
     else:
         routing = convert(data, RoutingConfig)
-    applied = await request.app[CONTROL].set_routing(routing)
+    control = request.app[CONTROL]
+    if routing.split == "BACKENDS":
+        # A config valid alone that this fleet cannot hold: each arm needs a backend
+        # of its own (router.split; a fleet that shrinks later suspends the split).
+        backends = len(await control.backends())
+        if backends < routing.active_arms:
+            raise RequestError(
+                f"Split BACKENDS gives each arm with a Weight above 0 backends of its own:"
+                f" {routing.active_arms} arms need {routing.active_arms} backends, the fleet"
+                f" has {backends}"
+            )
+    applied = await control.set_routing(routing)
     return json_response(applied.document())
 
 

@@ -3,6 +3,8 @@
     python -m loadtests.bench_ab --workload long --instances 7 \\
         --control random --treatment prefix --weights 50,50 \\
         --duration 150 --time-scale 0.5 --rounds 2
+    python -m loadtests.bench_ab --workload long --instances 8 \\
+        --ab 50,50:backends --ab 90,10:backends --seeds 1,2,3 --duration 150 --since 100
 
 Contract:
 - One simulated fleet and one seeded request stream (``loadtests.workloads``)
@@ -31,6 +33,21 @@ Contract:
   spread over rounds (the noise the arms' change is judged against).  With
   one round there is no spread: say so rather than guess.  The machine's
   load average before and after each run is printed too.
+- ``--ab WEIGHTS[:keys|backends]`` (repeated) runs several experiments a
+  round instead of ``--weights``' one, each with its Split (router.split):
+  ``backends`` gives each arm instances of its own.  A 50/50 split of 8
+  instances gives each arm 4 at half the rate: the per-instance load of a
+  separate run on all 8 at the full rate, so the separate runs are the
+  fair comparison; the weights quantise to whole instances (90/10 of 8:
+  7 and 1, printed with each arm's requests per instance).  The run fails
+  if an arm's requests reached an instance it does not own.
+- ``--seeds`` gives each round a request stream of its own (the simulator
+  is deterministic in model time: rounds of one stream differ only by the
+  machine, which understates the noise).  For every experiment and round,
+  a 95 % bootstrap interval of (the arms' change - the separate runs'
+  change) per figure, resampling whole routing keys (a document's requests
+  share its cache) in each of the four runs' requests independently: the
+  arms match the separate runs within noise where it holds 0.
 - Every process started is stopped by PID (``loadtests.fleet``), on errors and
   Ctrl-C.  Results: ``--out``/results.json (``loadtests.report``'s format,
   one run per (round, config or arm)) and the ab-report texts.
@@ -42,6 +59,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -56,6 +74,7 @@ from hashring import hash_key, tenant_seed
 from router.arms import arm_seed, rendezvous
 from router.extract import decode_openai, prompt_key
 from router.metrics import percentile
+from router.split import quotas
 
 from .bench import drive
 from .fleet import (
@@ -114,16 +133,79 @@ def key_hash(request: Request, prefix_length: int) -> int:
     return hash_key(prompt_key(decoded, prefix_length), tenant_seed(body.get("prompt_cache_key")))
 
 
-def experiment(control: str, treatment: str, weights: tuple[float, float]) -> dict[str, Any]:
-    return {
-        "RoutingConfig": {
-            "Experiment": EXPERIMENT,
-            "Arms": [
-                {"Name": "control", "Weight": weights[0], "RoutingConfig": CONFIGS[control]},
-                {"Name": "treatment", "Weight": weights[1], "RoutingConfig": CONFIGS[treatment]},
-            ],
-        }
+def experiment(
+    control: str, treatment: str, weights: tuple[float, float], split: str = "KEYS"
+) -> dict[str, Any]:
+    inner: dict[str, Any] = {
+        "Experiment": EXPERIMENT,
+        "Arms": [
+            {"Name": "control", "Weight": weights[0], "RoutingConfig": CONFIGS[control]},
+            {"Name": "treatment", "Weight": weights[1], "RoutingConfig": CONFIGS[treatment]},
+        ],
     }
+    if split != "KEYS":
+        inner["Split"] = split
+    return {"RoutingConfig": inner}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One experiment a round runs: its weights and what its arms divide."""
+
+    weights: tuple[float, float]
+    split: str  # KEYS or BACKENDS
+
+    @property
+    def name(self) -> str:
+        shown = "split" if self.split == "BACKENDS" else "shared"
+        return f"A/B {self.weights[0]:g}/{self.weights[1]:g} {shown}"
+
+
+FIGURES = (("p50", "ttft_p50", True), ("p90", "ttft_p90", True), ("hit", "hit_rate", False))
+
+
+def differences(runs: list[list[Sample]], since: float) -> dict[str, float | None]:
+    """(the arms' change - the separate runs' change) per figure: ``runs`` is control
+    alone, treatment alone, the control arm, the treatment arm."""
+    c, t, ac, at = (figures(samples, since) for samples in runs)
+    out: dict[str, float | None] = {}
+    for key, field, ratio in FIGURES:
+        alone = change(getattr(t, field), getattr(c, field), ratio)
+        arms = change(getattr(at, field), getattr(ac, field), ratio)
+        scale = 1.0 if ratio else 100.0  # hit rate in points
+        out[key] = None if alone is None or arms is None else (arms - alone) * scale
+    return out
+
+
+def bootstrap(
+    runs: list[list[Sample]], keys: list[list[int]], since: float, resamples: int, seed: int
+) -> dict[str, tuple[float, float] | None]:
+    """95 % intervals of ``differences``, resampling whole keys of each run."""
+    grouped = []
+    for samples, run_keys in zip(runs, keys, strict=True):
+        by_key: dict[int, list[Sample]] = {}
+        for sample, key_ in zip(samples, run_keys, strict=True):
+            if sample.at >= since:
+                by_key.setdefault(key_, []).append(sample)
+        grouped.append(list(by_key.values()))
+    rng = random.Random(seed)
+    drawn: dict[str, list[float]] = {key: [] for key, _, _ in FIGURES}
+    for _ in range(resamples):
+        picked = [
+            [s for cluster in rng.choices(clusters, k=len(clusters)) for s in cluster]
+            for clusters in grouped
+        ]
+        for key, value in differences(picked, since).items():
+            if value is not None:
+                drawn[key].append(value)
+    out: dict[str, tuple[float, float] | None] = {}
+    for key, values in drawn.items():
+        values.sort()
+        if len(values) < resamples // 2:
+            out[key] = None
+        else:
+            out[key] = (values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1])
+    return out
 
 
 async def one_run(
@@ -180,10 +262,10 @@ def change(treatment: float | None, control: float | None, ratio: bool) -> float
     return treatment - control
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 3) -> str:
     if len(values) < 2:
         return "- (one round)"
-    return f"{min(values):.3f} - {max(values):.3f}"
+    return f"{min(values):.{digits}f} - {max(values):.{digits}f}"
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -195,45 +277,59 @@ async def main_async(args: argparse.Namespace) -> int:
     params = FLEET[args.workload]
     rate = args.rate or params.rate_for(args.instances)
     model_seconds = args.duration / args.time_scale
-    requests = build(args.workload, seed=args.seed, duration=model_seconds, rate=rate)
-    weights = args.weights
-    seeds = [arm_seed(EXPERIMENT, name) for name in ("control", "treatment")]
-    arms = [rendezvous(key_hash(r, args.prefix_length), seeds, weights) for r in requests]
+    variants: list[Variant] = args.ab or [Variant(args.weights, "KEYS")]
+    seeds: list[int] = args.seeds or [args.seed] * args.rounds
+    streams: dict[int, tuple[list[Request], list[int]]] = {}
+    for seed in seeds:
+        requests = build(args.workload, seed=seed, duration=model_seconds, rate=rate)
+        streams[seed] = requests, [key_hash(r, args.prefix_length) for r in requests]
+    arm_names = ("control", "treatment")
+    arm_seeds = [arm_seed(EXPERIMENT, name) for name in arm_names]
     say(
-        f"workload {args.workload}: {len(requests)} requests over {model_seconds:.0f} model s"
-        f" ({args.duration:.0f} s wall a run, time scale {args.time_scale}), {rate:g} requests/s;"
-        f" {args.control} against {args.treatment}, arms {weights[0]:g}/{weights[1]:g}"
-        f" ({arms.count(1)} requests in the treatment arm); {args.rounds} rounds"
+        f"workload {args.workload}: {len(streams[seeds[0]][0])} requests over"
+        f" {model_seconds:.0f} model s ({args.duration:.0f} s wall a run, time scale"
+        f" {args.time_scale}), {rate:g} requests/s on {args.instances} instances;"
+        f" {args.control} against {args.treatment}; experiments"
+        f" {', '.join(v.name for v in variants)}; {len(seeds)} rounds, seeds {seeds}"
     )
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     runs: list[Run] = []
     table: list[dict[str, Any]] = []
-    routers = {
-        "control alone": {"RoutingConfig": CONFIGS[args.control]},
-        "treatment alone": {"RoutingConfig": CONFIGS[args.treatment]},
-        "A/B": experiment(args.control, args.treatment, weights),
+    routers: dict[str, tuple[dict[str, Any], Variant | None]] = {
+        "control alone": ({"RoutingConfig": CONFIGS[args.control]}, None),
+        "treatment alone": ({"RoutingConfig": CONFIGS[args.treatment]}, None),
     }
+    for each in variants:
+        routers[each.name] = (
+            experiment(args.control, args.treatment, each.weights, each.split),
+            each,
+        )
     order = list(routers)
     try:
         flags = [*params.sim_args(), "--time-scale", str(args.time_scale)]
         fleet, sims = await start_sims(children, args.instances, *flags)
-        for round_ in range(1, args.rounds + 1):
-            for name in order[round_ - 1 :] + order[: round_ - 1]:
+        for round_, seed in enumerate(seeds, start=1):
+            requests, keys = streams[seed]
+            kept: dict[str, list[Sample]] = {}
+            shift = (round_ - 1) % len(order)
+            for name in order[shift:] + order[:shift]:
+                routing, variant = routers[name]
                 label = f"{name}, round {round_}"
                 before = os.getloadavg()[0]
-                samples, view, text = await one_run(
-                    routers[name], requests, args, sims, children, label
-                )
+                args.seed = seed
+                samples, view, text = await one_run(routing, requests, args, sims, children, label)
                 load = (before, os.getloadavg()[0])
                 duration = model_seconds
-                if view is None:
+                row: dict[str, Any] = {"round": round_, "seed": seed, "run": name, "load": load}
+                if view is None or variant is None:
                     runs.append(Run(label, samples, duration, list(sims), None))
-                    row: dict[str, Any] = {"round": round_, "run": name, "load": load}
                     row[name.split()[0]] = figures(samples, args.since).__dict__
+                    kept[name] = samples
                     table.append(row)
                     continue
+                arms = [rendezvous(key, arm_seeds, variant.weights) for key in keys]
                 parts = [
                     [s for s, arm in zip(samples, arms, strict=True) if arm == i] for i in (0, 1)
                 ]
@@ -243,19 +339,41 @@ async def main_async(args: argparse.Namespace) -> int:
                         f"{label}: the router counted {counted} requests per arm, the client"
                         f" assigned {[len(part) for part in parts]}: not the router's rule"
                     )
-                (out / f"ab-report-round{round_}.txt").write_text(text)
+                if variant.split == "BACKENDS":
+                    own_instances(view, parts, label)
+                    row["owns"] = [arm["owns"] for arm in view["arms"]]
+                (out / f"ab-report-{variant.name[4:].replace('/', '-').replace(' ', '-')}"
+                 f"-round{round_}.txt").write_text(text)  # fmt: skip
                 say(f"\n{label}: prefix-router ab-report\n{text}")
-                attributed = [arm["prefix_cache_hit_rate"] for arm in view["arms"]]
-                errors = [arm["prefix_cache_hit_rate_error"] for arm in view["arms"]]
-                row = {"round": round_, "run": name, "load": load, "view": view}
-                for arm, part in zip(("control", "treatment"), parts, strict=True):
+                row["view"] = view
+                for arm, part in zip(arm_names, parts, strict=True):
                     runs.append(Run(f"{label}, {arm} arm", part, duration, list(sims), None))
                     shown: dict[str, Any] = dict(figures(part, args.since).__dict__)
                     shown["whole_run_hit_rate"] = figures(part, 0.0).hit_rate
                     row[arm] = shown
-                row["attributed"] = attributed
-                row["attributed_error"] = errors
+                row["attributed"] = [arm["prefix_cache_hit_rate"] for arm in view["arms"]]
+                row["attributed_error"] = [
+                    arm["prefix_cache_hit_rate_error"] for arm in view["arms"]
+                ]
+                row["per_instance"] = per_instance(variant, parts, args.instances, model_seconds)
+                row["parts"] = parts
+                row["arm_keys"] = [
+                    [k for k, arm in zip(keys, arms, strict=True) if arm == i] for i in (0, 1)
+                ]
                 table.append(row)
+            # Each experiment against this round's separate runs (same stream).
+            for row in table:
+                if row["round"] != round_ or "parts" not in row:
+                    continue
+                four = [kept["control alone"], kept["treatment alone"], *row.pop("parts")]
+                four_keys = [keys, keys, *row.pop("arm_keys")]
+                row["difference"] = differences(four, args.since)
+                row["interval"] = bootstrap(
+                    four, four_keys, args.since, args.resamples, seed=round_
+                )
+            # Each round's figures as they come: a long session keeps what it ran.
+            (out / "rows.json").write_text(json.dumps(table, indent=1, default=str))
+            say(render(table, args, variants, rate))
         await stop_checked(fleet)
     except asyncio.CancelledError:
         say("interrupted")
@@ -266,17 +384,42 @@ async def main_async(args: argparse.Namespace) -> int:
                 await child.stop()
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": table}
     write_json(runs, out / "results.json", meta=meta)
-    print(render(table, args))
+    print(render(table, args, variants, rate))
     return 0
 
 
-def render(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    """Each run's figures, then the arms' change against the separate runs'."""
+def own_instances(view: dict[str, Any], parts: list[list[Sample]], label: str) -> None:
+    """Split BACKENDS: every request of an arm answered by an instance it owns."""
+    for arm, part in zip(view["arms"], parts, strict=True):
+        owns = set(arm["owns"] or ())
+        strays = {s.instance for s in part if s.instance is not None} - owns
+        if not owns or strays or set(arm["backends"]) - owns:
+            raise FleetError(
+                f"{label}: arm {arm['name']} owns {sorted(owns)} but was answered by"
+                f" {sorted(strays | (set(arm['backends']) - owns))}"
+            )
+
+
+def per_instance(
+    variant: Variant, parts: list[list[Sample]], instances: int, seconds: float
+) -> list[float] | None:
+    """Split BACKENDS: each arm's requests per model second and instance it owns."""
+    if variant.split != "BACKENDS":
+        return None
+    sizes = quotas(list(zip(("control", "treatment"), variant.weights, strict=True)), instances)
+    assert sizes is not None
+    return [len(parts[i]) / seconds / sizes[arm] for i, arm in enumerate(("control", "treatment"))]
+
+
+def render(
+    table: list[dict[str, Any]], args: argparse.Namespace, variants: list[Variant], rate: float
+) -> str:
+    """Each run's figures, then each experiment's arms' change against the separate runs'."""
     lines = [
         f"\nFrom model second {args.since:g} on; TTFT in model ms, client side; hit rate: the"
         " simulator's cached / prompt tokens of those requests.",
         "",
-        "| round | run | load before / after | control P50 / P90 | treatment P50 / P90 |"
+        "| round (seed) | run | load before / after | control P50 / P90 | treatment P50 / P90 |"
         " control hit rate | treatment hit rate |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -293,61 +436,109 @@ def render(table: list[dict[str, Any]], args: argparse.Namespace) -> str:
         (c_ttft, c_hit), (t_ttft, t_hit) = cell(row, "control"), cell(row, "treatment")
         load = f"{row['load'][0]:.1f} / {row['load'][1]:.1f}"
         lines.append(
-            f"| {row['round']} | {row['run']} | {load} | {c_ttft} | {t_ttft} | {c_hit} | {t_hit} |"
+            f"| {row['round']} ({row['seed']}) | {row['run']} | {load} | {c_ttft} | {t_ttft} |"
+            f" {c_hit} | {t_hit} |"
         )
-    # The treatment's change against the control: separate runs (each round's pair) and arms.
     separate: dict[str, list[float]] = {"p50": [], "p90": [], "hit": []}
-    between: dict[str, list[float]] = {"p50": [], "p90": [], "hit": []}
     for round_ in sorted({row["round"] for row in table}):
-        rows = {row["run"]: row for row in table if row["round"] == round_}
-        alone_c = rows["control alone"]["control"]
-        alone_t = rows["treatment alone"]["treatment"]
-        ab = rows["A/B"]
-        for into, control, treatment in (
-            (separate, alone_c, alone_t),
-            (between, ab["control"], ab["treatment"]),
-        ):
-            for key, field, ratio in (("p50", "ttft_p50", True), ("p90", "ttft_p90", True)):
-                found = change(treatment[field], control[field], ratio)
-                if found is not None:
-                    into[key].append(found)
-            found = change(treatment["hit_rate"], control["hit_rate"], False)
+        by_run = {row["run"]: row for row in table if row["round"] == round_}
+        alone_c = by_run["control alone"]["control"]
+        alone_t = by_run["treatment alone"]["treatment"]
+        for key, field, ratio in FIGURES:
+            found = change(alone_t[field], alone_c[field], ratio)
             if found is not None:
-                into["hit"].append(found * 100)
-    lines += [
-        "",
-        f"Treatment ({args.treatment}) against control ({args.control}): TTFT as a ratio,"
-        " hit rate in points; medians over rounds, the separate runs' spread over rounds.",
-        "",
-        "| figure | separate runs | arms of one experiment | separate runs' spread |",
-        "|---|---:|---:|---:|",
-    ]
-    for key, name in (("p50", "TTFT P50 ratio"), ("p90", "TTFT P90 ratio"), ("hit", "hit rate")):
-        alone = statistics.median(separate[key]) if separate[key] else None
-        arms = statistics.median(between[key]) if between[key] else None
-        lines.append(
-            f"| {name} | {'-' if alone is None else f'{alone:.3f}'} |"
-            f" {'-' if arms is None else f'{arms:.3f}'} | {spread(separate[key])} |"
-        )
-    lines += [
-        "",
-        "The router's hit rates in the A/B runs (attributed from the engines' counters,"
-        " whole run) against the simulator's own counts (whole run):",
-        "",
-        "| round | control: attributed / true | treatment: attributed / true |",
-        "|---|---|---|",
-    ]
-    for row in table:
-        if "attributed" not in row:
-            continue
-        cells = []
-        for index, arm in enumerate(("control", "treatment")):
-            rate, error = row["attributed"][index], row["attributed_error"][index]
-            true = row[arm]["whole_run_hit_rate"]
-            shown = "-" if rate is None else f"{rate * 100:.1f} ± {error * 100:.1f} %"
-            cells.append(f"{shown} / {'-' if true is None else f'{true * 100:.1f} %'}")
-        lines.append(f"| {row['round']} | {cells[0]} | {cells[1]} |")
+                separate[key].append(found if ratio else found * 100)
+    names = {"p50": "TTFT P50 ratio", "p90": "TTFT P90 ratio", "hit": "hit rate (points)"}
+    for variant in variants:
+        rows = [row for row in table if row["run"] == variant.name]
+        between: dict[str, list[float]] = {"p50": [], "p90": [], "hit": []}
+        for row in rows:
+            for key, field, ratio in FIGURES:
+                found = change(row["treatment"][field], row["control"][field], ratio)
+                if found is not None:
+                    between[key].append(found if ratio else found * 100)
+        lines += [
+            "",
+            f"{variant.name}: treatment ({args.treatment}) against control ({args.control});"
+            " medians over rounds, each round's (arms - separate) with its 95 % key-bootstrap"
+            f" interval ({args.resamples} resamples).",
+        ]
+        if variant.split == "BACKENDS":
+            sizes = quotas(
+                list(zip(("control", "treatment"), variant.weights, strict=True)), args.instances
+            )
+            assert sizes is not None
+            loads = [row["per_instance"] for row in rows]
+            lines.append(
+                f"Instances owned: control {sizes['control']}, treatment {sizes['treatment']}"
+                f" of {args.instances}; requests per model s and instance: separate runs"
+                f" {rate / args.instances:.3f}, arms "
+                + "; ".join(f"{c:.3f} / {t:.3f}" for c, t in loads)
+                + "."
+            )
+        lines += [
+            "",
+            "| figure | separate runs | arms | separate runs' spread | arms - separate, each"
+            " round [95 % interval] | rounds within |",
+            "|---|---:|---:|---:|---|---:|",
+        ]
+        for key, _, ratio in FIGURES:
+            alone = statistics.median(separate[key]) if separate[key] else None
+            arms = statistics.median(between[key]) if between[key] else None
+            cells, within = [], 0
+            for row in rows:
+                diff, interval = row["difference"][key], row["interval"][key]
+                if diff is None or interval is None:
+                    cells.append("-")
+                    continue
+                digits = 3 if ratio else 1
+                cells.append(
+                    f"{diff:+.{digits}f} [{interval[0]:+.{digits}f}, {interval[1]:+.{digits}f}]"
+                )
+                within += interval[0] <= 0 <= interval[1]
+
+            def shown(value: float | None, ratio: bool = ratio) -> str:
+                if value is None:
+                    return "-"
+                return f"{value:.3f}" if ratio else f"{value:+.1f}"
+
+            noise = spread(separate[key], 3 if ratio else 1)
+            lines.append(
+                f"| {names[key]} | {shown(alone)} | {shown(arms)} | {noise} |"
+                f" {'; '.join(cells)} | {within} of {len(rows)} |"
+            )
+        lines += [
+            "",
+            "The router's hit rates (attributed from the engines' counters, whole run) against"
+            " the simulator's own counts (whole run):",
+            "",
+            "| round | control: attributed / true | treatment: attributed / true |",
+            "|---|---|---|",
+        ]
+        for row in rows:
+            cells = []
+            for index, arm in enumerate(("control", "treatment")):
+                rate_, error = row["attributed"][index], row["attributed_error"][index]
+                true = row[arm]["whole_run_hit_rate"]
+                shown_ = "-" if rate_ is None else f"{rate_ * 100:.1f} ± {error * 100:.1f} %"
+                cells.append(f"{shown_} / {'-' if true is None else f'{true * 100:.1f} %'}")
+            lines.append(f"| {row['round']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
+
+
+def _variant(text: str) -> Variant:
+    weights, _, split = text.partition(":")
+    split = split.upper() or "KEYS"
+    if split not in ("KEYS", "BACKENDS"):
+        raise argparse.ArgumentTypeError("--ab is CONTROL,TREATMENT[:keys|backends]")
+    return Variant(_weights(weights), split)
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("--seeds is a comma-separated list of ints") from None
 
 
 def _weights(text: str) -> tuple[float, float]:
@@ -372,6 +563,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=0.5, help="real s per model s")
     p.add_argument("--rate", type=float, help="model requests/s (default: the workload's)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--ab",
+        type=_variant,
+        action="append",
+        help="CONTROL,TREATMENT[:keys|backends], repeated: the experiments a round runs"
+        " (default: --weights, keys)",
+    )
+    p.add_argument("--seeds", type=_seeds, help="a request stream per round (overrides --rounds)")
+    p.add_argument("--resamples", type=int, default=400, help="bootstrap resamples")
     p.add_argument("--since", type=float, default=0.0, help="model s: figures from here on")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--prefix-length", type=int, default=4096)

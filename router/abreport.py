@@ -11,7 +11,8 @@ Contract:
   view made by one process and one merged from R replicas are read the same.
 - ``merge_views``: counts added up, samples merged (``router.abtest.merge``),
   the fit's sums added up; ValueError unless every view is of one experiment
-  with the same arms.
+  with the same arms.  Split BACKENDS: an arm's ``owns`` is the replicas'
+  if they agree, else every backend any of them names.
 - ``ArmCollector``: the ``prefix_router_arm_*`` families at scrape time, an
   ``arm`` label of at most ``MAX_ARMS`` values.
 """
@@ -85,6 +86,9 @@ class ArmView(msgspec.Struct):
     ttft_p99_ms: float | None = None
     prefix_cache_hit_rate: float | None = None  # the engines' counters, attributed
     prefix_cache_hit_rate_error: float | None = None  # its 95 % half-width under the model
+    # Split BACKENDS (router.split): the backends it owns and routes over, by name;
+    # None: it shares the fleet (Split KEYS, or the split suspended).
+    owns: list[str] | None = None
 
 
 class Comparison(msgspec.Struct):
@@ -112,6 +116,9 @@ class ExperimentView(msgspec.Struct):
     comparisons: list[Comparison] = msgspec.field(default_factory=list)
     test: str = TEST
     replicas: int = 1  # whose counts these are (ab-report merges several)
+    split: str = "KEYS"  # what the arms divide: KEYS, or BACKENDS too (router.split)
+    # BACKENDS with fewer backends than arms of weight above 0: every arm shares the fleet.
+    split_suspended: bool = False
 
 
 def derive(view: ExperimentView, values: Sequence[Sequence[float]]) -> ExperimentView:
@@ -192,6 +199,7 @@ def merge_views(views: Sequence[ExperimentView]) -> ExperimentView:
                 sample=sample,
                 ttft_samples=len(sample),
                 since=min(part.since for part in parts),
+                owns=_agreed([part.owns for part in parts]),
             )
         )
     k = len(names)
@@ -202,8 +210,23 @@ def merge_views(views: Sequence[ExperimentView]) -> ExperimentView:
         sum(view.attribution.yy for view in views),
     )
     replicas = sum(view.replicas for view in views)
-    merged = ExperimentView(first.experiment, arms, attribution, replicas=replicas)
+    merged = ExperimentView(
+        first.experiment,
+        arms,
+        attribution,
+        replicas=replicas,
+        split=first.split,
+        split_suspended=any(view.split_suspended for view in views),
+    )
     return derive(merged, [[value for _, value in arm.sample] for arm in arms])
+
+
+def _agreed(owns: Sequence[list[str] | None]) -> list[str] | None:
+    """An arm's backends as the replicas say: theirs if they agree, else every one any
+    of them names (their memberships differ for a moment: a change on its way)."""
+    if all(each == owns[0] for each in owns):
+        return owns[0]
+    return sorted({name for each in owns if each is not None for name in each})
 
 
 def _change(value: float | None, baseline: float | None) -> float | None:

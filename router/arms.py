@@ -21,12 +21,18 @@ Contract:
   Every request of a key is in one arm, so the cache entries of a key are
   made by one arm's routing only.
 - Each arm routes with a ``Balancer`` of its own over the same ``Fleet``: its
-  ring is the fleet's, and the in-flight counts it bounds are the fleet's
+  ring is the fleet's (under Split BACKENDS, below, its own backends'), and
+  the in-flight counts it bounds are the fleet's
   (per backend, every arm's requests and every worker's and replica's
   included), so ConcurrencyThreshold and BalanceFactor bound the backends
   whatever arm the load comes from.  TRAFFIC placement is the arm's own
   (a key is in one arm), shared between workers and replicas as any
   placement, its records tagged ``"arm NAME"`` (``ARM_TAG``).
+- Split BACKENDS (``RoutingConfig.split``): each arm also routes over
+  backends of its own only (``router.split``: the partition, a function of
+  the config and the membership), so the arms share no engine and no cache;
+  ``Experiment.split`` holds it and each arm's balancer its ``part``.  The
+  views say which backends each arm owns (``ArmView.owns``).
 - A config change keeps an arm by name: its balancer is reconfigured (its
   keys keep their homes) and, under the same experiment id, its counts go
   on; an arm no longer listed is retired (a request still holding it is
@@ -67,6 +73,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import mmh3
@@ -77,11 +84,13 @@ from hashring import hash_key
 from .abreport import SAMPLE, ArmView, Attribution, ExperimentView, derive
 from .abtest import merge
 from .metrics import TTFT_BUCKETS, Histogram
+from .split import Split
 
 if TYPE_CHECKING:
     from .balancer import Balancer
     from .config import RoutingConfig
     from .exchange import Exchange
+    from .fleet import Fleet
     from .health import Scraped
 
 __all__ = [
@@ -294,13 +303,14 @@ class Arm:
 class Experiment:
     """The arms of a RoutingConfig with ``Arms``, kept across config changes by name."""
 
-    __slots__ = ("_table", "_weights", "arms", "attribution", "id")
+    __slots__ = ("_table", "_weights", "arms", "attribution", "id", "split")
 
     def __init__(
         self,
         config: RoutingConfig,
         make: Callable[[str, RoutingConfig], Balancer],
         previous: Experiment | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         assert config.experiment is not None
         self.id = config.experiment
@@ -322,6 +332,12 @@ class Experiment:
             gone.retired = True
         self.arms: tuple[Arm, ...] = tuple(arms)
         self._weights = tuple(arm.weight for arm in arms)
+        # Split BACKENDS: the arms' own backends (router.split); None: they share them.
+        self.split: Split | None = None
+        if config.split == "BACKENDS" and fleet is not None:
+            self.split = Split(fleet, self.id, [(arm.name, arm.weight) for arm in arms])
+        for arm in arms:
+            arm.balancer.part = None if self.split is None else partial(self.split.part, arm.name)
         self._table = _table([arm.seed for arm in arms], self._weights)
         names = [arm.name for arm in arms]
         self.attribution: HitAttribution = HitAttribution(len(arms))
@@ -365,6 +381,7 @@ class Experiment:
     def view(self, *, samples: bool = False) -> ExperimentView:
         """This process's figures (a supervisor's: its workers' added up)."""
         total_weight = sum(self._weights)
+        owned = None if self.split is None else self.split.owned()
         arms = [
             ArmView(
                 name=arm.name,
@@ -378,8 +395,16 @@ class Experiment:
                 sample=arm.stats.sample() if samples else [],
                 ttft_samples=len(arm.stats._heap),
                 since=arm.stats.since,
+                owns=None if owned is None else list(owned.get(arm.name, ())),
             )
             for arm in self.arms
         ]
-        view = ExperimentView(self.id, arms, self.attribution.view())
+        split = "KEYS" if self.split is None else "BACKENDS"
+        view = ExperimentView(
+            self.id,
+            arms,
+            self.attribution.view(),
+            split=split,
+            split_suspended=self.split is not None and owned is None,
+        )
         return derive(view, [[value for _, value in arm.stats.sample()] for arm in self.arms])

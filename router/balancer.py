@@ -52,7 +52,12 @@ Contract:
   fleet (and its in-flight counts); the data path routes a keyed request with
   its arm's (``Experiment.assign``).  This balancer passes ``share_placement``,
   ``publish_records``, ``apply_records`` and its queue wake on to them; their
-  placement records are tagged with the arm (``tag``).
+  placement records are tagged with the arm (``tag``).  Under Split
+  BACKENDS (``router.split``) an arm's ``part`` maps what a request routes
+  over (the fleet, a model's pool) to the arm's own backends of it, a
+  ``Part``: ``choose``, ``peek``, ``saturated`` and ``members`` route over
+  that as over a model pool (its ring, its placement, its bounds); the
+  in-flight counts stay the fleet's.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, Record
 from .arms import ARM_TAG, Experiment
 from .config import RoutingConfig, Strategy
 from .fleet import ANY_MODEL, Backend, Fleet, ModelPool
+from .split import FLEET_PART
 
 __all__ = ["SATURATED", "Balancer", "Choice", "decision_label"]
 
@@ -161,6 +167,7 @@ class Balancer:
         "engine_ranks",
         "fleet",
         "on_release",
+        "part",
         "placement_log",
     )
 
@@ -180,6 +187,8 @@ class Balancer:
         self._seed = seed
         self._tag = tag  # an experiment arm's: its placement records' pool tag
         self.arms: Experiment | None = None
+        # Split BACKENDS: an arm's own backends of what a request routes over.
+        self.part: Callable[[Members], Members] | None = None
         self._placement: Placement | None = None
         # TRAFFIC per model pool: its placement and, when shared, its log.
         self._pools: dict[str, tuple[Placement, PlacementLog | None]] = {}
@@ -259,9 +268,9 @@ class Balancer:
             if pool is None:
                 own.append(record)
             elif pool.startswith(ARM_TAG):
-                name, _, model = pool[len(ARM_TAG) :].partition(" ")
+                name, pooled_tag, model = pool[len(ARM_TAG) :].partition(" ")
                 mine, pools = armed.setdefault(name, ([], {}))
-                if model:
+                if pooled_tag:  # "arm NAME " + ANY_MODEL too
                     pools.setdefault(model, []).append(record)
                 else:
                     mine.append(record)
@@ -281,9 +290,15 @@ class Balancer:
         if own:
             log.apply(fleet.ring, own)
         for model, batch in pooled.items():
-            pool = fleet.any_model if model == ANY_MODEL else fleet.pools.get(model)
-            if pool is None:
-                continue  # not (or no longer) a pool here
+            pool: Members | None
+            if model == FLEET_PART:  # an arm's own backends of the fleet (router.split)
+                pool = self.members(fleet)
+            else:
+                pool = fleet.any_model if model == ANY_MODEL else fleet.pools.get(model)
+                if pool is not None and self.part is not None:
+                    pool = self.part(pool)
+            if pool is None or pool.model != model:
+                continue  # not (or no longer) a pool here, or routed whole (the fleet's)
             known = self._pools.get(model)
             pool_log = (known or self._pool_placement(model))[1]
             if pool_log is not None:
@@ -315,7 +330,7 @@ class Balancer:
         }[config.strategy]
         self.config = config
         if config.arms:
-            self.arms = Experiment(config, self._arm, self.arms)
+            self.arms = Experiment(config, self._arm, self.arms, self.fleet)
         elif self.arms is not None:
             self.arms.retire()  # the experiment is over: every key routes by the top level
             self.arms = None
@@ -354,8 +369,7 @@ class Balancer:
 
         ``members``: the model pool the request routes over; None: the fleet.
         ``queue``: answer ``SATURATED`` instead of a fallback (PREFIX_AWARE)."""
-        if members is None:
-            members = self.fleet
+        members = self.members(members)
         if key_hash is None:
             picked = self._least_outstanding(0, avoid, members)
             if picked is None:
@@ -372,6 +386,14 @@ class Balancer:
                 return None
             backend, decision, position = picked
         return self._lease(backend, decision, position)
+
+    def members(self, members: Members | None = None) -> Members:
+        """What this balancer routes a request for ``members`` (None: the fleet) over:
+        an arm's own backends of it under Split BACKENDS (router.split), else itself."""
+        if members is None:
+            members = self.fleet
+        part = self.part
+        return members if part is None else part(members)
 
     def pin(self, name: str) -> Choice | None:
         """Route to ``name`` whatever the strategy (it holds the request's state), if
@@ -396,8 +418,7 @@ class Balancer:
     ) -> _Picked | None:
         """What ``choose(key_hash, members=members)`` would pick now; changes nothing.
         ``signals=False``: as if engine signals were off."""
-        if members is None:
-            members = self.fleet
+        members = self.members(members)
         rng = self._rng
         # A copy: the draw the next request would make, none consumed here.
         self._rng = random.Random()
@@ -419,8 +440,7 @@ class Balancer:
         ``SATURATED`` now (the same tests, read only); changes nothing."""
         if self.config.strategy is not Strategy.PREFIX_AWARE:
             return False  # only the bounded walk saturates
-        if members is None:
-            members = self.fleet
+        members = self.members(members)
         fleet = self.fleet
         if self._placement is not None:
             counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts

@@ -12,7 +12,8 @@ Contract:
   1-1,024) and extensions: ``BalanceFactor`` (>= 1.0; absent = off),
   ``BalanceMode``, ``ConcurrencyScope``, and the affinity key's sources,
   ``SessionKeys`` (in precedence order, ``prefix`` last) with ``SessionHeader``
-  (router.sessions).
+  (router.sessions), and an A/B experiment's ``Experiment``, ``Arms`` and
+  ``Split`` (router.arms, router.split).
 - ``cache_salt``: the engine-side cache isolation (router.cachesalt); its
   secret is read by that module, never held in ``Config`` (which the admin
   API and the logs may show).
@@ -103,6 +104,7 @@ BalanceMode = Literal["IN_FLIGHT", "TRAFFIC"]
 Scope = Literal["IN_FLIGHT", "PREFILL"]
 SessionKeys = Annotated[tuple[SessionSource, ...], Meta(min_length=1)]
 SessionHeader = Annotated[str, Meta(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")]
+SplitMode = Literal["KEYS", "BACKENDS"]
 # The fields that make a request's key: an experiment's, the same in every arm.
 KEY_FIELDS = ("prefix_length", "session_keys", "session_header")
 
@@ -194,11 +196,17 @@ class RoutingConfig(
     # without an experiment is written as before (a state file an older version reads).
     experiment: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")] | None = None
     arms: Annotated[tuple[Arm, ...], Meta(max_length=MAX_ARMS)] = ()
+    # What the arms divide (router.split): KEYS, the arms share every backend;
+    # BACKENDS, each arm also routes over backends of its own, as many as its
+    # weight's share (largest remainder, one at least).
+    split: SplitMode = "KEYS"
 
     def __post_init__(self) -> None:
         if not self.arms:
             if self.experiment is not None:
                 raise ValueError("Experiment names the Arms it compares: give Arms too")
+            if self.split != "KEYS":
+                raise ValueError("Split divides an experiment's Arms: give Experiment and Arms")
             return
         if self.experiment is None:
             raise ValueError(
@@ -227,6 +235,11 @@ class RoutingConfig(
     @property
     def prefix_aware(self) -> PrefixAwareRoutingConfig:
         return self.prefix_aware_routing_config
+
+    @property
+    def active_arms(self) -> int:
+        """Arms with a weight above 0: under Split BACKENDS, the fewest backends needed."""
+        return sum(1 for arm in self.arms if arm.weight > 0)
 
     def arm_configs(self) -> tuple[RoutingConfig, ...]:
         """Each arm's whole RoutingConfig: the top level with the arm's fields over it."""
@@ -259,6 +272,8 @@ class RoutingConfig(
         if self.arms:
             inner["Experiment"] = self.experiment
             inner["Arms"] = msgspec.json.decode(msgspec.json.encode(self.arms))  # lists, as JSON
+            if self.split != "KEYS":
+                inner["Split"] = self.split
         return {"RoutingConfig": inner}
 
 

@@ -37,7 +37,9 @@ Contract:
   goes depends on what frees up first.
 - An A/B experiment (``router.arms``): a keyed request's ``arm`` is the one
   its key is assigned to (``Experiment.assign``, as the data path), and the
-  rest of the answer is that arm's balancer's (its strategy, walk, bounds).
+  rest of the answer is that arm's balancer's (its strategy, walk, bounds;
+  under Split BACKENDS its walk is on the ring of its own backends, named
+  in ``arm_backends``).
 - Framing is the body's: ``Content-Length`` is set from the body (any
   ``Content-Length`` or ``Transfer-Encoding`` given is dropped), and a
   ``Host`` is added if none is given, as every HTTP/1.1 client sends one.
@@ -74,6 +76,7 @@ from .fleet import AdminState
 from .heads import TENANT_HEADER, Kind, read_request
 from .responses import response_id_of
 from .sessions import CONVERSATION, HEADER, PREFIX, PROMPT_CACHE_KEY, conversation_key, header_key
+from .split import Part, Split
 
 if TYPE_CHECKING:
     from hashring import Placement
@@ -199,6 +202,9 @@ class Explanation(msgspec.Struct, frozen=True):
     # An A/B experiment (router.arms): the arm the key falls in, whose RoutingConfig
     # decides (``strategy`` is the arm's); None: no experiment, or no key.
     arm: str | None = None
+    # Split BACKENDS (router.split): the backends the arm owns, the only ones it routes
+    # over (``walk`` is on their ring); None: it shares the fleet.
+    arm_backends: list[str] | None = None
 
 
 def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "") -> Explanation:
@@ -348,6 +354,7 @@ class _Answer:
         self.unsignalled: str | None = None  # the backend without engine signals, if another
         self.balancer = router.balancer  # an experiment's arm's, once the key is known
         self.arm: str | None = None
+        self.arm_backends: list[str] | None = None
 
     def head(
         self,
@@ -390,6 +397,7 @@ class _Answer:
             admission=admission,
             without_engine_signals=self.unsignalled if backend is not None else None,
             arm=self.arm,
+            arm_backends=self.arm_backends,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -410,9 +418,10 @@ class _Answer:
                 f" {arm.routing.strategy.value}; "
             )
         balancer = self.balancer
-        fleet = self.router.fleet
         strategy = balancer.config.strategy
-        ring_of = fleet if members is None else members
+        ring_of = balancer.members(members)  # an arm's own backends under Split BACKENDS
+        if experiment is not None and experiment.split is not None and self.arm is not None:
+            self._split(experiment.split, ring_of)
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
@@ -445,6 +454,23 @@ class _Answer:
         else:
             why = self._why(name, decision, position, placement)
         return self.chosen(name, decision, position, why)
+
+    def _split(self, split: Split, ring_of: Members) -> None:
+        """Split BACKENDS: the arm's own backends, and whether it routes over them."""
+        owned = split.owned()
+        if owned is None:
+            self.note += "Split BACKENDS suspended (fewer backends than arms): the fleet; "
+            return
+        assert self.arm is not None
+        self.arm_backends = list(owned.get(self.arm, ()))
+        mine = ", ".join(self.arm_backends)
+        if isinstance(ring_of, Part):
+            self.note += f"Split BACKENDS: it routes over its own {mine}; "
+        else:
+            self.note += (
+                f"Split BACKENDS: it owns {mine}, none of them available here (or serving"
+                " its model): it routes over them all; "
+            )
 
     def _queued(
         self, queue: AdmissionQueue, key_hash: int, members: Members | None

@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
+from loadtests.simserver import SimServer
 from router.arms import arm_seed, rendezvous
 from tests.harness.etcd import EtcdServer
 from tests.harness.http import WAIT
@@ -126,6 +127,37 @@ async def report(*procs: asyncio.subprocess.Process) -> dict[str, Any]:
     out, err = await command.communicate()
     assert command.returncode == 0, err
     return dict(json.loads(out))
+
+
+async def two_replicas(
+    etcd: EtcdServer, sims: list[SimServer], prefix: str
+) -> list[tuple[asyncio.subprocess.Process, int]]:
+    """Two ``--etcd`` replicas of ``sims``, started one after the other (the first seeds
+    the fleet in etcd)."""
+    flags = [arg for s in sims for arg in ("--backend", f"{s.name}={s.url}")]
+    return [
+        await spawn_router(
+            "--etcd", etcd.url, "--etcd-prefix", prefix, "--replica-id", f"r{i}", *flags
+        )
+        for i in range(2)
+    ]
+
+
+async def put_everywhere(
+    http: aiohttp.ClientSession,
+    first: asyncio.subprocess.Process,
+    second: asyncio.subprocess.Process,
+    routing: dict[str, Any],
+) -> None:
+    """PUT an experiment on ``first``; return once ``second`` has it from etcd."""
+    status, answer = await admin_call(http, first, "PUT", "/admin/routing", routing)
+    assert status == 200, answer
+    async with asyncio.timeout(WAIT):
+        while True:
+            status, applied = await admin_call(http, second, "GET", "/admin/routing")
+            if applied == answer:
+                break
+            await asyncio.sleep(0.05)  # polled: each a real read of the other replica
 
 
 async def test_two_workers_route_each_key_by_its_arm_and_count_it_there(
@@ -238,26 +270,12 @@ async def test_replicas_assign_a_key_to_one_arm_and_the_report_adds_them_up(
 ) -> None:
     """~12 s: etcd and two replicas (each a supervisor and a worker) start, one after
     the other, as every replica test's do."""
-    sims = await sim_fleet(3)
-    flags = [arg for s in sims for arg in ("--backend", f"{s.name}={s.url}")]
-    replicas = [  # one after the other: the first seeds the fleet in etcd
-        await spawn_router(
-            "--etcd", etcd.url, "--etcd-prefix", "/ab/", "--replica-id", f"r{i}", *flags
-        )
-        for i in range(2)
-    ]
+    replicas = await two_replicas(etcd, await sim_fleet(3), "/ab/")
     clients = [client(port) for _, port in replicas]
     (first, _), (second, _) = replicas
     try:
         async with aiohttp.ClientSession() as http:
-            status, _ = await admin_call(http, first, "PUT", "/admin/routing", experiment(50, 50))
-            assert status == 200
-            async with asyncio.timeout(WAIT):  # the other replica applies it from etcd
-                while True:
-                    status, routing = await admin_call(http, second, "GET", "/admin/routing")
-                    if "Arms" in routing["RoutingConfig"]:  # type: ignore[operator]
-                        break
-                    await asyncio.sleep(0.05)
+            await put_everywhere(http, first, second, experiment(50, 50))
             docs = [document(i) for i in range(DOCS)]
             arms = {}
             for doc in docs:

@@ -165,21 +165,28 @@ def test_an_arm_may_repeat_the_experiments_key_fields() -> None:
     assert routing.arm_configs()[1].prefix_aware.concurrency_threshold == 3
 
 
+@pytest.mark.parametrize(
+    ("split", "said"),
+    [("", ","), ('Split = "BACKENDS"\n', ", each arm on backends of its own,")],
+)
 def test_check_config_names_the_experiment(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], split: str, said: str
 ) -> None:
     from admin.cli import main
 
     path = tmp_path / "ab.toml"
     path.write_text(
-        '[RoutingConfig]\nRoutingStrategy = "PREFIX_AWARE"\nExperiment = "pa-1"\n'
+        f'[RoutingConfig]\nRoutingStrategy = "PREFIX_AWARE"\nExperiment = "pa-1"\n{split}'
         '[[RoutingConfig.Arms]]\nName = "control"\nWeight = 90\n'
         'RoutingConfig = {RoutingStrategy = "LEAST_OUTSTANDING_REQUESTS"}\n'
         '[[RoutingConfig.Arms]]\nName = "prefix"\nWeight = 10\n'
     )
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "experiment pa-1 (control 90 LEAST_OUTSTANDING_REQUESTS, prefix 10 PREFIX_AWARE)" in out
+    assert (
+        f"experiment pa-1 (control 90 LEAST_OUTSTANDING_REQUESTS, prefix 10 PREFIX_AWARE){said}"
+        in out
+    )
 
 
 # -- the assignment ------------------------------------------------------------------------
