@@ -1,7 +1,8 @@
 """``prefix-router advise`` (``python -m loadtests.advise``): which PrefixLength fits this traffic.
 
     prefix-router advise access.log [access-2.log ...] [--config router.toml]
-        [--lengths 1024,2048,...] [--instances N] [--fleet NAME | --capacity-blocks N ...]
+        [--lengths 1024,2048,...] [--instances N | --backends NAME,...]
+        [--fleet NAME | --capacity-blocks N ...]
         [--time-scale S] [--json]
     prefix-router advise --bodies sample.jsonl [...]
 
@@ -13,7 +14,13 @@ Contract
   ``key_digests``, a backend and a 2xx status; others are counted and named
   in the output (a 4xx never reached an engine; a line without digests was
   written before the option was on, or is a body keyed by the helper
-  process).  Or ``--bodies``: JSON lines ``{"ts": unix s, "path": ...,
+  process).  ``--backends NAME,...``: only the lines those backends
+  answered, replayed on them: a fleet that declares models routes each
+  model over its own pool and the log does not name the model, so give one
+  pool's backends a run.  Lines logged at different lengths (a replica at
+  another PrefixLength, whose lengths include it; ``[advisor] lengths``
+  changed) are read at the lengths every line has (``project``).  Or
+  ``--bodies``: JSON lines ``{"ts": unix s, "path": ...,
   "headers": {...}, "body": text | "body_base64": ...}`` (the admin dry
   run's request shape plus its time; ``"output_tokens"`` optional), keyed
   here by the router's own code (``heads.read_request``, ``extract``,
@@ -49,13 +56,17 @@ Contract
   document share the document, not the questions: ~1 % of a ``long``
   prompt); low where the most recent whole key is another conversation's
   (first turns shorter than the first logged length: they share only what
-  the digests show).  Every candidate is replayed on the same synthetic
+  the digests show).  A session's request (``key_source`` header or
+  conversation) is known to continue its own session: it extends that
+  session's most recent whole key only, and a request without a session
+  never extends a session's.  Every candidate is replayed on the same synthetic
   text, so the comparison between candidates is fair either way; what
   differs between them is the routing alone.
 - Candidates: the logged lengths from 1,024 to 65,536 (``--lengths`` picks
   some).  The current PrefixLength is ``--prefix-length``, else the
   config file's, else the logged length whose digest equals the lines'
-  ``prefix_hash`` most often.
+  ``prefix_hash`` most often (a cut key's digests only: a whole key's
+  digest is its key at every longer length too, so it names no length).
 - The recommendation: the candidates whose predicted hit rate is within
   ``--tolerance`` points (0.5) of the best are as good; of those, the
   current length if it is one (no change for nothing), else the lowest
@@ -198,9 +209,10 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
     """The estimate's extensions (see the module contract): ``requests`` (by arrival)
     with ``extends`` set where a key is longer than the most recent whole key that
     it matches at every logged length below that key's end."""
-    # (level, digest below it) -> the most recent key whole at that level: its
-    # size and its digest there.
-    whole_at: dict[tuple[int, str], tuple[int, str]] = {}
+    # (session, level, digest below it) -> the most recent key whole at that level:
+    # its size and its digest there.  A session's request extends its own session's
+    # keys only (its conversation is known); the others, any key but a session's.
+    whole_at: dict[tuple[int | None, int, str], tuple[int, str]] = {}
     # A key's text between two logged lengths is decided once, by its first request.
     nodes: dict[tuple[int, str], Pieces] = {}  # (level, digest) -> pieces of its text
     out = []
@@ -213,7 +225,7 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
             pieces = nodes.get(node)
             if pieces is None:
                 pieces = ()
-                earlier = whole_at.get((level, below))
+                earlier = whole_at.get((request.session, level, below))
                 if earlier is not None and earlier[1] != digest:
                     size, other = earlier
                     prefix = nodes.get((level, other), ())
@@ -225,7 +237,7 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
                 nodes[node] = pieces
             extends.append(pieces or None)
             if request.whole and level == len(request.digests) - 1:
-                whole_at[level, below] = (request.size, digest)
+                whole_at[request.session, level, below] = (request.size, digest)
             below = digest
         out.append(replace(request, extends=tuple(extends)))
     return out
@@ -315,8 +327,10 @@ class _Line(msgspec.Struct):
 _line = msgspec.json.Decoder(_Line)
 
 
-def from_log(paths: Sequence[str], reading: Reading) -> Sample:
-    """The sample in access-log files (see the module contract)."""
+def from_log(paths: Sequence[str], reading: Reading, pool: Sequence[str] | None = None) -> Sample:
+    """The sample in access-log files (see the module contract); ``pool``: only the
+    lines those backends answered (one model's pool of a fleet that declares models)."""
+    only = None if pool is None else frozenset(pool)
     skipped: Counter[str] = Counter()
     rows: list[tuple[float, _Line]] = []
     for _, text in _lines(paths):
@@ -333,6 +347,8 @@ def from_log(paths: Sequence[str], reading: Reading) -> Sample:
             skipped["no key_digests"] += 1
         elif line.backend is None or not 200 <= line.status < 300:
             skipped["not answered 2xx by a backend"] += 1
+        elif only is not None and line.backend not in only:
+            skipped["answered by a backend not in --backends"] += 1
         else:
             rows.append((line.ts - line.total_ms / 1000, line))
     rows.sort(key=lambda row: row[0])
@@ -362,17 +378,21 @@ def from_log(paths: Sequence[str], reading: Reading) -> Sample:
             )
         )
         if line.key_source not in SESSION_SOURCES and line.prefix_hash is not None:
+            # The key's whole digest (a list that stopped) is its key at every longer
+            # length as well: it names no PrefixLength, only a bound.  A cut key's does.
+            cut = digests.digests[:-1] if requests[-1].whole else digests.digests
             matches = [
                 g
-                for g, d in zip(digests.lengths, digests.digests, strict=False)
+                for g, d in zip(digests.lengths, cut, strict=False)
                 if line.prefix_hash.startswith(d)
             ]
             if len(matches) == 1:
                 votes[matches[0]] += 1
+    common = _common_lengths(requests)
     return Sample(
-        requests,
+        [project(request, common) for request in requests],
         sorted(backends),
-        _common_lengths(requests),
+        common,
         votes.most_common(1)[0][0] if votes else None,
         skipped,
         len(paths),
@@ -386,6 +406,35 @@ def _common_lengths(requests: Sequence[Sampled]) -> tuple[int, ...]:
     for request in requests:
         common &= set(request.lengths)
     return tuple(sorted(common))
+
+
+def project(request: Sampled, lengths: tuple[int, ...]) -> Sampled:
+    """``request`` with its digests at ``lengths`` only (each one of its own lengths).
+
+    Lines logged with other lengths (a replica at another PrefixLength, whose
+    lengths include it; ``[advisor] lengths`` changed during the sample) must
+    meet at the same lengths: the synthetic text between two lengths and
+    ``link``'s levels are drawn from the digests at those lengths, so two equal
+    keys logged with different lengths would otherwise share only up to the
+    first length where the lists differ."""
+    if request.lengths == lengths:
+        return request
+    digests = []
+    last = len(request.digests) - 1
+    for g in lengths:
+        index = request.lengths.index(g)
+        if index >= last:
+            if index == last or request.whole:
+                # At or past the length holding the whole key: that key (the list stops).
+                digests.append(request.digests[last])
+            break  # else a native body not ended: nothing known past its last digest
+        digests.append(request.digests[index])
+    return replace(
+        request,
+        lengths=lengths,
+        digests=tuple(digests),
+        whole=request.whole and request.size <= lengths[-1],
+    )
 
 
 class _Body(msgspec.Struct):
@@ -471,7 +520,8 @@ def from_bodies(
                 if entry.body_base64 is not None
                 else (entry.body or "").encode()
             )
-            entries.append((entry, *key_body(entry.path, entry.headers, data, routing, lengths)))
+            keyed = key_body(entry.path, entry.headers, data, routing, lengths)
+            entries.append((entry, len(data), *keyed))
         except (msgspec.MsgspecError, ValueError) as exc:  # BadRequest, base64, tenant keys
             skipped[f"unusable: {str(exc).split(':')[0]}"] += 1
             continue
@@ -485,9 +535,9 @@ def from_bodies(
             entry.output_tokens or reading.default_output_tokens,
             key_source=source,
             prefix_hash=digest,
-            bytes_in=digests.length or 0,
+            bytes_in=size,  # as the access log's bytes_in: a bound on a long key's length
         )
-        for serial, (entry, source, digest, digests) in enumerate(entries)
+        for serial, (entry, size, source, digest, digests) in enumerate(entries)
     ]
     return Sample(
         requests,
@@ -683,6 +733,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--instances", type=int, metavar="N", help="backends (default: those in the sample)"
     )
     p.add_argument(
+        "--backends",
+        metavar="NAME,...",
+        help="only the lines these backends answered, replayed on them (one model's pool)",
+    )
+    p.add_argument(
         "--fleet", choices=sorted(FLEET), help="a simulated fleet's model (default: long's)"
     )
     for flag, what in (
@@ -749,6 +804,12 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.logs) == bool(args.bodies):
         print("advise: give access-log files or --bodies FILE (one of them)", file=sys.stderr)
         return 2
+    backends = None
+    if args.backends is not None:
+        backends = sorted({name.strip() for name in args.backends.split(",") if name.strip()})
+        if not backends or args.bodies:
+            print("advise: --backends NAME,... reads access logs (their backend)", file=sys.stderr)
+            return 2
     try:
         routing, logged, file_length = _routing(args)
         params = fleet_params(args)
@@ -756,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bodies:
             sample = from_bodies(args.bodies, routing, logged, reading)
         else:
-            sample = from_log(args.logs, reading)
+            sample = from_log(args.logs, reading, backends)
     except (ConfigError, OSError) as exc:
         print(f"advise: {exc}", file=sys.stderr)
         return 2
@@ -787,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    names = sample.backends
+    names = sample.backends if backends is None else backends
     if args.instances is not None or not names:
         names = [f"sim-{i}" for i in range(args.instances or params.instances)]
     print(
