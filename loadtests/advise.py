@@ -71,11 +71,22 @@ Contract
   ``--tolerance`` points (0.5) of the best are as good; of those, the
   current length if it is one (no change for nothing), else the lowest
   predicted P90 TTFT, then the shortest length.  Its reason says which.
-- Groups: a session's requests (``key_source`` header or conversation), or
-  the requests that share their first ``lengths[0]`` characters (a
-  conversation's turns, one document's questions); "keys per group" is the
-  mean number of distinct routing keys in the groups of two or more
-  requests: 1.00 means each group goes to one backend's cache.
+- Groups (``groups``): a session's requests (``key_source`` header or
+  conversation); else the requests that share their key up to the logged
+  length just past the deepest *branch point* of their key, the first
+  candidate length (1,024) when there is none.  A branch point is a prefix
+  (a digest) that two or more lines continue past the next logged length, a
+  line being a longer prefix that two or more requests share: a prefix
+  every conversation or task starts with (an agent's tool catalogue, a long
+  system prompt, a tenant's seed), not a document whose questions cross a
+  logged length (each question's own).  Grouped below it, an
+  agent's tasks are told apart, a conversation's turns stay together, and a
+  document's questions (which end right after it: no key continues) stay
+  one group.  Turns that end between the same two logged lengths after a
+  branch point cannot be tied together by the digests: each is its own
+  group.  "Keys per group" is the mean number of distinct routing keys in
+  the groups of two or more requests: 1.00 means each group goes to one
+  backend's cache.
 - The fleet model: ``--instances`` (default: the backends named in the
   sample, by their names, weight 1 each) of the simulated engine with the
   timing and KV cache of ``--fleet NAME`` (``loadtests.workloads.FLEET``;
@@ -175,15 +186,9 @@ class Sampled(Request):
             parts.append(_pattern(own, self.size - done))
         return "".join(parts)
 
-    def group_key(self) -> str | int | None:
-        """Its group: its session, or its key's digest at the first candidate length
-        (1,024 or more) when the key is longer; None: a short prompt alone."""
-        if self.session is not None:
-            return self.session
-        index = next(i for i, g in enumerate(self.lengths) if g >= MIN_PREFIX_LENGTH)
-        if self.whole and self.size <= self.lengths[index]:
-            return None
-        return self.digests[index]
+    def cut(self) -> int:
+        """How many of its digests are of a cut key (all but a whole key's last)."""
+        return len(self.digests) - 1 if self.whole else len(self.digests)
 
 
 def _pattern(digest: str, chars: int) -> str:
@@ -279,6 +284,8 @@ def _lines(paths: Sequence[str]) -> Iterator[tuple[str, str]]:
 def _size(digests: KeyDigests, bytes_in: int) -> int:
     if digests.length is not None:
         return digests.length
+    if len(digests.digests) < len(digests.lengths):
+        return bytes_in  # a native body that had not ended: what arrived of it
     return max(bytes_in, digests.lengths[-1] + 1)
 
 
@@ -343,7 +350,10 @@ def from_log(paths: Sequence[str], reading: Reading, pool: Sequence[str] | None 
             continue
         if line.event != "access":
             skipped["not an access line"] += 1
-        elif line.key_digests is None:
+        elif line.key_digests is None or not (
+            line.key_digests.digests or line.key_source in SESSION_SOURCES
+        ):
+            # None at all (or none yet: a body whose first bytes never came)
             skipped["no key_digests"] += 1
         elif line.backend is None or not 200 <= line.status < 300:
             skipped["not answered 2xx by a backend"] += 1
@@ -577,15 +587,53 @@ class Advice:
     groups: int
 
 
-def _keys_per_group(requests: Sequence[Sampled], length: int) -> tuple[float | None, int]:
-    groups: defaultdict[str | int, set[int]] = defaultdict(set)
-    sizes: Counter[str | int] = Counter()
+Group = int | tuple[int, str]  # a session's hash, or a prefix: (level, its digest)
+
+
+def groups(requests: Sequence[Sampled]) -> list[Group]:
+    """Each request's group (see the module contract): two passes, the first
+    finding the branch points."""
+    if not requests:
+        return []
+    lengths = requests[0].lengths
+    start = next(i for i, g in enumerate(lengths) if g >= MIN_PREFIX_LENGTH)
+    root = (start - 1, "")
+    children: defaultdict[tuple[int, str], Counter[str]] = defaultdict(Counter)
     for request in requests:
-        group = request.group_key()
-        if group is not None:
-            groups[group].add(request.key_at(length))
-            sizes[group] += 1
-    counted = [len(keys) for group, keys in groups.items() if sizes[group] >= 2]
+        if request.session is None:
+            parent = root
+            digests = request.digests
+            for level in range(start, request.cut()):
+                children[parent][digests[level]] += 1
+                parent = (level, digests[level])
+    branches = {
+        node for node, seen in children.items() if sum(1 for n in seen.values() if n >= 2) >= 2
+    }
+    out: list[Group] = []
+    for request in requests:
+        if request.session is not None:
+            out.append(request.session)
+            continue
+        digests = request.digests
+        level = min(start, len(digests) - 1)  # no branch point: the first candidate's
+        parent = root
+        for below in range(start, len(digests)):
+            if parent in branches:
+                level = below
+            parent = (below, digests[below])
+        out.append((level, digests[level]))
+    return out
+
+
+def _keys_per_group(
+    requests: Sequence[Sampled], grouped: Sequence[Group], length: int
+) -> tuple[float | None, int]:
+    keys: defaultdict[Group, set[int]] = defaultdict(set)
+    sizes: Counter[Group] = Counter()
+    for request, group in zip(requests, grouped, strict=True):
+        keys[group].add(request.key_at(length))
+        sizes[group] += 1
+    counted = [len(k) for group, k in keys.items() if sizes[group] >= 2]
     return (sum(counted) / len(counted) if counted else None), len(counted)
 
 
@@ -607,7 +655,8 @@ def advise(
     if not lower_bound:
         requests = link(requests)
     rows = []
-    groups = 0
+    grouped = groups(requests)
+    count = 0
     for length in sorted({*candidates, current}):
         clock = time.perf_counter()
         config = msgspec.structs.replace(
@@ -621,7 +670,7 @@ def advise(
             requests, config, instances=instances, params=params, seed=seed, hashes=hashes
         )
         summary = report.summarize(outcome.run)
-        per_group, groups = _keys_per_group(requests, length)
+        per_group, count = _keys_per_group(requests, grouped, length)
         rows.append(
             Row(
                 length,
@@ -643,7 +692,7 @@ def advise(
             )
     recommended, reason = recommend(rows, tolerance)
     span = requests[-1].at - requests[0].at if requests else 0.0
-    return Advice(rows, recommended, reason, len(requests), span, list(instances), current, groups)
+    return Advice(rows, recommended, reason, len(requests), span, list(instances), current, count)
 
 
 def recommend(rows: Sequence[Row], tolerance: float = 0.5) -> tuple[int, str]:

@@ -26,6 +26,7 @@ from openai import AsyncOpenAI
 from loadtests import advise
 from loadtests.advise import Row, Sampled, link, recommend
 from loadtests.simserver.model import tokenize
+from loadtests.workloads import FLEET
 from router.config import parse_routing
 from router.keydigests import KeyDigests
 from tests.harness.etcd import EtcdServer, etcd_binary
@@ -349,3 +350,34 @@ def test_a_sessions_turn_extends_its_own_sessions_key() -> None:
     # Without sessions the most recent short key is taken, whoever's it is.
     plain = link([replace(r, session=None) for r in (a1, b1, a2, b2)])
     assert shared(plain[1], plain[2]) == 700
+
+
+def test_tasks_after_a_shared_catalogue_are_told_apart_a_documents_questions_are_not() -> None:
+    """Three agent tasks share their first 2,048 characters (a tool catalogue) and
+    continue past 4,096 from their second step on: the catalogue is a branch point,
+    so each task's later steps are a group, on one key at 4,096 (the first step
+    ends before: a key of its own, a group of its own).  Two documents' questions
+    cross 2,048 each with its own text: the documents stay the groups."""
+    requests = []
+    for task in "abc":
+        requests.append(sampled(len(requests), ["c1", "c2", f"{task}0"], 3000))
+        for _ in range(2):
+            requests.append(sampled(len(requests), ["c1", "c2", f"{task}f"], None, size=5000))
+    for doc in "de":
+        for question in range(2):
+            requests.append(
+                sampled(len(requests), [f"{doc}1", f"{doc}2{question}", f"{doc}4{question}"], 2100)
+            )
+    grouped = advise.groups(requests)
+    assert len(set(grouped[:9])) == 6  # each task's first step, each task's others
+    assert grouped[1] == grouped[2] != grouped[0]
+    assert grouped[9] == grouped[10] != grouped[11] == grouped[12]
+    params = FLEET["long"]
+    advice = advise.advise(
+        requests, parse_routing({}), [1024, 2048, 4096], 4096,
+        instances=["a", "b"], params=params, progress=False,
+    )  # fmt: skip
+    assert advice.groups == 5  # three tasks, two documents
+    per_group = {row.length: row.keys_per_group for row in advice.rows}
+    assert per_group[4096] == pytest.approx((1 + 1 + 1 + 2 + 2) / 5)
+    assert per_group[1024] == 1.0
