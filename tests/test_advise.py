@@ -381,3 +381,24 @@ def test_tasks_after_a_shared_catalogue_are_told_apart_a_documents_questions_are
     per_group = {row.length: row.keys_per_group for row in advice.rows}
     assert per_group[4096] == pytest.approx((1 + 1 + 1 + 2 + 2) / 5)
     assert per_group[1024] == 1.0
+
+
+def test_a_line_whose_body_never_reached_a_length_is_skipped(tmp_path: Path) -> None:
+    """A native body routed by its session header at its head, answered before its
+    first 1,024 bytes came: no digest to replay it by, unless its session routes it."""
+    cut: dict[str, object] = {"lengths": [1024, 4096], "digests": [], "length": None}
+    base = {"event": "access", "status": 200, "backend": "b0", "total_ms": 5.0, "bytes_in": 300}
+    lines = [
+        access_line(chat_body(1, 1500), 1.0, 4096, (1024,)),
+        json.dumps({**base, "ts": 2.0, "key_source": "prefix", "key_digests": cut}) + "\n",
+        json.dumps({**base, "ts": 3.0, "key_source": "header", "prefix_hash": "00000000000000ab",
+                    "key_digests": cut}) + "\n",
+    ]  # fmt: skip
+    log = tmp_path / "access.log"
+    log.write_text("".join(lines))
+    sample = advise.from_log([str(log)], advise.Reading())
+    assert sample.skipped == {"no key_digests": 1}
+    _, session = sample.requests
+    assert session.key_at(4096) == 0xAB
+    assert session.size == 300  # what arrived, not a guess past the largest length
+    assert len(advise.groups(sample.requests)) == 2
