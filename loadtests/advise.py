@@ -596,7 +596,7 @@ def groups(requests: Sequence[Sampled]) -> list[Group]:
     if not requests:
         return []
     lengths = requests[0].lengths
-    start = next(i for i, g in enumerate(lengths) if g >= MIN_PREFIX_LENGTH)
+    start = next((i for i, g in enumerate(lengths) if g >= MIN_PREFIX_LENGTH), len(lengths) - 1)
     root = (start - 1, "")
     children: defaultdict[tuple[int, str], Counter[str]] = defaultdict(Counter)
     for request in requests:
