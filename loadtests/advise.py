@@ -1,7 +1,8 @@
 """``prefix-router advise`` (``python -m loadtests.advise``): which PrefixLength fits this traffic.
 
     prefix-router advise access.log [access-2.log ...] [--config router.toml]
-        [--lengths 1024,2048,...] [--instances N] [--fleet NAME | --capacity-blocks N ...]
+        [--lengths 1024,2048,...] [--instances N | --backends NAME,...]
+        [--fleet NAME | --capacity-blocks N ...]
         [--time-scale S] [--json]
     prefix-router advise --bodies sample.jsonl [...]
 
@@ -13,7 +14,13 @@ Contract
   ``key_digests``, a backend and a 2xx status; others are counted and named
   in the output (a 4xx never reached an engine; a line without digests was
   written before the option was on, or is a body keyed by the helper
-  process).  Or ``--bodies``: JSON lines ``{"ts": unix s, "path": ...,
+  process).  ``--backends NAME,...``: only the lines those backends
+  answered, replayed on them: a fleet that declares models routes each
+  model over its own pool and the log does not name the model, so give one
+  pool's backends a run.  Lines logged at different lengths (a replica at
+  another PrefixLength, whose lengths include it; ``[advisor] lengths``
+  changed) are read at the lengths every line has (``project``).  Or
+  ``--bodies``: JSON lines ``{"ts": unix s, "path": ...,
   "headers": {...}, "body": text | "body_base64": ...}`` (the admin dry
   run's request shape plus its time; ``"output_tokens"`` optional), keyed
   here by the router's own code (``heads.read_request``, ``extract``,
@@ -49,22 +56,37 @@ Contract
   document share the document, not the questions: ~1 % of a ``long``
   prompt); low where the most recent whole key is another conversation's
   (first turns shorter than the first logged length: they share only what
-  the digests show).  Every candidate is replayed on the same synthetic
+  the digests show).  A session's request (``key_source`` header or
+  conversation) is known to continue its own session: it extends that
+  session's most recent whole key only, and a request without a session
+  never extends a session's.  Every candidate is replayed on the same synthetic
   text, so the comparison between candidates is fair either way; what
   differs between them is the routing alone.
 - Candidates: the logged lengths from 1,024 to 65,536 (``--lengths`` picks
   some).  The current PrefixLength is ``--prefix-length``, else the
   config file's, else the logged length whose digest equals the lines'
-  ``prefix_hash`` most often.
+  ``prefix_hash`` most often (a cut key's digests only: a whole key's
+  digest is its key at every longer length too, so it names no length).
 - The recommendation: the candidates whose predicted hit rate is within
   ``--tolerance`` points (0.5) of the best are as good; of those, the
   current length if it is one (no change for nothing), else the lowest
   predicted P90 TTFT, then the shortest length.  Its reason says which.
-- Groups: a session's requests (``key_source`` header or conversation), or
-  the requests that share their first ``lengths[0]`` characters (a
-  conversation's turns, one document's questions); "keys per group" is the
-  mean number of distinct routing keys in the groups of two or more
-  requests: 1.00 means each group goes to one backend's cache.
+- Groups (``groups``): a session's requests (``key_source`` header or
+  conversation); else the requests that share their key up to the logged
+  length just past the deepest *branch point* of their key, the first
+  candidate length (1,024) when there is none.  A branch point is a prefix
+  (a digest) that two or more lines continue past the next logged length, a
+  line being a longer prefix that two or more requests share: a prefix
+  every conversation or task starts with (an agent's tool catalogue, a long
+  system prompt, a tenant's seed), not a document whose questions cross a
+  logged length (each question's own).  Grouped below it, an
+  agent's tasks are told apart, a conversation's turns stay together, and a
+  document's questions (which end right after it: no key continues) stay
+  one group.  Turns that end between the same two logged lengths after a
+  branch point cannot be tied together by the digests: each is its own
+  group.  "Keys per group" is the mean number of distinct routing keys in
+  the groups of two or more requests: 1.00 means each group goes to one
+  backend's cache.
 - The fleet model: ``--instances`` (default: the backends named in the
   sample, by their names, weight 1 each) of the simulated engine with the
   timing and KV cache of ``--fleet NAME`` (``loadtests.workloads.FLEET``;
@@ -164,15 +186,9 @@ class Sampled(Request):
             parts.append(_pattern(own, self.size - done))
         return "".join(parts)
 
-    def group_key(self) -> str | int | None:
-        """Its group: its session, or its key's digest at the first candidate length
-        (1,024 or more) when the key is longer; None: a short prompt alone."""
-        if self.session is not None:
-            return self.session
-        index = next(i for i, g in enumerate(self.lengths) if g >= MIN_PREFIX_LENGTH)
-        if self.whole and self.size <= self.lengths[index]:
-            return None
-        return self.digests[index]
+    def cut(self) -> int:
+        """How many of its digests are of a cut key (all but a whole key's last)."""
+        return len(self.digests) - 1 if self.whole else len(self.digests)
 
 
 def _pattern(digest: str, chars: int) -> str:
@@ -198,9 +214,10 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
     """The estimate's extensions (see the module contract): ``requests`` (by arrival)
     with ``extends`` set where a key is longer than the most recent whole key that
     it matches at every logged length below that key's end."""
-    # (level, digest below it) -> the most recent key whole at that level: its
-    # size and its digest there.
-    whole_at: dict[tuple[int, str], tuple[int, str]] = {}
+    # (session, level, digest below it) -> the most recent key whole at that level:
+    # its size and its digest there.  A session's request extends its own session's
+    # keys only (its conversation is known); the others, any key but a session's.
+    whole_at: dict[tuple[int | None, int, str], tuple[int, str]] = {}
     # A key's text between two logged lengths is decided once, by its first request.
     nodes: dict[tuple[int, str], Pieces] = {}  # (level, digest) -> pieces of its text
     out = []
@@ -213,7 +230,7 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
             pieces = nodes.get(node)
             if pieces is None:
                 pieces = ()
-                earlier = whole_at.get((level, below))
+                earlier = whole_at.get((request.session, level, below))
                 if earlier is not None and earlier[1] != digest:
                     size, other = earlier
                     prefix = nodes.get((level, other), ())
@@ -225,7 +242,7 @@ def link(requests: Sequence[Sampled]) -> list[Sampled]:
                 nodes[node] = pieces
             extends.append(pieces or None)
             if request.whole and level == len(request.digests) - 1:
-                whole_at[level, below] = (request.size, digest)
+                whole_at[request.session, level, below] = (request.size, digest)
             below = digest
         out.append(replace(request, extends=tuple(extends)))
     return out
@@ -267,6 +284,8 @@ def _lines(paths: Sequence[str]) -> Iterator[tuple[str, str]]:
 def _size(digests: KeyDigests, bytes_in: int) -> int:
     if digests.length is not None:
         return digests.length
+    if len(digests.digests) < len(digests.lengths):
+        return bytes_in  # a native body that had not ended: what arrived of it
     return max(bytes_in, digests.lengths[-1] + 1)
 
 
@@ -315,8 +334,10 @@ class _Line(msgspec.Struct):
 _line = msgspec.json.Decoder(_Line)
 
 
-def from_log(paths: Sequence[str], reading: Reading) -> Sample:
-    """The sample in access-log files (see the module contract)."""
+def from_log(paths: Sequence[str], reading: Reading, pool: Sequence[str] | None = None) -> Sample:
+    """The sample in access-log files (see the module contract); ``pool``: only the
+    lines those backends answered (one model's pool of a fleet that declares models)."""
+    only = None if pool is None else frozenset(pool)
     skipped: Counter[str] = Counter()
     rows: list[tuple[float, _Line]] = []
     for _, text in _lines(paths):
@@ -329,10 +350,15 @@ def from_log(paths: Sequence[str], reading: Reading) -> Sample:
             continue
         if line.event != "access":
             skipped["not an access line"] += 1
-        elif line.key_digests is None:
+        elif line.key_digests is None or not (
+            line.key_digests.digests or line.key_source in SESSION_SOURCES
+        ):
+            # None at all (or none yet: a body whose first bytes never came)
             skipped["no key_digests"] += 1
         elif line.backend is None or not 200 <= line.status < 300:
             skipped["not answered 2xx by a backend"] += 1
+        elif only is not None and line.backend not in only:
+            skipped["answered by a backend not in --backends"] += 1
         else:
             rows.append((line.ts - line.total_ms / 1000, line))
     rows.sort(key=lambda row: row[0])
@@ -362,17 +388,21 @@ def from_log(paths: Sequence[str], reading: Reading) -> Sample:
             )
         )
         if line.key_source not in SESSION_SOURCES and line.prefix_hash is not None:
+            # The key's whole digest (a list that stopped) is its key at every longer
+            # length as well: it names no PrefixLength, only a bound.  A cut key's does.
+            cut = digests.digests[:-1] if requests[-1].whole else digests.digests
             matches = [
                 g
-                for g, d in zip(digests.lengths, digests.digests, strict=False)
+                for g, d in zip(digests.lengths, cut, strict=False)
                 if line.prefix_hash.startswith(d)
             ]
             if len(matches) == 1:
                 votes[matches[0]] += 1
+    common = _common_lengths(requests)
     return Sample(
-        requests,
+        [project(request, common) for request in requests],
         sorted(backends),
-        _common_lengths(requests),
+        common,
         votes.most_common(1)[0][0] if votes else None,
         skipped,
         len(paths),
@@ -386,6 +416,35 @@ def _common_lengths(requests: Sequence[Sampled]) -> tuple[int, ...]:
     for request in requests:
         common &= set(request.lengths)
     return tuple(sorted(common))
+
+
+def project(request: Sampled, lengths: tuple[int, ...]) -> Sampled:
+    """``request`` with its digests at ``lengths`` only (each one of its own lengths).
+
+    Lines logged with other lengths (a replica at another PrefixLength, whose
+    lengths include it; ``[advisor] lengths`` changed during the sample) must
+    meet at the same lengths: the synthetic text between two lengths and
+    ``link``'s levels are drawn from the digests at those lengths, so two equal
+    keys logged with different lengths would otherwise share only up to the
+    first length where the lists differ."""
+    if request.lengths == lengths:
+        return request
+    digests = []
+    last = len(request.digests) - 1
+    for g in lengths:
+        index = request.lengths.index(g)
+        if index >= last:
+            if index == last or request.whole:
+                # At or past the length holding the whole key: that key (the list stops).
+                digests.append(request.digests[last])
+            break  # else a native body not ended: nothing known past its last digest
+        digests.append(request.digests[index])
+    return replace(
+        request,
+        lengths=lengths,
+        digests=tuple(digests),
+        whole=request.whole and request.size <= lengths[-1],
+    )
 
 
 class _Body(msgspec.Struct):
@@ -471,7 +530,8 @@ def from_bodies(
                 if entry.body_base64 is not None
                 else (entry.body or "").encode()
             )
-            entries.append((entry, *key_body(entry.path, entry.headers, data, routing, lengths)))
+            keyed = key_body(entry.path, entry.headers, data, routing, lengths)
+            entries.append((entry, len(data), *keyed))
         except (msgspec.MsgspecError, ValueError) as exc:  # BadRequest, base64, tenant keys
             skipped[f"unusable: {str(exc).split(':')[0]}"] += 1
             continue
@@ -485,9 +545,9 @@ def from_bodies(
             entry.output_tokens or reading.default_output_tokens,
             key_source=source,
             prefix_hash=digest,
-            bytes_in=digests.length or 0,
+            bytes_in=size,  # as the access log's bytes_in: a bound on a long key's length
         )
-        for serial, (entry, source, digest, digests) in enumerate(entries)
+        for serial, (entry, size, source, digest, digests) in enumerate(entries)
     ]
     return Sample(
         requests,
@@ -527,15 +587,53 @@ class Advice:
     groups: int
 
 
-def _keys_per_group(requests: Sequence[Sampled], length: int) -> tuple[float | None, int]:
-    groups: defaultdict[str | int, set[int]] = defaultdict(set)
-    sizes: Counter[str | int] = Counter()
+Group = int | tuple[int, str]  # a session's hash, or a prefix: (level, its digest)
+
+
+def groups(requests: Sequence[Sampled]) -> list[Group]:
+    """Each request's group (see the module contract): two passes, the first
+    finding the branch points."""
+    if not requests:
+        return []
+    lengths = requests[0].lengths
+    start = next((i for i, g in enumerate(lengths) if g >= MIN_PREFIX_LENGTH), len(lengths) - 1)
+    root = (start - 1, "")
+    children: defaultdict[tuple[int, str], Counter[str]] = defaultdict(Counter)
     for request in requests:
-        group = request.group_key()
-        if group is not None:
-            groups[group].add(request.key_at(length))
-            sizes[group] += 1
-    counted = [len(keys) for group, keys in groups.items() if sizes[group] >= 2]
+        if request.session is None:
+            parent = root
+            digests = request.digests
+            for level in range(start, request.cut()):
+                children[parent][digests[level]] += 1
+                parent = (level, digests[level])
+    branches = {
+        node for node, seen in children.items() if sum(1 for n in seen.values() if n >= 2) >= 2
+    }
+    out: list[Group] = []
+    for request in requests:
+        if request.session is not None:
+            out.append(request.session)
+            continue
+        digests = request.digests
+        level = min(start, len(digests) - 1)  # no branch point: the first candidate's
+        parent = root
+        for below in range(start, len(digests)):
+            if parent in branches:
+                level = below
+            parent = (below, digests[below])
+        out.append((level, digests[level]))
+    return out
+
+
+def _keys_per_group(
+    requests: Sequence[Sampled], grouped: Sequence[Group], length: int
+) -> tuple[float | None, int]:
+    keys: defaultdict[Group, set[int]] = defaultdict(set)
+    sizes: Counter[Group] = Counter()
+    for request, group in zip(requests, grouped, strict=True):
+        keys[group].add(request.key_at(length))
+        sizes[group] += 1
+    counted = [len(k) for group, k in keys.items() if sizes[group] >= 2]
     return (sum(counted) / len(counted) if counted else None), len(counted)
 
 
@@ -557,7 +655,8 @@ def advise(
     if not lower_bound:
         requests = link(requests)
     rows = []
-    groups = 0
+    grouped = groups(requests)
+    count = 0
     for length in sorted({*candidates, current}):
         clock = time.perf_counter()
         config = msgspec.structs.replace(
@@ -571,7 +670,7 @@ def advise(
             requests, config, instances=instances, params=params, seed=seed, hashes=hashes
         )
         summary = report.summarize(outcome.run)
-        per_group, groups = _keys_per_group(requests, length)
+        per_group, count = _keys_per_group(requests, grouped, length)
         rows.append(
             Row(
                 length,
@@ -593,7 +692,7 @@ def advise(
             )
     recommended, reason = recommend(rows, tolerance)
     span = requests[-1].at - requests[0].at if requests else 0.0
-    return Advice(rows, recommended, reason, len(requests), span, list(instances), current, groups)
+    return Advice(rows, recommended, reason, len(requests), span, list(instances), current, count)
 
 
 def recommend(rows: Sequence[Row], tolerance: float = 0.5) -> tuple[int, str]:
@@ -683,6 +782,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--instances", type=int, metavar="N", help="backends (default: those in the sample)"
     )
     p.add_argument(
+        "--backends",
+        metavar="NAME,...",
+        help="only the lines these backends answered, replayed on them (one model's pool)",
+    )
+    p.add_argument(
         "--fleet", choices=sorted(FLEET), help="a simulated fleet's model (default: long's)"
     )
     for flag, what in (
@@ -749,6 +853,12 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.logs) == bool(args.bodies):
         print("advise: give access-log files or --bodies FILE (one of them)", file=sys.stderr)
         return 2
+    backends = None
+    if args.backends is not None:
+        backends = sorted({name.strip() for name in args.backends.split(",") if name.strip()})
+        if not backends or args.bodies:
+            print("advise: --backends NAME,... reads access logs (their backend)", file=sys.stderr)
+            return 2
     try:
         routing, logged, file_length = _routing(args)
         params = fleet_params(args)
@@ -756,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bodies:
             sample = from_bodies(args.bodies, routing, logged, reading)
         else:
-            sample = from_log(args.logs, reading)
+            sample = from_log(args.logs, reading, backends)
     except (ConfigError, OSError) as exc:
         print(f"advise: {exc}", file=sys.stderr)
         return 2
@@ -787,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    names = sample.backends
+    names = sample.backends if backends is None else backends
     if args.instances is not None or not names:
         names = [f"sim-{i}" for i in range(args.instances or params.instances)]
     print(

@@ -29,7 +29,9 @@ Contract:
   holds the whole prompt (the common case) every digest is a hash of a slice
   of it; otherwise the prompt is rendered once more, at the largest length.
   Either way one incremental murmur pass over one buffer gives every digest
-  (``memoryview`` slices, no copy; a non-ASCII prompt encodes its segments).
+  (``memoryview`` slices, no copy; a non-ASCII prompt is decoded once and
+  each segment between two lengths encoded once).  A digest is read off the
+  hasher's bytes (``_hexdigest``), not formatted from an integer.
   Exception, for shapes no client sends: with more than g content parts the
   key at g stops after the g-th part, so the digest of a longer rendering cut
   at g can differ from that key (``router.extract``, "Two bounds").
@@ -92,14 +94,16 @@ class KeyDigests(msgspec.Struct):
 
 
 def _hexdigest(hasher: mmh3.mmh3_x64_128) -> str:
-    return f"{hasher.utupledigest()[0] >> _SHIFT:012x}"
+    # The digest's first 8 bytes are the routing hash, little-endian: its top 48
+    # bits are bytes 7 down to 2.  Twice as fast as formatting the integer.
+    return hasher.digest()[7:1:-1].hex()
 
 
-def _units(key: bytes, ids: bool) -> int:
-    """A key's length in its units: bytes of token ids, characters of text."""
+def _text(key: bytes, ids: bool) -> str | None:
+    """The key as text where a unit is not a byte (non-ASCII text), else None."""
     if ids or key.isascii():
-        return len(key)
-    return len(key.decode("utf-8", "surrogatepass"))
+        return None
+    return key.decode("utf-8", "surrogatepass")
 
 
 def openai_digests(
@@ -116,40 +120,42 @@ def openai_digests(
     """
     top = lengths[-1]
     ids = key_source(request, limit) == "token ids"
-    units = _units(key, ids)
+    text = _text(key, ids)
+    units = len(key) if text is None else len(text)
     # A key as long as the limit allows may have been cut there (g/4 ids, g characters).
     maybe_cut = not key or units >= (4 * (limit // 4) if ids else limit)
     if maybe_cut and (top > limit or not key):
         # The routing key stops short of the largest length: render the prompt
         # once at it (4 more characters, one more id: whether it is longer shows).
         key = prompt_key(request, top + 4)
-        units = _units(key, ids)
+        text = _text(key, ids)
+        units = len(key) if text is None else len(text)
         whole = units <= top
     else:
         whole = not maybe_cut
     hasher = mmh3.mmh3_x64_128(seed=seed)
+    update = hasher.update
     digests: list[str] = []
-    if ids or len(key) == units:  # one byte a unit (ASCII, or ids counted in bytes)
+    if text is None:  # one byte a unit (ASCII, or ids counted in bytes): slices, no copy
         view = memoryview(key)
         done = 0
         for g in lengths:
             end = 4 * (g // 4) if ids else g
             if whole and units <= end:
-                hasher.update(view[done:])
+                update(view[done:] if done else key)
                 digests.append(_hexdigest(hasher))
                 break
-            hasher.update(view[done:end])
+            update(view[done:end])
             done = end
             digests.append(_hexdigest(hasher))
-    else:
-        text = key.decode("utf-8", "surrogatepass")
+    else:  # characters to bytes: each segment encoded once, the key decoded once
         done = 0
         for g in lengths:
             if whole and units <= g:
-                hasher.update(text[done:].encode("utf-8", "surrogatepass"))
+                update(text[done:].encode("utf-8", "surrogatepass"))
                 digests.append(_hexdigest(hasher))
                 break
-            hasher.update(text[done:g].encode("utf-8", "surrogatepass"))
+            update(text[done:g].encode("utf-8", "surrogatepass"))
             done = g
             digests.append(_hexdigest(hasher))
     return KeyDigests(lengths, digests, units if whole else None)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from openai import AsyncOpenAI
 from loadtests import advise
 from loadtests.advise import Row, Sampled, link, recommend
 from loadtests.simserver.model import tokenize
+from loadtests.workloads import FLEET
 from router.config import parse_routing
 from router.keydigests import KeyDigests
 from tests.harness.etcd import EtcdServer, etcd_binary
@@ -223,3 +225,180 @@ def test_a_body_sample_is_keyed_as_the_access_log_would_be(tmp_path: Path) -> No
     assert first.key_at(1024) != first.key_at(2048)
     assert sessioned.key_at(1024) == sessioned.key_at(4096) == sessioned.session
     assert sessioned.digests == first.digests  # its prompt's, for the cache
+
+
+# -- reading logs as an operator's fleet writes them -----------------------------
+
+
+def chat_body(conversation: int, chars: int) -> bytes:
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": words(conversation, chars)}]}
+    ).encode()
+
+
+def access_line(
+    body: bytes, at: float, prefix_length: int, lengths: tuple[int, ...], backend: str = "b0"
+) -> str:
+    """The access line a router at ``prefix_length`` with ``[advisor] lengths`` writes."""
+    routing = parse_routing({"PrefixAwareRoutingConfig": {"PrefixLength": prefix_length}})
+    source, prefix_hash, digests = advise.key_body(
+        "/v1/chat/completions", {}, body, routing, lengths
+    )
+    line = {
+        "event": "access",
+        "ts": at,
+        "status": 200,
+        "backend": backend,
+        "total_ms": 100.0,
+        "ttft_ms": 20.0,
+        "bytes_in": len(body),
+        "key_source": source,
+        "prefix_hash": prefix_hash,
+        "key_digests": {"lengths": digests.lengths, "digests": digests.digests,
+                        "length": digests.length},
+    }  # fmt: skip
+    return json.dumps(line) + "\n"
+
+
+LOGGED = (1024, 2048, 4096, 8192)
+
+
+def test_lines_logged_at_other_lengths_are_read_at_the_common_ones(tmp_path: Path) -> None:
+    """A replica at PrefixLength 3,000 logs 3,000 too: the same prompts must meet at
+    the lengths both logged, or the replay would share them only up to 2,048."""
+    long, short = chat_body(1, 6000), chat_body(2, 2500)
+    log = tmp_path / "access.log"
+    log.write_text(
+        access_line(long, 1.0, 4096, LOGGED)
+        + access_line(long, 2.0, 3000, LOGGED)
+        + access_line(short, 3.0, 4096, LOGGED)
+        + access_line(short, 4.0, 3000, LOGGED)
+    )
+    sample = advise.from_log([str(log)], advise.Reading())
+    assert sample.lengths == (1024, 2048, 4096, 8192)
+    a, b, c, d = sample.requests
+    assert a.lengths == b.lengths == c.lengths == d.lengths == sample.lengths
+    assert a.prompt_text() == b.prompt_text()
+    assert a.key_at(4096) == b.key_at(4096)
+    # The short prompt is whole at 3,000 on one replica, at 4,096 on the other.
+    assert c.digests == d.digests
+    assert c.whole
+    assert d.whole
+    assert c.prompt_text() == d.prompt_text()
+    assert shared(a, c) < 1024  # two conversations
+
+
+def test_the_current_length_is_read_from_cut_keys_only(tmp_path: Path) -> None:
+    """A key shorter than the PrefixLength has the same hash at every longer length:
+    three such lines name no length, two long ones name 4,096."""
+    log = tmp_path / "access.log"
+    log.write_text(
+        "".join(access_line(chat_body(i, 1500), float(i), 4096, (1024, 2048)) for i in range(3))
+        + "".join(access_line(chat_body(i, 6000), 9.0 + i, 4096, (1024, 2048)) for i in range(2))
+    )
+    assert advise.from_log([str(log)], advise.Reading()).current == 4096
+
+
+def test_one_models_pool_is_replayed_on_its_own_backends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fleet that declares models routes each over its own pool; the log does not
+    name the model: --backends keeps one pool's lines and replays them on it."""
+    log = tmp_path / "access.log"
+    log.write_text(
+        "".join(
+            access_line(chat_body(i % 3, 1500 + 900 * (i // 3)), float(i), 4096, (1024, 2048),
+                        backend=("a0", "a1", "z9")[i % 3])
+            for i in range(9)
+        )
+    )  # fmt: skip
+    assert advise.main([str(log), "--backends", "a0,a1", "--json", "--time-scale", "0.001"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["instances"] == ["a0", "a1"]
+    assert out["requests"] == 6
+    assert out["skipped"] == {"answered by a backend not in --backends": 3}
+    assert advise.main([str(log), "--backends", " , "]) == 2
+
+
+def test_a_body_sample_longer_than_the_largest_length_keeps_its_size(tmp_path: Path) -> None:
+    sample = tmp_path / "bodies.jsonl"
+    body = chat_body(7, 80_000).decode()
+    entries = [{"ts": t, "path": "/v1/chat/completions", "body": body} for t in (1.0, 2.0)]
+    sample.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    found = advise.from_bodies(str(sample), parse_routing({}), (1024, 65536), advise.Reading())
+    assert [r.size for r in found.requests] == [len(body)] * 2
+    assert not found.requests[0].whole
+
+
+def test_a_sessions_turn_extends_its_own_sessions_key() -> None:
+    """Two sessions' first turns are shorter than the first logged length: nothing in
+    the digests ties a second turn to its first, but its session does."""
+
+    def turn_of(serial: int, session: int, digests: list[str], length: int) -> Sampled:
+        field = KeyDigests(LENGTHS, digests, length)
+        return advise.sample_request(
+            serial, float(serial), field, 1, key_source="header",
+            prefix_hash=f"{session:016x}", bytes_in=length,
+        )  # fmt: skip
+
+    a1, b1 = turn_of(0, 0xA, ["a1"], 800), turn_of(1, 0xB, ["b1"], 700)
+    a2, b2 = turn_of(2, 0xA, ["a2", "a3"], 1500), turn_of(3, 0xB, ["b2", "b3"], 1400)
+    linked = link([a1, b1, a2, b2])
+    assert shared(linked[0], linked[2]) == 800
+    assert shared(linked[1], linked[3]) == 700
+    assert shared(linked[1], linked[2]) == 0
+    # Without sessions the most recent short key is taken, whoever's it is.
+    plain = link([replace(r, session=None) for r in (a1, b1, a2, b2)])
+    assert shared(plain[1], plain[2]) == 700
+
+
+def test_tasks_after_a_shared_catalogue_are_told_apart_a_documents_questions_are_not() -> None:
+    """Three agent tasks share their first 2,048 characters (a tool catalogue) and
+    continue past 4,096 from their second step on: the catalogue is a branch point,
+    so each task's later steps are a group, on one key at 4,096 (the first step
+    ends before: a key of its own, a group of its own).  Two documents' questions
+    cross 2,048 each with its own text: the documents stay the groups."""
+    requests = []
+    for task in "abc":
+        requests.append(sampled(len(requests), ["c1", "c2", f"{task}0"], 3000))
+        for _ in range(2):
+            requests.append(sampled(len(requests), ["c1", "c2", f"{task}f"], None, size=5000))
+    for doc in "de":
+        for question in range(2):
+            requests.append(
+                sampled(len(requests), [f"{doc}1", f"{doc}2{question}", f"{doc}4{question}"], 2100)
+            )
+    grouped = advise.groups(requests)
+    assert len(set(grouped[:9])) == 6  # each task's first step, each task's others
+    assert grouped[1] == grouped[2] != grouped[0]
+    assert grouped[9] == grouped[10] != grouped[11] == grouped[12]
+    params = FLEET["long"]
+    advice = advise.advise(
+        requests, parse_routing({}), [1024, 2048, 4096], 4096,
+        instances=["a", "b"], params=params, progress=False,
+    )  # fmt: skip
+    assert advice.groups == 5  # three tasks, two documents
+    per_group = {row.length: row.keys_per_group for row in advice.rows}
+    assert per_group[4096] == pytest.approx((1 + 1 + 1 + 2 + 2) / 5)
+    assert per_group[1024] == 1.0
+
+
+def test_a_line_whose_body_never_reached_a_length_is_skipped(tmp_path: Path) -> None:
+    """A native body routed by its session header at its head, answered before its
+    first 1,024 bytes came: no digest to replay it by, unless its session routes it."""
+    cut: dict[str, object] = {"lengths": [1024, 4096], "digests": [], "length": None}
+    base = {"event": "access", "status": 200, "backend": "b0", "total_ms": 5.0, "bytes_in": 300}
+    lines = [
+        access_line(chat_body(1, 1500), 1.0, 4096, (1024,)),
+        json.dumps({**base, "ts": 2.0, "key_source": "prefix", "key_digests": cut}) + "\n",
+        json.dumps({**base, "ts": 3.0, "key_source": "header", "prefix_hash": "00000000000000ab",
+                    "key_digests": cut}) + "\n",
+    ]  # fmt: skip
+    log = tmp_path / "access.log"
+    log.write_text("".join(lines))
+    sample = advise.from_log([str(log)], advise.Reading())
+    assert sample.skipped == {"no key_digests": 1}
+    _, session = sample.requests
+    assert session.key_at(4096) == 0xAB
+    assert session.size == 300  # what arrived, not a guess past the largest length
+    assert len(advise.groups(sample.requests)) == 2
