@@ -24,10 +24,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
 
-from loadtests.simserver import SimServer
 from router.arms import arm_seed, rendezvous
+from tests.harness.ab import ask, body, client, document, put_everywhere, two_replicas
 from tests.harness.etcd import EtcdServer
 from tests.harness.http import WAIT
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
@@ -37,11 +36,6 @@ pytestmark = pytest.mark.timeout(120)
 
 DOCS = 12
 ROUNDS = 6  # requests per document
-MODEL = "sim-llama-3.1-70b"
-
-
-def document(i: int) -> str:
-    return f"Manual {i}.\n" + " ".join(f"section {i}.{n} holds" for n in range(200))
 
 
 def experiment(control: float, prefix: float) -> dict[str, Any]:
@@ -63,31 +57,6 @@ def experiment(control: float, prefix: float) -> dict[str, Any]:
             ],
         }
     }
-
-
-def body(doc: str) -> str:
-    messages = [{"role": "system", "content": doc}, {"role": "user", "content": "Summarise."}]
-    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 2})
-
-
-def client(port: int) -> AsyncOpenAI:
-    return AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"Connection": "close"},  # a connection each: both workers serve
-    )
-
-
-async def ask(openai: AsyncOpenAI, doc: str) -> str:
-    """One chat request about ``doc``; the instance that answered it."""
-    raw = await openai.chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": doc}, {"role": "user", "content": "Summarise."}],
-        max_tokens=2,
-    )
-    raw.parse()
-    return raw.headers["x-sim-instance"]
 
 
 async def arm_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, doc: str) -> str:
@@ -127,37 +96,6 @@ async def report(*procs: asyncio.subprocess.Process) -> dict[str, Any]:
     out, err = await command.communicate()
     assert command.returncode == 0, err
     return dict(json.loads(out))
-
-
-async def two_replicas(
-    etcd: EtcdServer, sims: list[SimServer], prefix: str
-) -> list[tuple[asyncio.subprocess.Process, int]]:
-    """Two ``--etcd`` replicas of ``sims``, started one after the other (the first seeds
-    the fleet in etcd)."""
-    flags = [arg for s in sims for arg in ("--backend", f"{s.name}={s.url}")]
-    return [
-        await spawn_router(
-            "--etcd", etcd.url, "--etcd-prefix", prefix, "--replica-id", f"r{i}", *flags
-        )
-        for i in range(2)
-    ]
-
-
-async def put_everywhere(
-    http: aiohttp.ClientSession,
-    first: asyncio.subprocess.Process,
-    second: asyncio.subprocess.Process,
-    routing: dict[str, Any],
-) -> None:
-    """PUT an experiment on ``first``; return once ``second`` has it from etcd."""
-    status, answer = await admin_call(http, first, "PUT", "/admin/routing", routing)
-    assert status == 200, answer
-    async with asyncio.timeout(WAIT):
-        while True:
-            status, applied = await admin_call(http, second, "GET", "/admin/routing")
-            if applied == answer:
-                break
-            await asyncio.sleep(0.05)  # polled: each a real read of the other replica
 
 
 async def test_two_workers_route_each_key_by_its_arm_and_count_it_there(

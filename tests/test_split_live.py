@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 
 from router.split import owners
+from tests.harness.ab import ask, body, client, document, put_everywhere, two_replicas
 from tests.harness.etcd import EtcdServer
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
-from tests.test_ab_live import ask, body, client, document, put_everywhere, two_replicas
 
 pytestmark = pytest.mark.timeout(120)
 
