@@ -336,6 +336,8 @@ class Experiment:
         self.split: Split | None = None
         if config.split == "BACKENDS" and fleet is not None:
             self.split = Split(fleet, self.id, [(arm.name, arm.weight) for arm in arms])
+        if fleet is not None:  # the arms' rings built in the fleet's slices, not on a request
+            fleet.derive_rings(None if self.split is None else self.split.wanted)
         for arm in arms:
             arm.balancer.part = None if self.split is None else partial(self.split.part, arm.name)
         self._table = _table([arm.seed for arm in arms], self._weights)

@@ -333,6 +333,7 @@ class Balancer:
             self.arms = Experiment(config, self._arm, self.arms, self.fleet)
         elif self.arms is not None:
             self.arms.retire()  # the experiment is over: every key routes by the top level
+            self.fleet.derive_rings(None)
             self.arms = None
 
     def set_engine_ranks(self, ranks: Mapping[str, int] | None) -> None:

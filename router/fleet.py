@@ -24,6 +24,10 @@ Contract:
   pool's members with each other.  ``members_for(model)`` is what a request
   routes over: the whole fleet (``Fleet`` itself) for a request without a
   model or while no model is declared, else the pool, or None (unknown).
+- Derived rings: a hook (``derive_rings``; an A/B split's arms, router.split)
+  names more memberships to build from each new ring and its pools'; they
+  are built in the same slices, published with them and read with
+  ``derived_ring``, so no request has to build one.
 - Slow start (``router.slowstart``): a backend added with a ``Ramp``, or up
   again after being down while a window is set (``slow_start``, or its own
   ``health.slow_start``), holds ``k/n`` of its ring points, ``k`` growing
@@ -146,25 +150,28 @@ def _cum_weights(available: tuple[Backend, ...]) -> list[int]:
     return cum_weights
 
 
-_RingBuild = Generator[None, None, tuple[Ring, dict[str, Ring]]]
+_Membership = tuple[frozenset[tuple[str, int]], frozenset[tuple[str, tuple[int, int]]]]
+# The fleet's ring, each pool's, and the derived ones (``Fleet.derive``) by membership.
+_Built = tuple[Ring, dict[str, Ring], dict[_Membership, Ring]]
+_RingBuild = Generator[None, None, _Built]
+# What a hook wants built beside the pools' rings: memberships (weights, fractions).
 _Fractions = Mapping[str, tuple[int, int]]
+Derive = Callable[[Ring, Mapping[str, Ring]], Iterable[tuple[dict[str, int], _Fractions]]]
 
 
-def _membership(
-    weights: Mapping[str, int], fractions: _Fractions
-) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, tuple[int, int]]]]:
+def _membership(weights: Mapping[str, int], fractions: _Fractions) -> _Membership:
     return frozenset(weights.items()), frozenset(
         (name, part) for name, part in fractions.items() if name in weights
     )
 
 
-def _run(steps: _RingBuild) -> tuple[Ring, dict[str, Ring]]:
+def _run(steps: _RingBuild) -> _Built:
     """A ring build run to its end at once (no loop to slice it on)."""
     try:
         while True:
             next(steps)
     except StopIteration as done:
-        result: tuple[Ring, dict[str, Ring]] = done.value
+        result: _Built = done.value
         return result
 
 
@@ -189,6 +196,7 @@ class Fleet:
         "_changes",
         "_clock",
         "_created",
+        "_derived",
         "_pool_rings",
         "_ramp_timer",
         "_steps",
@@ -196,6 +204,7 @@ class Fleet:
         "any_model",
         "backends",
         "cum_weights",
+        "derive",
         "loads",
         "pools",
         "ramps",
@@ -247,6 +256,10 @@ class Fleet:
         self._building = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._pool_rings: dict[str, Ring] = {}
+        # Rings a hook derives from each membership (an A/B split's arms, router.split),
+        # built in the same slices as the pools' and published with them.
+        self.derive: Derive | None = None
+        self._derived: dict[_Membership, Ring] = {}
         self._pool_rings = _run(self._build(weights, self._pool_weights(), self.ring))[1]
         self._refresh()
 
@@ -451,6 +464,19 @@ class Fleet:
 
     # -- the ring rebuild ------------------------------------------------------
 
+    def derive_rings(self, derive: Derive | None) -> None:
+        """Build (None: stop building) the rings ``derive`` asks for beside the pools':
+        from now on in the slices of every rebuild, and for the published membership
+        by a rebuild started now."""
+        self.derive = derive
+        self._derived = {}
+        if derive is not None:
+            self._ring_changed()
+
+    def derived_ring(self, weights: Mapping[str, int], fractions: _Fractions) -> Ring | None:
+        """The published ring of this membership that ``derive`` asked for, if built."""
+        return self._derived.get(_membership(weights, fractions))
+
     def _ring_changed(self) -> None:
         self._changes += 1
         self._refresh()
@@ -494,7 +520,15 @@ class Fleet:
             if pool_ring is None:
                 pool_ring = known[key] = yield from ring.steps_to(members, fractions)
             rings[model] = pool_ring
-        return ring, rings
+        derived: dict[_Membership, Ring] = {}
+        if self.derive is not None:
+            for members, parts in self.derive(ring, rings):
+                key = _membership(members, parts)
+                derived_ring = known.get(key) or self._derived.get(key)
+                if derived_ring is None:
+                    derived_ring = known[key] = yield from ring.steps_to(members, parts)
+                derived[key] = derived_ring
+        return ring, rings, derived
 
     def _slice(self, loop: asyncio.AbstractEventLoop, steps: _RingBuild, goal: int) -> None:
         deadline = time.perf_counter() + self.SLICE_SECONDS
@@ -504,8 +538,8 @@ class Fleet:
                 next(steps)
         except StopIteration as done:
             self._building = False
-            ring, rings = done.value
-            self._publish(ring, rings, goal)
+            built: _Built = done.value
+            self._publish(*built, goal)
             if self._applied < self._changes:
                 self._rebuild()
             return
@@ -518,9 +552,16 @@ class Fleet:
             raise
         loop.call_soon(self._slice, loop, steps, goal)
 
-    def _publish(self, ring: Ring, pool_rings: dict[str, Ring], goal: int) -> None:
+    def _publish(
+        self,
+        ring: Ring,
+        pool_rings: dict[str, Ring],
+        derived: dict[_Membership, Ring],
+        goal: int,
+    ) -> None:
         self.ring = ring
         self._pool_rings = pool_rings
+        self._derived = derived
         self._applied = goal
         self._refresh()
         waiting = []

@@ -208,6 +208,30 @@ def test_each_arm_routes_over_its_own_backends_only_and_passthroughs_over_all() 
     assert members.loads.total == 0
 
 
+async def test_the_arms_rings_are_built_in_the_fleets_slices_not_on_a_request() -> None:
+    """On a loop the fleet rebuilds its ring in slices; under Split BACKENDS it
+    builds the arms' rings in the same slices (``Fleet.derive``), for the
+    membership the experiment starts on and for every change after, so that no
+    request builds one (a 128-backend arm's ring is ~100 ms of work)."""
+    members = fleet(8, {i: ("small",) for i in range(4)})
+    balancer = Balancer(members, parse_routing(HALVES), seed=1)
+    split = balancer.arms.split  # type: ignore[union-attr]
+    assert split is not None
+    for change in range(3):
+        await members.settled()
+        owned = split.owned()
+        assert owned is not None
+        for arm in ("control", "prefix"):
+            for pool in (members, members.pools["small"]):
+                part = split.part(arm, pool)
+                mine = {n: w for n, w in pool.ring.weights.items() if n in owned[arm]}
+                assert isinstance(part, Part)
+                assert part.ring is members.derived_ring(mine, {})  # the fleet's, published
+        members.add(BackendSpec(name=f"new{change}", url=f"http://10.0.1.{change}:8000"))
+    balancer.configure(parse_routing({"RoutingStrategy": "PREFIX_AWARE"}))
+    assert members.derive is None  # the experiment is over: no arm's ring is built
+
+
 def test_an_arm_routes_a_model_over_its_own_backends_of_that_models_pool() -> None:
     # b0-b3 serve "small", b4-b7 "large": each arm owns some of each? Not necessarily;
     # where it owns none of a pool, it routes over the whole pool.
