@@ -14,9 +14,13 @@ Contract:
   it by PID (SIGKILL: the crash case), ``stop()`` terminates it by PID
   (SIGKILL after 10 s), and ``start()`` again brings it back on the same ports
   and data dir, with every key and revision kept.
-- Ports: ``free_port`` is free a moment before etcd binds it; another
-  process (a client connection's ephemeral source port, a parallel test) can
-  take it in between.  The first ``start()`` then draws new ports and tries
+- Ports (``quiet_port``) are drawn below the kernel's ephemeral range
+  (``ip_local_port_range``), where no connection's source port is ever
+  taken: a port drawn from that range could be a client connection's source
+  port by the time etcd binds it, and a client given the URL before the
+  first start (a store opened while etcd is down) could never reach it once
+  the ports were drawn again (seen in CI).  Only another explicit bind can
+  take one in between; the first ``start()`` then draws new ports and tries
   again (``BIND_ATTEMPTS``); a restart keeps its ports, since its clients
   know them.
 """
@@ -26,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import random
 import shutil
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +43,23 @@ from .supervisor import free_port
 __all__ = ["EtcdServer", "etcd_binary"]
 
 BIND_ATTEMPTS = 5
+
+
+def quiet_port() -> int:
+    """A port of 127.0.0.1 free now and below the ephemeral range (see the contract)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()  # not Linux: the kernel's choice
+    for _ in range(64):
+        port = random.randrange(10_000, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # someone's: draw again
+            return port
+    return free_port()
 
 
 class _PortTaken(RuntimeError):
@@ -58,8 +81,8 @@ class EtcdServer:
         self.binary = binary
         self.data_dir = data_dir
         self.flags = list(flags)
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = quiet_port()
+        self.peer_port = quiet_port()
         self.proc: asyncio.subprocess.Process | None = None
         self.log = data_dir.parent / f"{data_dir.name}.log"
         self._started = False  # once up, its ports are its clients' and stay
@@ -81,7 +104,7 @@ class EtcdServer:
             except _PortTaken:
                 if self._started or attempt == BIND_ATTEMPTS - 1:
                     raise
-                self.client_port, self.peer_port = free_port(), free_port()
+                self.client_port, self.peer_port = quiet_port(), quiet_port()
             else:
                 self._started = True
                 return

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from loadtests.etcd import quiet_port
 from router.config import PrefixAwareRoutingConfig, RoutingConfig, Strategy
 from router.control import Conflict, NotFound
 from router.control.etcd import EtcdStore
@@ -326,10 +327,18 @@ async def test_etcd_killed_and_restarted(etcd: EtcdServer) -> None:
         await shut(store)
 
 
+def test_etcd_ports_are_drawn_where_no_connection_takes_its_source_port() -> None:
+    """Below the kernel's ephemeral range: a client given the URL before etcd's first
+    start (a store opened while it is down) must find it there once it is up."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [quiet_port() for _ in range(50)]
+    assert all(10_000 <= port < low for port in ports)
+
+
 async def test_a_port_taken_before_etcd_binds_it_is_drawn_again_at_first_start(
     tmp_path: Path,
 ) -> None:
-    # free_port's port is free a moment before etcd binds it: hold one meanwhile.
+    # A drawn port is free a moment before etcd binds it: hold one meanwhile.
     assert BINARY is not None
     etcd = EtcdServer(BINARY, tmp_path / "etcd")
     with socket.socket() as squatter:
