@@ -165,9 +165,8 @@ class Split:
             return
         for mine in owned.values():
             for source in (ring, *pools.values()):
-                weights = {name: w for name, w in source.weights.items() if name in mine}
+                weights, fractions = _own(source, mine)
                 if weights:
-                    fractions = {n: f for n, f in source.fractions.items() if n in weights}
                     yield weights, fractions
 
     def part(self, arm: str, members: Members) -> Members:
@@ -190,10 +189,9 @@ class Split:
 
     def _part(self, mine: tuple[str, ...], members: Members) -> Members:
         ring = members.ring
-        weights = {name: weight for name, weight in ring.weights.items() if name in mine}
+        weights, fractions = _own(ring, mine)
         if not weights:
             return members  # it owns no backend of this pool
-        fractions = {name: part for name, part in ring.fractions.items() if name in weights}
         membership = (frozenset(weights.items()), frozenset(fractions.items()))
         own = self._rings.get(membership) or self._fleet.derived_ring(weights, fractions)
         if own is None:  # not built by the fleet's rebuild yet (see the contract)
@@ -201,3 +199,13 @@ class Split:
         self._rings[membership] = own
         part = Part(members, tuple(sorted(weights)), own)
         return part if part.available else members
+
+
+def _own(ring: Ring, mine: Iterable[str]) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """The weights and slow-start fractions of ``ring``'s members in ``mine``: the one
+    membership ``wanted`` asks the fleet to build and ``_part`` looks up, so the two
+    always name the same ring."""
+    mine = set(mine)
+    weights = {name: weight for name, weight in ring.weights.items() if name in mine}
+    fractions = {name: part for name, part in ring.fractions.items() if name in weights}
+    return weights, fractions
