@@ -27,6 +27,10 @@ Contract:
   fallback read those counts, the threshold reads ``loads``.  The router uses
   this for ConcurrencyScope PREFILL: the threshold counts requests not yet
   answered, the factor every request in flight.
+- ``slack`` lowers the threshold for one pick: a member needs more than
+  ``slack`` places free below it.  Routers that see each other's loads late
+  draw it at random, so that they do not all claim the same free place
+  (``router.balancer``, claim spreading); 0 is the contract above.
 - Nothing here counts anything: the caller takes its lease in the same step.
 """
 
@@ -112,6 +116,7 @@ def pick(
     balance_loads: Mapping[str, int] | None = None,
     balance_total: int | None = None,
     ranks: Mapping[str, int] | None = None,
+    slack: int = 0,
 ) -> Pick | None:
     """Choose the member for ``key_hash``; see the module contract.
 
@@ -119,7 +124,8 @@ def pick(
     the in-flight count over all ring members if the caller keeps it; avoided
     members' loads are taken out here.  ``balance_loads`` and ``balance_total``,
     when given, are what the balance factor and the fallback count instead.
-    ``ranks`` breaks the fallback's ties (the contract).
+    ``ranks`` breaks the fallback's ties and ``slack`` lowers the threshold
+    (the contract).
     """
     # ``bounded`` is the ring's friend: it reads private attributes here to
     # save two property calls on every request.
@@ -135,7 +141,7 @@ def pick(
             total_weight -= weights[name]
     # limit(weight) = min(threshold, ceil(share_num * weight / share_den)), inlined
     # below: this function is on every request's path.
-    threshold = bound.threshold
+    threshold = bound.threshold - slack
     share_num = bound.numerator * (balance_total + 1)
     share_den = bound.denominator * total_weight
 

@@ -54,6 +54,10 @@ Contract
   events: one due at or before an event's time is made before it. With
   R = 1 nothing is exchanged and the run is the plain one to the last digit;
   with P = 0 and ``log``, a deterministic strategy routes as one router.
+  With P > 0, R > 1 and ``spread_claims`` (the default, as live replicas
+  do) every router spreads its claims (``Balancer.set_claim_spread``) by
+  ``router.replicas.claim_spread(R, rate, P)``, the rate being the
+  workload's (live replicas measure theirs).
 - ``simulate`` returns the ``report.Run`` and the fleets, balancers and
   engines it used, so tests can check that every lease and every pinned
   block was released.
@@ -81,6 +85,7 @@ from router.balancer import Balancer, Choice
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
 from router.fleet import Fleet
+from router.replicas import claim_spread
 
 from . import report, workloads
 from .simserver.model import Engine, KVCache, Ticket, Timing, tokenize
@@ -266,6 +271,7 @@ def simulate(
     share_period: float | None = None,
     share_extrapolate: bool = True,
     share_placement: str = "log",
+    spread_claims: bool = True,
 ) -> Outcome:
     """Route and serve ``requests`` (sorted by arrival); see the module contract.
 
@@ -290,6 +296,10 @@ def simulate(
         if share_period is not None
         else None
     )
+    if spread_claims and share_period and replicas > 1 and len(requests) > 1:
+        rate = len(requests) / (requests[-1].at - requests[0].at or 1.0)
+        for balancer in balancers:
+            balancer.set_claim_spread(claim_spread(replicas, rate, share_period))
     timing = Timing(**params.timing_kwargs())
     engines = {n: Engine(timing, KVCache(params.block_size, params.capacity_blocks)) for n in names}
     if hashes is None:
@@ -471,6 +481,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "counts gained since that router's last publication, as live replicas do "
         "(--no-share-extrapolate: the others' rows as published)",
     )
+    p.add_argument(
+        "--spread-claims",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --share-loads: each router spreads its claims over the routers that "
+        "race for a freed place, as live replicas do (router.replicas.claim_spread)",
+    )
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -537,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             share_period=args.share_loads,
             share_placement=args.share_placement,
             share_extrapolate=args.share_extrapolate,
+            spread_claims=args.spread_claims,
         )
         wall = time.perf_counter() - clock
         walls[outcome.run.target] = wall
@@ -556,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             "share_loads": args.share_loads,
             "share_placement": args.share_placement,
             "share_extrapolate": args.share_extrapolate,
+            "spread_claims": args.spread_claims,
             "form": args.form,
             "fleet": vars(params),
             "routing": [c.document() for c in configs],

@@ -58,6 +58,19 @@ Contract:
   ``Part``: ``choose``, ``peek``, ``saturated`` and ``members`` route over
   that as over a model pool (its ring, its placement, its bounds); the
   in-flight counts stay the fleet's.
+- Claim spreading (``set_claim_spread``): routers that fold each other's
+  counts late (replicas: a row every ``router.replicas.PERIOD``) all see a
+  place freed on a hot key's backend at once, and each claims it: up to R
+  requests for one place (herding).  With a spread ``c`` > 1, each
+  PREFIX_AWARE pick under IN_FLIGHT or PREFILL lowers its threshold by a
+  draw ``U`` uniform in 0..c-1 (``hashring.bounded.pick``'s ``slack``): a
+  member with ``f`` places free takes the request with probability
+  ``min(f, c) / c``, so about one of ``c`` racing claims lands.  The
+  supervisor sets ``c`` to the decisions the fleet makes in one period,
+  capped at the replicas (``router.supervisor``); it is 1 (no draw, the
+  exact walk) with one replica.  A pick the draw sends to the fallback is
+  counted as one; the admission queue asks again without slack before it
+  calls the fleet saturated.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ from hashring import (
     Decision,
     Lease,
     LoadBound,
+    Pick,
     Placement,
     Ring,
     hash_key,
@@ -160,6 +174,7 @@ class Balancer:
         "_rng",
         "_seed",
         "_select_keyed",
+        "_spread",
         "_stamp",
         "_tag",
         "arms",
@@ -198,6 +213,7 @@ class Balancer:
         # router.signals: each backend's engine rank (lower first), swapped by reference
         # after each scrape round; None: engine signals off.
         self.engine_ranks: Mapping[str, int] | None = None
+        self._spread = 1  # claim spreading's c (the contract); 1: off
         self.configure(config)
 
     def share_placement(self, stamp: int) -> None:
@@ -343,12 +359,27 @@ class Balancer:
             for arm in self.arms.arms:
                 arm.balancer.engine_ranks = ranks
 
+    @property
+    def claim_spread(self) -> int:
+        return self._spread
+
+    def set_claim_spread(self, spread: int) -> None:
+        """Spread claims over ``spread`` racing routers from now on (the contract),
+        in every arm too; 1 turns it off."""
+        if spread < 1:
+            raise ValueError(f"claim spread must be at least 1, got {spread}")
+        self._spread = spread
+        if self.arms is not None:
+            for arm in self.arms.arms:
+                arm.balancer._spread = spread
+
     def _arm(self, name: str, config: RoutingConfig) -> Balancer:
         """A new arm's balancer: the same fleet and in-flight counts, its own placement."""
         seed = None if self._seed is None else hash_key(f"{self._seed}:{name}".encode())
         arm = Balancer(self.fleet, config, seed=seed, tag=ARM_TAG + name)
         arm.on_release = self._released
         arm.engine_ranks = self.engine_ranks  # the fleet's engines, whichever arm
+        arm._spread = self._spread
         if self._stamp is not None:
             arm.share_placement(self._stamp)
         return arm
@@ -555,30 +586,10 @@ class Balancer:
                 )
                 if log is not None and chosen is not None:
                     log.decided(key_hash, chosen.member, before, time.time())
-        elif self._prefill_scope:
-            # The same for the threshold; BalanceFactor still bounds every request
-            # in flight, so one hot prefix cannot take a backend's whole batch.
-            waiting = fleet.waiting
-            total: int | None = waiting.total
-            balance_total: int | None = loads.total
-            if members is not fleet:
-                total = balance_total = self._pool_total()
-            chosen = pick(
-                ring,
-                key_hash,
-                waiting.counts,
-                self._bound,
-                avoid=skip,
-                total=total,
-                balance_loads=loads.counts,
-                balance_total=balance_total,
-                ranks=ranks,
-            )
         else:
-            in_flight = loads.total if members is fleet else self._pool_total()
-            chosen = pick(
-                ring, key_hash, loads.counts, self._bound, avoid=skip, total=in_flight, ranks=ranks
-            )
+            chosen = self._walk(key_hash, skip, members, ranks, self._spread)
+            if queue and chosen is not None and chosen[1] is _FALLBACK and self._spread > 1:
+                chosen = self._walk(key_hash, skip, members, ranks, 1)  # saturated for real?
         if chosen is None:
             return None
         member, decision, position = chosen
@@ -593,6 +604,51 @@ class Balancer:
         if type(chosen) is Ranked and not peek:
             backend.tie_breaks += 1
         return backend, decision, position  # a StrEnum: the string itself
+
+    def _walk(
+        self,
+        key_hash: int,
+        skip: Set[str],
+        members: Members,
+        ranks: Mapping[str, int] | None,
+        spread: int,
+    ) -> Pick | None:
+        """The bounded walk of IN_FLIGHT and PREFILL (``pick``), its threshold
+        lowered by a draw when claims are spread (the contract)."""
+        fleet = self.fleet
+        loads = fleet.loads
+        slack = int(self._rng.random() * spread) if spread > 1 else 0
+        if self._prefill_scope:
+            # The same for the threshold; BalanceFactor still bounds every request
+            # in flight, so one hot prefix cannot take a backend's whole batch.
+            waiting = fleet.waiting
+            total: int | None = waiting.total
+            balance_total: int | None = loads.total
+            if members is not fleet:
+                total = balance_total = self._pool_total()
+            return pick(
+                members.ring,
+                key_hash,
+                waiting.counts,
+                self._bound,
+                avoid=skip,
+                total=total,
+                balance_loads=loads.counts,
+                balance_total=balance_total,
+                ranks=ranks,
+                slack=slack,
+            )
+        in_flight = loads.total if members is fleet else self._pool_total()
+        return pick(
+            members.ring,
+            key_hash,
+            loads.counts,
+            self._bound,
+            avoid=skip,
+            total=in_flight,
+            ranks=ranks,
+            slack=slack,
+        )
 
     def _pool_total(self) -> int | None:
         """A pool's in-flight total for ``pick``: None (``pick`` adds up the pool's

@@ -205,6 +205,9 @@ class Explanation(msgspec.Struct, frozen=True):
     # Split BACKENDS (router.split): the backends the arm owns, the only ones it routes
     # over (``walk`` is on their ring); None: it shares the fleet.
     arm_backends: list[str] | None = None
+    # Claim spreading (router.balancer): the walk's threshold lowered by a draw in
+    # 0..claim_spread-1 (IN_FLIGHT and PREFILL); 1: the exact walk.
+    claim_spread: int = 1
 
 
 def explain(router: Router, dry: DryRequest, k: int = DEFAULT_K, view: str = "") -> Explanation:
@@ -398,6 +401,7 @@ class _Answer:
             without_engine_signals=self.unsignalled if backend is not None else None,
             arm=self.arm,
             arm_backends=self.arm_backends,
+            claim_spread=self.balancer.claim_spread,
         )
 
     def answered(self, status: int, reason: str) -> Explanation:
@@ -425,6 +429,12 @@ class _Answer:
         placement = balancer.placement_of(ring_of)
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
+            spread = balancer.claim_spread
+            if spread > 1 and balancer.config.prefix_aware.balance_mode != "TRAFFIC":
+                self.note += (
+                    f"claims spread over {spread} (replicas race for freed places): this"
+                    f" request's threshold is lowered by a draw in 0..{spread - 1}; "
+                )
         queue = self.router.queue
         if queue is not None and key_hash is not None:  # a keyed first attempt: _route's test
             waits = self._queued(queue, key_hash, members)

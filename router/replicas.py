@@ -59,6 +59,14 @@ Contract:
 - Drains across replicas (``drained``): a backend set draining leaves when
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.
+- Claim spreading (``router.balancer``): every ``EXTRAPOLATE_PERIOD`` this
+  replica adds up what its workers routed (each worker's ``ROUTED_CELL``,
+  ``router.worker``), takes the rate over the last ``RATE_WINDOW`` seconds
+  times the replicas live (a load balancer in front spreads evenly: the
+  fleet's rate), and writes ``claim_spread`` of it into the remote row's
+  ``SPREAD_CELL``, which every worker reads (``spread`` holds it for the
+  admin API).  A count that went down (a worker restarted, a backend left
+  with its counters) starts the window again.
 - Cost: each replica writes at most 1/``PERIOD`` times a second (10/s) and
   receives every other replica's writes: R replicas make 10 R writes/s and
   10 R (R - 1) watch events/s on etcd, fine for the R = 2-10 a fleet runs.
@@ -85,9 +93,17 @@ from hashring.shared import Record
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
-from .shared import DEFAULT_PERIOD, PLANES, SharedDeadline, SharedTable
+from .shared import (
+    DEFAULT_PERIOD,
+    PLANES,
+    RESERVE_PLANE,
+    ROUTED_CELL,
+    SPREAD_CELL,
+    SharedDeadline,
+    SharedTable,
+)
 
-__all__ = ["PERIOD", "Replicas", "Row"]
+__all__ = ["PERIOD", "Replicas", "Row", "claim_spread"]
 
 log = get_logger("replicas")
 
@@ -100,7 +116,24 @@ EXTRAPOLATE_PERIOD = DEFAULT_PERIOD
 # time: one a period, 0.5 s (a row older than that on arrival is based on the
 # oldest: the estimate then counts less than it could, never more).
 HISTORY = round(0.5 / EXTRAPOLATE_PERIOD)
+# Claim spreading measures the request rate over this long (router.balancer).
+RATE_WINDOW = 2.0
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
+
+
+def claim_spread(replicas: int, rate: float, period: float = PERIOD) -> int:
+    """Claim spreading's ``c`` (``router.balancer``) for ``replicas`` routers that
+    route ``rate`` requests/s between them and see each other's counts a
+    ``period`` late: the decisions made in one period (those that race for a
+    place freed in it), rounded, at least 1 and at most ``replicas``.
+
+    Why the rate: at 7 requests/s (``long``) fewer than one decision falls in
+    a period, nothing races, and any spread only costs hits; at 20/s
+    (``sysprompt``) two do.  Offline, c = 2 there gives one router's share
+    range at R = 4 where c = R cost ``long`` 2.9 hit-rate points."""
+    if replicas <= 1:
+        return 1
+    return max(1, min(replicas, round(rate * period)))
 
 
 # A whole fleet's placement record as rows carry it: ``Record`` without its pool,
@@ -169,6 +202,16 @@ class Replicas:
         self._responses: list[Learnt] = []
         # another replica's placements and response ids
         self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
+        # Claim spreading: the workers' routed cells, the spread's cell and the
+        # routed counts of the last RATE_WINDOW (time.monotonic, count).
+        self._routed_cells = [
+            table.index(row, RESERVE_PLANE) + ROUTED_CELL for row in range(self.remote)
+        ]
+        self._spread_cell = table.index(self.remote, RESERVE_PLANE) + SPREAD_CELL
+        self._routed: deque[tuple[float, int]] = deque(
+            maxlen=round(RATE_WINDOW / EXTRAPOLATE_PERIOD) + 1
+        )
+        self.spread = 1
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -343,11 +386,29 @@ class Replicas:
         left = until - time.time()
         self._wants.set(time.monotonic() + left if left > 0 else 0.0)
 
+    def measure_spread(self, now: float) -> int:
+        """Take the workers' routed counts at ``now`` (``time.monotonic``) and set
+        the claim spread from the rate (the contract)."""
+        cells = self.table.cells
+        routed = sum(cells[i] for i in self._routed_cells)
+        samples = self._routed
+        if samples and routed < samples[-1][1]:
+            samples.clear()  # a worker restarted or a backend left: its counts went
+        samples.append((now, routed))
+        since, first = samples[0]
+        rate = (routed - first) / (now - since) if now > since else 0.0
+        replicas = len(self.others) + 1
+        self.spread = claim_spread(replicas, rate * replicas)
+        cells[self._spread_cell] = self.spread
+        return self.spread
+
     async def _extrapolate_loop(self) -> None:
-        """Keep the remote row following this replica's own counts between rows."""
+        """Keep the remote row following this replica's own counts between rows,
+        and the claim spread following the rate."""
         written: list[dict[str, int]] | None = None
         while True:
             await asyncio.sleep(EXTRAPOLATE_PERIOD)  # a period, not a wait for an event
+            self.measure_spread(time.monotonic())
             local = self.local()
             self.remember(time.time(), local)
             if not self.others:

@@ -21,9 +21,11 @@ Contract:
   (plane 0 ``Fleet.loads``, plane 1 ``Fleet.waiting``); a slot is a backend,
   numbered by the supervisor (``SharedLoadTracker.assign``).  A cell holds one
   worker's in-flight count for one backend: never negative.  A router's table
-  has one more plane (``TABLE_PLANES``), of which each row uses one cell:
+  has one more plane (``TABLE_PLANES``), of which each row uses a few cells:
   until when that worker wants the admission queue's reserve
-  (``SharedDeadline``, ``router.queue``).
+  (``SharedDeadline``, ``router.queue``), and for claim spreading
+  (``router.balancer``) how many requests the worker routed
+  (``ROUTED_CELL``) and, in the remote row, the spread (``SPREAD_CELL``).
 - One writer per cell: a worker writes only its own row, through one
   tracker per (row, plane) (pure Python has no atomic read-modify-write: a
   cell two processes increment loses updates).  A worker's cell is its own
@@ -79,6 +81,8 @@ __all__ = [
     "DEFAULT_PERIOD",
     "PLANES",
     "RESERVE_PLANE",
+    "ROUTED_CELL",
+    "SPREAD_CELL",
     "TABLE_PLANES",
     "SharedDeadline",
     "SharedLoadTracker",
@@ -94,6 +98,10 @@ PLANES = 2  # what a router shares: plane 0 Fleet.loads, plane 1 Fleet.waiting
 # Past the trackers' planes, one cell per row (slot 0): until when the admission
 # queue's reserve is wanted there (``SharedDeadline``, ``router.queue``).
 RESERVE_PLANE = PLANES
+# Further cells of that plane (a row's block of it has ``stride`` >= 8 cells,
+# whatever ``slots``): what claim spreading measures and sets (router.balancer).
+ROUTED_CELL = 1  # a worker row's: requests it routed so far (``router.worker``)
+SPREAD_CELL = 2  # the remote row's: the claim spread (``router.replicas``); 0 means 1
 TABLE_PLANES = PLANES + 1  # a router's table: the trackers' planes and the reserve's
 
 # How often a worker folds the other rows in.  A fold at 1,000 backends x 8

@@ -91,7 +91,14 @@ from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
 from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
-from .shared import PLANES, TABLE_PLANES, SharedLoadTracker, SharedTable
+from .shared import (
+    PLANES,
+    RESERVE_PLANE,
+    SPREAD_CELL,
+    TABLE_PLANES,
+    SharedLoadTracker,
+    SharedTable,
+)
 from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
@@ -461,6 +468,14 @@ class Workers:
         self._ask(lambda seq: Apply(seq, healthy_op))  # nobody waits: futures resolve on ack
 
     # -- reads ----------------------------------------------------------------------
+
+    def claim_spread(self) -> int:
+        """The claim spread the workers route by: the remote row's (``router.replicas``),
+        1 without other replicas."""
+        table = self.table
+        if table.rows == self.count:
+            return 1
+        return table.cells[table.index(self.count, RESERVE_PLANE) + SPREAD_CELL] or 1
 
     def in_flight(self, name: str) -> int:
         """Requests in flight to ``name`` in this host's workers, read now."""

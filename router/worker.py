@@ -31,6 +31,12 @@ Contract:
   passive failures (and the first good answer after one) and applies the
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
   count for a draining backend reaches zero (``Idle``).
+- Claim spreading (``router.balancer``): every ``SPREAD_SECONDS`` the
+  worker writes how many requests it has routed (its backends' counters
+  summed, nothing on the request path) into its row's ``ROUTED_CELL`` and
+  takes the spread the supervisor set in the table's last row
+  (``SPREAD_CELL``, ``router.replicas``); a table without replicas never
+  sets it, and the spread stays 1.
 - SIGTERM or SIGINT drain and exit 0, as a single router does; so does the
   channel closing (the supervisor is gone: nobody would restart or stop us).
 """
@@ -78,6 +84,9 @@ from .metrics import Histogram
 from .shared import (
     DEFAULT_PERIOD,
     PLANES,
+    RESERVE_PLANE,
+    ROUTED_CELL,
+    SPREAD_CELL,
     TABLE_PLANES,
     SharedDeadline,
     SharedLoadTracker,
@@ -92,6 +101,8 @@ FOLD_SECONDS = DEFAULT_PERIOD
 # How late the other workers learn of a placement made here (and, through the
 # supervisor and router.replicas, the other replicas, PERIOD later again).
 PUBLISH_SECONDS = DEFAULT_PERIOD
+# How often this worker's routed count and the replicas' claim spread are exchanged.
+SPREAD_SECONDS = 0.1
 
 log = get_logger("worker")
 
@@ -201,6 +212,11 @@ class _Worker:
         router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
+        # Claim spreading: this row's routed count, the last row's spread (read 0 as 1).
+        self._cells = table.cells
+        self._routed = table.index(init.index, RESERVE_PLANE) + ROUTED_CELL
+        self._spread = table.index(table.rows - 1, RESERVE_PLANE) + SPREAD_CELL
+        self._spreading: asyncio.TimerHandle | None = None
 
     def _fold(self) -> None:
         """Fold the other rows in now; a change wakes the queue as the timed fold would
@@ -215,6 +231,17 @@ class _Worker:
         self._flush()
         loop = asyncio.get_running_loop()
         self._publishing = loop.call_later(PUBLISH_SECONDS, self._publish)
+
+    def _exchange_spread(self) -> None:
+        """Publish the routed count and take the spread (the contract); again in a period."""
+        cells = self._cells
+        cells[self._routed] = sum(b.requests for b in self.router.fleet.backends.values())
+        spread = cells[self._spread] or 1
+        balancer = self.router.balancer
+        if spread != balancer.claim_spread:
+            balancer.set_claim_spread(spread)
+        loop = asyncio.get_running_loop()
+        self._spreading = loop.call_later(SPREAD_SECONDS, self._exchange_spread)
 
     def _flush_soon(self) -> None:
         asyncio.get_running_loop().call_soon(self._flush)
@@ -252,6 +279,7 @@ class _Worker:
             tracker.start(loop, FOLD_SECONDS)
         await router.start(port=self.port, reuse_port=True)
         self._publish()
+        self._exchange_spread()
         self.channel.send(Ready(os.getpid()))
         receiving = asyncio.create_task(self._receive())
         stopping = asyncio.create_task(stop.wait())
@@ -261,8 +289,9 @@ class _Worker:
             receiving.cancel()
             stopping.cancel()
             await router.shutdown()
-            if self._publishing is not None:
-                self._publishing.cancel()
+            for timer in (self._publishing, self._spreading):
+                if timer is not None:
+                    timer.cancel()
             for tracker in self.trackers:
                 tracker.stop()
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hashring import hash_key
-from router.balancer import Balancer, Choice
+from router.balancer import SATURATED, Balancer, Choice
 from router.config import BackendSpec, PrefixAwareRoutingConfig, RoutingConfig, Strategy
 from router.fleet import AdminState, Fleet
 
@@ -78,6 +78,52 @@ def test_prefix_aware_walks_the_ring_past_the_threshold_then_falls_back() -> Non
     assert choices[6].decision == "fallback"
     assert members.backends[walk[1]].overflow == 2
     assert sum(b.fallback for b in members.backends.values()) == 1
+
+
+@pytest.mark.parametrize("scope", ["IN_FLIGHT", "PREFILL"])
+def test_a_spread_claim_takes_a_free_place_with_probability_free_over_spread(scope: str) -> None:
+    members = fleet(a=1, b=1, c=1)
+    first, second, _ = members.ring.walk(KEY)
+    lanes = {"balance_mode": "IN_FLIGHT", "concurrency_scope": scope}
+    chooser = balancer(members, concurrency_threshold=4, **lanes)
+    held = take(chooser, KEY, 3)  # the first member: one place left of four
+    assert {c.backend.name for c in held} == {first}
+    chooser.set_claim_spread(2)
+    assert chooser.claim_spread == 2
+    landed = Counter()
+    for _ in range(400):  # seeded: the same draws every run
+        choice = chooser.choose(KEY)
+        assert choice is not None
+        landed[choice.backend.name, choice.decision] += 1
+        choice.release()  # the walk sees the same loads each time
+    # One place free over a spread of 2: half the claims take it, the rest go on.
+    assert landed.keys() == {(first, "primary"), (second, "overflow")}
+    assert 150 < landed[first, "primary"] < 250
+    # Two places free: every claim takes one (min(f, c) / c).
+    held.pop().release()
+    for _ in range(100):
+        choice = chooser.choose(KEY)
+        assert choice is not None
+        assert choice.backend.name == first
+        choice.release()
+    chooser.set_claim_spread(1)  # off: the exact walk
+    for choice in held:
+        choice.release()
+    assert [c.backend.name for c in take(chooser, KEY, 4)] == [first] * 4
+    with pytest.raises(ValueError, match="at least 1"):
+        chooser.set_claim_spread(0)
+
+
+def test_a_spread_claim_is_never_read_as_a_saturated_fleet() -> None:
+    members = fleet(a=1, b=1)
+    chooser = balancer(members, concurrency_threshold=1, balance_mode="IN_FLIGHT")
+    chooser.set_claim_spread(4)  # slack up to 3: most draws see no place below 1 - 3
+    first = chooser.choose(KEY, queue=True)
+    second = chooser.choose(KEY, queue=True)
+    assert isinstance(first, Choice)
+    assert isinstance(second, Choice)
+    assert {first.backend.name, second.backend.name} == {"a", "b"}
+    assert chooser.choose(KEY, queue=True) is SATURATED  # both at 1 now: saturated for real
 
 
 def test_avoided_and_unavailable_backends_are_never_chosen() -> None:

@@ -46,6 +46,7 @@ def run(
     period: float | None,
     placement: str = "log",
     extrapolate: bool = True,
+    spread: bool = True,
     **prefix: object,
 ) -> Outcome:
     return simulate(
@@ -58,6 +59,7 @@ def run(
         share_period=period,
         share_placement=placement,
         share_extrapolate=extrapolate,
+        spread_claims=spread,
     )
 
 
@@ -148,7 +150,7 @@ def test_without_extrapolating_a_row_folded_again_changes_nothing() -> None:
 
 
 @functools.cache
-def sysprompt(replicas: int, extrapolate: bool) -> Outcome:
+def sysprompt(replicas: int, extrapolate: bool, spread: bool = False) -> Outcome:
     requests = workloads.build(
         "sysprompt", seed=1, duration=60, rate=FLEET["sysprompt"].rate_for(7)
     )
@@ -161,6 +163,7 @@ def sysprompt(replicas: int, extrapolate: bool) -> Outcome:
         replicas=replicas,
         share_period=0.1 if replicas > 1 else None,
         share_extrapolate=extrapolate,
+        spread_claims=spread,
     )
 
 
@@ -174,6 +177,24 @@ def test_the_estimate_keeps_four_routers_on_one_hot_prompt_from_herding() -> Non
     assert stale["ttft_p90"] > 1.1 * one["ttft_p90"]
     assert estimated["ttft_p90"] < 1.1 * one["ttft_p90"]
     assert one["min_share"] - estimated["min_share"] < one["min_share"] - stale["min_share"]
+
+
+def test_spreading_claims_gives_four_routers_one_routers_share_range() -> None:
+    # What the estimate leaves: a place freed on the walk's first members is seen
+    # by every router at once and claimed up to four times, so overflow reaches
+    # the last members less and fallback is rarer than one router's.  At this
+    # rate (20/s, two decisions a period) each router spreads over c = 2.
+    one = report.summarize(sysprompt(1, extrapolate=True).run)
+    herded = report.summarize(sysprompt(4, extrapolate=True).run)
+    spread = report.summarize(sysprompt(4, extrapolate=True, spread=True).run)
+    print(
+        f"\nleast loaded: one {one['min_share']:.3f}, herded {herded['min_share']:.3f}, "
+        f"spread {spread['min_share']:.3f}"
+    )
+    assert abs(one["min_share"] - spread["min_share"]) < one["min_share"] - herded["min_share"]
+    assert abs(one["min_share"] - spread["min_share"]) <= 0.01
+    assert spread["ttft_p90"] < 1.1 * one["ttft_p90"]
+    assert spread["hit_rate"] > one["hit_rate"] - 0.01
 
 
 # -- PlacementLog ---------------------------------------------------------------
@@ -292,8 +313,11 @@ def test_routers_sharing_exactly_route_as_one_router(
 )
 def test_a_period_longer_than_the_run_is_the_uncoordinated_run(prefix: dict[str, object]) -> None:
     # Router 0 publishes once, at 0, before any request; router 1 never does.
-    # (With the estimate, router 1 would count router 0 as routing as it does.)
-    assert figures(run(2, 1e6, extrapolate=False, **prefix)) == figures(run(2, None, **prefix))
+    # (With the estimate, router 1 would count router 0 as routing as it does;
+    # with claim spreading, each would leave a place free to the other: 1e6 s
+    # hold every decision of the run.)
+    uncoordinated = run(2, 1e6, extrapolate=False, spread=False, **prefix)
+    assert figures(uncoordinated) == figures(run(2, None, **prefix))
     shared = run(2, 0.1, **prefix)
     assert figures(shared) != figures(run(2, None, **prefix))
     # Loads seen late: hot keys compare two replicas; exact or alone: all of them.

@@ -450,3 +450,65 @@ async def test_a_responses_api_follow_up_through_another_replica_lands_where_its
     finally:
         for proc, _ in routers:
             await stop(proc)
+
+
+async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop_after(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # Claim spreading (router.balancer): c = the fleet's decisions in one row
+    # period, at most the replicas.  Idle, nothing races: 1.  Two clients routing
+    # as fast as they can make far more than 20 requests/s: c = 2, in the
+    # supervisors' stats and in the workers, whose dry run says it.  Once they
+    # stop, the rate window empties and c is 1 again.
+    a, b = await backends(echo), await backends(echo)
+    ring = ("--balance-mode", "IN_FLIGHT", "--concurrency-scope", "IN_FLIGHT")
+    routers = await replicas(2, etcd, a, b, extra=ring)
+    dry = {"method": "POST", "path": "/generate", "body": "prompt 0"}
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def spreads() -> list[int]:
+                seen = []
+                for proc, _ in routers:
+                    status, stats = await admin_call(http, proc, "GET", "/admin/stats")
+                    assert status == 200, stats
+                    seen.append(stats["decisions"]["claim_spread"])
+                return seen
+
+            async def workers_spread(spread: int) -> bool:
+                for proc, _ in routers:
+                    status, answer = await admin_call(http, proc, "POST", "/admin/route", dry)
+                    assert status == 200, answer
+                    if answer["claim_spread"] != spread:
+                        return False
+                assert ("claims spread over 2" in answer["reason"]) == (spread == 2)
+                return True
+
+            assert await spreads() == [1, 1]
+            assert await workers_spread(1)
+            done = asyncio.Event()
+
+            async def drive(port: int) -> int:
+                sent = 0
+                while not done.is_set():
+                    assert await post(http, port, f"prompt {sent % 5}") == 200
+                    sent += 1
+                return sent
+
+            driving = [asyncio.create_task(drive(port)) for _, port in routers]
+            try:
+                await until(lambda: _equal(spreads(), [2, 2]))
+                await until(lambda: workers_spread(2))
+            finally:
+                done.set()
+                sent = await asyncio.gather(*driving)
+            print(f"\nspread 2 after {sent} requests through the two replicas")
+            await until(lambda: _equal(spreads(), [1, 1]))
+            await until(lambda: workers_spread(1))
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def _equal(seen, expected) -> bool:  # type: ignore[no-untyped-def]
+    return await seen == expected

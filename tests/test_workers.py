@@ -197,7 +197,13 @@ async def test_in_flight_counts_are_fleet_wide_across_workers(backends: StartBac
             b.release.set()
             assert await first == await second == 200
             body = await stats(http, proc)
-            assert body["decisions"] == {"primary": 1, "overflow": 1, "fallback": 0, "other": 0}
+            assert body["decisions"] == {
+                "primary": 1,
+                "overflow": 1,
+                "fallback": 0,
+                "other": 0,
+                "claim_spread": 1,  # one replica: nothing races
+            }
             assert body["totals"]["in_flight"] == 0
     finally:
         await stop(proc)

@@ -157,6 +157,9 @@ class Decisions(msgspec.Struct, frozen=True):
     overflow: int
     fallback: int
     other: int  # RANDOM, LEAST_OUTSTANDING_REQUESTS, passthrough and response_id choices
+    # Claim spreading's c (router.balancer): the replicas' racing claims the walk
+    # spreads over, set from the fleet's rate (router.replicas); 1: off.
+    claim_spread: int = 1
 
 
 class Totals(msgspec.Struct, frozen=True):
