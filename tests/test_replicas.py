@@ -15,7 +15,7 @@ import pytest
 
 from hashring import Ring, hash_key
 from router.etcd import EtcdClient
-from router.replicas import TTL
+from router.replicas import RATE_WINDOW, TTL
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
@@ -52,9 +52,9 @@ async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
         return resp.status
 
 
-async def until(check) -> None:  # type: ignore[no-untyped-def]
+async def until(check, within: float = WAIT) -> None:  # type: ignore[no-untyped-def]
     """Poll ``await check()`` until true: state in other processes has no event to await."""
-    async with asyncio.timeout(WAIT):
+    async with asyncio.timeout(within):
         while True:
             if await check():
                 return
@@ -503,7 +503,8 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
                 done.set()
                 sent = await asyncio.gather(*driving)
             print(f"\nspread 2 after {sent} requests through the two replicas")
-            await until(lambda: _equal(spreads(), [1, 1]))
+            # The rate window empties first.
+            await until(lambda: _equal(spreads(), [1, 1]), within=RATE_WINDOW + WAIT)
             await until(lambda: workers_spread(1))
     finally:
         for proc, _ in routers:

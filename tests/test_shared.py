@@ -531,3 +531,39 @@ def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
         lease.release()
     zero.close()
     os.close(table.fd)
+
+
+def test_the_claim_spread_follows_the_fleets_rate_and_a_count_that_went_down_restarts_it() -> None:
+    from router.replicas import Row
+    from router.shared import RESERVE_PLANE, ROUTED_CELL, SPREAD_CELL
+
+    table = router_table()
+    estimate = _Remote(table)
+    replicas = estimate.replicas
+    routed = [table.index(row, RESERVE_PLANE) + ROUTED_CELL for row in range(4)]
+    spread = table.index(4, RESERVE_PLANE) + SPREAD_CELL
+
+    def at(now: float, *counts: int) -> int:
+        for cell, count in zip(routed, counts, strict=False):
+            table.cells[cell] = count
+        return replicas.measure_spread(now)
+
+    # Alone, whatever the rate: nothing races.
+    assert at(0.0, 0, 0) == 1
+    assert at(1.0, 500, 500) == 1
+    assert table.cells[spread] == 1
+    assert replicas.local_row().rate == 1000.0  # published for the others
+    estimate.arrives("old", Row(0, {}, {}))  # a version without a rate: counts as ours
+    # Two workers at 1,000/s over the window, twice that in the fleet: capped at 2.
+    assert at(1.5, 750, 750) == 2
+    assert table.cells[spread] == 2
+    # A worker restarted (its count back at 0): the window starts again, and
+    # until it spans a second the spread stays as it was.
+    assert at(1.6, 0, 760) == 2
+    # 6 requests/s here, as much for the old replica: 1.2 in a period, rounded to 1.
+    assert at(2.6, 3, 763) == 1
+    assert replicas.local_row().rate == 6.0
+    estimate.arrives("new", Row(0, {}, {}, rate=10.0))
+    # 6 + 6 + 10 = 22/s in the fleet, 2.2 a period: 2.
+    assert at(3.6, 6, 766) == 2
+    assert table.cells[spread] == 2
