@@ -285,6 +285,12 @@ class RouterCollector:
         yield GaugeMetricFamily(
             "prefix_router_ring_members", "Backends on the hash ring.", value=len(fleet.ring)
         )
+        yield GaugeMetricFamily(
+            "prefix_router_claim_spread",
+            "Claim spreading's c: the walk's threshold is lowered by a draw in 0..c-1 so"
+            " that replicas do not all claim one freed place (1: off, one replica).",
+            value=router.balancer.claim_spread,
+        )
         responses = router.responses
         counts = responses.counts()
         follow_ups = CounterMetricFamily(

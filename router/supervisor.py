@@ -25,7 +25,8 @@ Contract:
   workers get one digest key in their ``Init``, so a tenant has one label.
   An A/B experiment's arms (``router.arms``) are added up the same way, their
   TTFT samples merged (bottom-k).
-  In-flight counts are read from the table (all rows, folded on read).
+  In-flight counts are read from the table (all rows, folded on read), and
+  so is the claim spread the workers route by (``router.replicas``).
 - ``explain`` (the admin API's dry run, ``router.explain``) is answered by
   the first worker up, not here: a worker holds what the data path decides
   by (the TRAFFIC placement every worker shares, the response ids, the
@@ -526,6 +527,7 @@ class Workers:
         futures = self._ask(Query)
         reports = [r for r in await asyncio.gather(*futures) if isinstance(r, Report)]
         self._merge(reports)
+        self.router.balancer.set_claim_spread(self.claim_spread())  # the workers' (views)
 
     def _merge(self, reports: list[Report]) -> None:
         router = self.router

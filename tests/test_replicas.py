@@ -19,7 +19,7 @@ from router.replicas import RATE_WINDOW, TTL
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
-from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
 BINARY = etcd_binary()
@@ -499,6 +499,14 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
             try:
                 await until(lambda: _equal(spreads(), [2, 2]))
                 await until(lambda: workers_spread(2))
+                for proc, _ in routers:  # and Prometheus, from the same read
+                    url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics"
+                    async with http.get(url) as resp:
+                        text = await resp.text()
+                    spread = [
+                        ln for ln in text.splitlines() if ln.startswith("prefix_router_claim_")
+                    ]
+                    assert spread == ["prefix_router_claim_spread 2.0"]  # still driven
             finally:
                 done.set()
                 sent = await asyncio.gather(*driving)

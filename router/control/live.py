@@ -178,7 +178,7 @@ class RouterControl:
                 overflow=overflow,
                 fallback=fallback,
                 other=sum(decisions.values()) - primary - overflow - fallback,
-                claim_spread=self._workers.claim_spread() if self._workers is not None else 1,
+                claim_spread=router.balancer.claim_spread,  # with workers: theirs (refresh)
             ),
             workers=self._workers.views() if self._workers is not None else [],
             models=self._models(),
