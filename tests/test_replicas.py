@@ -458,10 +458,11 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
     # Claim spreading (router.balancer): c = the fleet's decisions in one row
     # period, at most the replicas.  Idle, nothing races: 1.  Two clients routing
     # as fast as they can make far more than 20 requests/s: c = 2, in the
-    # supervisors' stats and in the workers, whose dry run says it.  Once they
-    # stop, the rate window empties and c is 1 again.
+    # supervisors' stats and in the workers, whose dry run (one worker's) says
+    # it.  Once they stop, the rate window empties and c is 1 again.
     a, b = await backends(echo), await backends(echo)
-    ring = ("--balance-mode", "IN_FLIGHT", "--concurrency-scope", "IN_FLIGHT")
+    # Two workers each: a replica's rate is what all its workers routed.
+    ring = ("--balance-mode", "IN_FLIGHT", "--concurrency-scope", "IN_FLIGHT", "--workers", "2")
     routers = await replicas(2, etcd, a, b, extra=ring)
     dry = {"method": "POST", "path": "/generate", "body": "prompt 0"}
     try:
