@@ -62,15 +62,21 @@ Contract:
   counts late (replicas: a row every ``router.replicas.PERIOD``) all see a
   place freed on a hot key's backend at once, and each claims it: up to R
   requests for one place (herding).  With a spread ``c`` > 1, each
-  PREFIX_AWARE pick under IN_FLIGHT or PREFILL lowers its threshold by a
-  draw ``U`` uniform in 0..c-1 (``hashring.bounded.pick``'s ``slack``): a
-  member with ``f`` places free takes the request with probability
-  ``min(f, c) / c``, so about one of ``c`` racing claims lands.  The
-  supervisor sets ``c`` to the decisions the fleet makes in one period,
-  capped at the replicas (``router.supervisor``); it is 1 (no draw, the
-  exact walk) with one replica.  A pick the draw sends to the fallback is
-  counted as one; the admission queue asks again without slack before it
-  calls the fleet saturated.
+  PREFIX_AWARE walk of BalanceMode IN_FLIGHT (either ConcurrencyScope)
+  lowers its threshold by a draw ``U`` uniform in 0..c-1
+  (``hashring.bounded.pick``'s ``slack``): a member with ``f`` places free
+  is passed over with probability ``1 - min(f, c) / c`` for a later member
+  with more room, so about one of ``c`` racing claims lands on it.  Where
+  no member has room beyond the draw, the fallback (the least loaded) takes
+  the request, often that same member: the spread thins claims only where
+  the walk has somewhere else to go.  ``c`` is set to the decisions the
+  fleet makes in one period, capped at the replicas (``router.replicas``
+  ``claim_spread``, read by ``router.worker``); 1 (no draw, the exact walk)
+  with one replica.  ``claim_spread`` is what applies: at most the
+  ConcurrencyThreshold, 1 under TRAFFIC.  A pick the draw sends to the
+  fallback is counted as one; the admission queue (``choose(...,
+  queue=True)``, ``peek(..., queue=True)``, ``saturated``) walks again
+  without the draw before it calls the fleet saturated.
 """
 
 from __future__ import annotations
@@ -361,7 +367,13 @@ class Balancer:
 
     @property
     def claim_spread(self) -> int:
-        return self._spread
+        """The spread this balancer's walks draw from now: the one set, at most the
+        ConcurrencyThreshold (a draw that leaves no place below it anywhere only
+        sends the request to the fallback), and 1 where no walk reads it (BalanceMode
+        TRAFFIC, RANDOM, LEAST_OUTSTANDING_REQUESTS)."""
+        if self._placement is not None or self.config.strategy is not Strategy.PREFIX_AWARE:
+            return 1
+        return min(self._spread, self._bound.threshold)
 
     def set_claim_spread(self, spread: int) -> None:
         """Spread claims over ``spread`` racing routers from now on (the contract),
@@ -446,10 +458,17 @@ class Balancer:
     # -- the dry run (router.explain): read only ----------------------------------
 
     def peek(
-        self, key_hash: int | None, members: Members | None = None, *, signals: bool = True
+        self,
+        key_hash: int | None,
+        members: Members | None = None,
+        *,
+        signals: bool = True,
+        queue: bool = False,
     ) -> _Picked | None:
         """What ``choose(key_hash, members=members)`` would pick now; changes nothing.
-        ``signals=False``: as if engine signals were off."""
+        ``signals=False``: as if engine signals were off; ``queue``: as
+        ``choose(..., queue=True)`` walks when it routes (a fallback it would
+        answer ``SATURATED`` for is returned as the fallback)."""
         members = self.members(members)
         rng = self._rng
         # A copy: the draw the next request would make, none consumed here.
@@ -461,7 +480,7 @@ class Balancer:
                 return None if picked is None else (picked[0], "passthrough", 0)
             if self._select_keyed == self._prefix_aware:
                 return self._prefix_aware(
-                    key_hash, frozenset(), members, peek=True, signals=signals
+                    key_hash, frozenset(), members, peek=True, signals=signals, rewalk=queue
                 )
             return self._select_keyed(key_hash, frozenset(), members)
         finally:
@@ -478,7 +497,7 @@ class Balancer:
             counts = fleet.waiting.counts if self._prefill_scope else fleet.loads.counts
             if _all_at(members.ring, counts, self._bound.threshold, fleet.unavailable):
                 return True
-        picked = self.peek(key_hash, members)
+        picked = self.peek(key_hash, members, queue=True)
         return picked is not None and picked[1] is _FALLBACK
 
     def free_places(self, members: Members, limit: int) -> int:
@@ -544,7 +563,10 @@ class Balancer:
         *,
         peek: bool = False,
         signals: bool = True,
+        rewalk: bool = False,
     ) -> _Picked | None:
+        """``rewalk`` (and ``queue``): a fallback the claim spread's draw led to is
+        walked again without it (the contract)."""
         fleet = self.fleet
         skip = fleet.unavailable | avoid if avoid else fleet.unavailable
         loads = fleet.loads
@@ -587,8 +609,9 @@ class Balancer:
                 if log is not None and chosen is not None:
                     log.decided(key_hash, chosen.member, before, time.time())
         else:
-            chosen = self._walk(key_hash, skip, members, ranks, self._spread)
-            if queue and chosen is not None and chosen[1] is _FALLBACK and self._spread > 1:
+            spread = self.claim_spread
+            chosen = self._walk(key_hash, skip, members, ranks, spread)
+            if (queue or rewalk) and chosen is not None and chosen[1] is _FALLBACK and spread > 1:
                 chosen = self._walk(key_hash, skip, members, ranks, 1)  # saturated for real?
         if chosen is None:
             return None
@@ -613,8 +636,8 @@ class Balancer:
         ranks: Mapping[str, int] | None,
         spread: int,
     ) -> Pick | None:
-        """The bounded walk of IN_FLIGHT and PREFILL (``pick``), its threshold
-        lowered by a draw when claims are spread (the contract)."""
+        """The bounded walk of BalanceMode IN_FLIGHT, either scope (``pick``), its
+        threshold lowered by a draw when claims are spread (the contract)."""
         fleet = self.fleet
         loads = fleet.loads
         slack = int(self._rng.random() * spread) if spread > 1 else 0

@@ -206,7 +206,7 @@ class Explanation(msgspec.Struct, frozen=True):
     # over (``walk`` is on their ring); None: it shares the fleet.
     arm_backends: list[str] | None = None
     # Claim spreading (router.balancer): the walk's threshold lowered by a draw in
-    # 0..claim_spread-1 (IN_FLIGHT and PREFILL); 1: the exact walk.
+    # 0..claim_spread-1 (BalanceMode IN_FLIGHT); 1: the exact walk.
     claim_spread: int = 1
 
 
@@ -430,7 +430,7 @@ class _Answer:
         if key_hash is not None and strategy is Strategy.PREFIX_AWARE:
             self._walk(key_hash, ring_of, placement)
             spread = balancer.claim_spread
-            if spread > 1 and balancer.config.prefix_aware.balance_mode != "TRAFFIC":
+            if spread > 1:  # BalanceMode IN_FLIGHT (else 1)
                 self.note += (
                     f"claims spread over {spread} (replicas race for freed places): this"
                     f" request's threshold is lowered by a draw in 0..{spread - 1}; "
@@ -440,14 +440,15 @@ class _Answer:
             waits = self._queued(queue, key_hash, members)
             if waits is not None:
                 return waits
-        picked = balancer.peek(key_hash, members)
+        queued = self.router.queue is not None  # _route passes queue=True to choose then
+        picked = balancer.peek(key_hash, members, queue=queued)
         if picked is None:
             serving = "" if self.model is None else f" for model `{self.model[:256]}`"
             return self.answered(503, f"no backend{serving} is available")
         backend, decision, position = picked
         name = backend.name
         if key_hash is not None and self.router.signals is not None:
-            plain = balancer.peek(key_hash, members, signals=False)
+            plain = balancer.peek(key_hash, members, signals=False, queue=queued)
             if plain is not None and plain[0] is not backend:
                 self.unsignalled = plain[0].name
         if decision == "passthrough":

@@ -220,7 +220,7 @@ class Replicas:
         self._routed: deque[tuple[float, int]] = deque(
             maxlen=round(RATE_WINDOW / EXTRAPOLATE_PERIOD) + 1
         )
-        self.rate = 0.0  # this replica's, published in its row
+        self.rate = -1.0  # this replica's, published in its row; -1: not measured yet
         self.spread = 1
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []

@@ -217,6 +217,7 @@ class _Worker:
         self._routed = table.index(init.index, RESERVE_PLANE) + ROUTED_CELL
         self._spread = table.index(table.rows - 1, RESERVE_PLANE) + SPREAD_CELL
         self._spreading: asyncio.TimerHandle | None = None
+        self._spread_set = 1  # the last spread set (the balancer's starts at 1)
 
     def _fold(self) -> None:
         """Fold the other rows in now; a change wakes the queue as the timed fold would
@@ -237,9 +238,9 @@ class _Worker:
         cells = self._cells
         cells[self._routed] = sum(b.requests for b in self.router.fleet.backends.values())
         spread = cells[self._spread] or 1
-        balancer = self.router.balancer
-        if spread != balancer.claim_spread:
-            balancer.set_claim_spread(spread)
+        if spread != self._spread_set:
+            self.router.balancer.set_claim_spread(spread)
+            self._spread_set = spread
         loop = asyncio.get_running_loop()
         self._spreading = loop.call_later(SPREAD_SECONDS, self._exchange_spread)
 

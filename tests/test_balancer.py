@@ -116,14 +116,41 @@ def test_a_spread_claim_takes_a_free_place_with_probability_free_over_spread(sco
 
 def test_a_spread_claim_is_never_read_as_a_saturated_fleet() -> None:
     members = fleet(a=1, b=1)
-    chooser = balancer(members, concurrency_threshold=1, balance_mode="IN_FLIGHT")
-    chooser.set_claim_spread(4)  # slack up to 3: most draws see no place below 1 - 3
-    first = chooser.choose(KEY, queue=True)
-    second = chooser.choose(KEY, queue=True)
-    assert isinstance(first, Choice)
-    assert isinstance(second, Choice)
-    assert {first.backend.name, second.backend.name} == {"a", "b"}
-    assert chooser.choose(KEY, queue=True) is SATURATED  # both at 1 now: saturated for real
+    first, second = members.ring.walk(KEY)
+    chooser = balancer(members, concurrency_threshold=2, balance_mode="IN_FLIGHT")
+    held = take(chooser, KEY, 3)  # the first member full, one place left on the second
+    assert [c.backend.name for c in held] == [first, first, second]
+    chooser.set_claim_spread(2)
+    drawn = 0
+    for _ in range(200):  # seeded: the same draws every run
+        alone = chooser.peek(KEY)  # the draw the next choice makes, without the queue
+        assert alone is not None
+        drawn += alone[1] == "fallback"
+        assert not chooser.saturated(KEY)
+        peeked = chooser.peek(KEY, queue=True)
+        choice = chooser.choose(KEY, queue=True)
+        assert isinstance(choice, Choice)
+        assert peeked is not None
+        assert (choice.backend.name, choice.decision) == (second, "overflow")
+        assert (peeked[0].name, peeked[1]) == (second, "overflow")
+        choice.release()
+    assert 0 < drawn < 200  # the draw did fall back, and the queue walked again
+    held.append(chooser.choose(KEY))  # type: ignore[arg-type]
+    assert chooser.saturated(KEY)
+    assert chooser.choose(KEY, queue=True) is SATURATED  # both full now: saturated for real
+
+
+def test_the_spread_that_applies_is_at_most_the_threshold_and_none_under_traffic() -> None:
+    members = fleet(a=1, b=1, c=1)
+    in_flight = balancer(members, concurrency_threshold=3, balance_mode="IN_FLIGHT")
+    in_flight.set_claim_spread(5)
+    assert in_flight.claim_spread == 3  # a draw past the threshold only falls back
+    traffic = balancer(members, balance_mode="TRAFFIC")
+    traffic.set_claim_spread(2)
+    assert traffic.claim_spread == 1  # TRAFFIC's placement reads no drawn threshold
+    random = balancer(members, Strategy.RANDOM)
+    random.set_claim_spread(2)
+    assert random.claim_spread == 1
 
 
 def test_avoided_and_unavailable_backends_are_never_chosen() -> None:
