@@ -1,0 +1,316 @@
+"""``prefix-router serve``: the daemon, once its configuration is settled.
+
+``serve`` wires the data plane (``router``: one process, or a supervisor and
+its workers) to the control plane (the admin API of this package), and, when
+configured, to etcd (``router.control.etcd``, ``router.replicas``) and to a
+discovery source (``router.discovery``), then runs until SIGTERM or SIGINT
+and drains.  It is the composition root of the daemon, so it lives in the
+outermost layer and the dependency direction hashring <- router <- admin
+holds without exception (``tests/test_layers.py``).  ``admin.cli`` parses
+the command line and calls it; heavy imports stay lazy there.
+
+- A state file, when it exists, wins over the configuration for backends
+  and routing (``with_state``); with etcd it is only etcd's copy.
+- With ``--etcd``: the fleet is loaded (or seeded, waiting up to
+  ``SEED_WAIT_S`` for the seed to come back through the watch) before any
+  worker starts; a replica that cannot reach etcd starts from its state
+  file's copy or refuses (``ConfigError``).
+- With ``--discover``: start-up waits up to ``DISCOVER_WAIT`` s for the
+  source's first membership, then listens anyway.
+- A backend that is one of the router's own listeners is refused (a loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import ssl
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from router.config import Config, ConfigError, parse_address
+from router.state import State, StateFile
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from router.app import Router
+    from router.config import DiscoverConfig
+    from router.control import Control
+    from router.control.etcd import EtcdStore
+    from router.control.live import RouterControl
+    from router.control.replicated import ReplicatedControl
+    from router.discovery import Reconciler, Source
+    from router.etcd import EtcdClient
+    from router.replicas import Replicas
+    from router.supervisor import Workers
+
+__all__ = ["DISCOVER_WAIT", "SEED_WAIT_S", "serve", "with_state"]
+
+# A seeding replica waits this long for its seed to come back through the watch (etcd
+# answered the write a moment ago: milliseconds, unless it died since).
+SEED_WAIT_S = 10.0
+
+
+def with_state(config: Config, state: State | None) -> Config:
+    """The state file's backends and routing over the configured ones."""
+    if state is None:
+        return config
+    return msgspec.structs.replace(
+        config, backends=[saved.spec() for saved in state.backends], routing=state.routing
+    )
+
+
+async def serve(
+    config: Config,
+    token: str | None,
+    state_file: StateFile | None,
+    state: State | None,
+    tls: ssl.SSLContext | None = None,
+    reread: Callable[[], Config] | None = None,
+) -> None:
+    from admin import AdminServer
+    from admin.reload import Reloads
+    from router.app import Router
+    from router.control.live import RouterControl
+    from router.control.replicated import ReplicatedControl
+    from router.discovery import DiscoveredControl
+    from router.fleet import AdminState
+    from router.log import get_logger
+
+    # etcd: in-flight counts and TRAFFIC placements shared with the other replicas;
+    # and membership and routing too, unless discovery gives every replica those.
+    shared = bool(config.etcd)
+    replicated = shared and config.discover is None
+    # With etcd, the state file is the store's copy of etcd's state: etcd wins.
+    router = Router(config if replicated else with_state(config, state), tls=tls)
+    saved_backends = state.backends if state and not replicated else []
+    draining = [saved.name for saved in saved_backends if saved.state == "draining"]
+    router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
+    workers = None
+    store = replicas = None
+    if config.workers > 1 or shared:
+        from router.supervisor import Workers, reserve
+
+        host, port = config.listen_address
+        held = reserve(host, port)
+        if shared and not config.replica_id:
+            config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
+        workers = Workers(
+            router, config.workers, held, remote=shared, stamp_base=_stamp_base(config)
+        )
+        await router.start_control(held)
+    control: RouterControl
+    if replicated:
+        assert workers is not None
+        control = ReplicatedControl(router, workers)
+    else:
+        control = RouterControl(router, state_file, workers=workers)
+    admin = None
+    admin_control: Control = control
+    discovery: tuple[Reconciler, Source] | None = None
+    try:
+        if isinstance(control, ReplicatedControl):
+            assert workers is not None
+            store, replicas = await _open_etcd(config, router, workers, control, state_file)
+        elif shared:
+            from router.etcd import EtcdClient
+
+            assert workers is not None
+            replicas = _join_replicas(config, workers, EtcdClient(config.etcd), lambda: 0)
+        if config.discover is not None:
+            discovery = await _open_discovery(config.discover, router, control)
+            admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
+        if workers is None:
+            await router.start()
+        else:
+            await workers.start()
+            if replicas is not None:
+                replicas.start()
+            get_logger("router").info(
+                "workers listening",
+                address=f"{router.listeners[0].host}:{router.port}",
+                workers=config.workers,
+                pids=workers.pids,
+                replica=replicas.id if replicas is not None else None,
+            )
+        # Before "admin listening", the line supervisors and tests wait for: a
+        # SIGHUP sent once it is logged must find its handler (not kill us).
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if reread is not None:
+            owns = not (replicated or state_file or config.discover)  # the file: their source
+            reloads = Reloads(reread, control, router, owns_membership=owns)
+            loop.add_signal_handler(signal.SIGHUP, reloads.request)
+        if config.admin_listen != "off":
+            admin = AdminServer(admin_control, token=token)
+            host, port = parse_address(config.admin_listen, "admin_listen")
+            await admin.start(host, port)
+            control.admin_listeners = admin.listeners
+            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+        if not replicated:
+            await _refuse_own_addresses(control, router, state_file if state else None)
+        await stop.wait()
+    finally:
+        # A second signal while we drain must not kill us half-way (nor after the
+        # loop is gone and its handlers with it): from here on, signals are ignored.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        if discovery is not None:
+            reconciler, source = discovery
+            await reconciler.close()  # no membership change while we drain
+            await source.close()
+        if replicas is not None:
+            await replicas.close()  # our key goes: the others stop counting us
+        if workers is not None:
+            await workers.stop()
+        await router.shutdown()
+        if admin is not None:
+            await admin.close()
+        await control.close()
+        if store is not None:
+            await store.close()
+        if replicas is not None:
+            await replicas.client.close()
+
+
+async def _open_etcd(
+    config: Config,
+    router: Router,
+    workers: Workers,
+    control: ReplicatedControl,
+    state_file: StateFile | None,
+) -> tuple[EtcdStore, Replicas]:
+    """Join the replicas: load (or seed) the fleet from etcd, before any worker starts."""
+    from router.control.etcd import EtcdStore
+    from router.etcd import EtcdClient, Unavailable
+    from router.log import get_logger
+    from router.state import VERSION, SavedBackend
+
+    client = EtcdClient(config.etcd)
+    store = EtcdStore(
+        client,
+        config.etcd_prefix,
+        control,
+        default_routing=config.routing,
+        cache=state_file,
+    )
+    control.store = store
+    try:
+        await store.open(wait=10.0)
+    except Unavailable as exc:
+        await client.close()
+        raise ConfigError(f"etcd {','.join(config.etcd)}: {exc}") from None
+    if not store.from_cache:
+        # An empty prefix is a new fleet: this replica's configuration seeds it.
+        seed = State(
+            version=VERSION,
+            backends=[SavedBackend.of(b) for b in config.backends],
+            routing=config.routing,
+        )
+        revision = await store.initialize(seed)
+        if revision is not None:
+            get_logger("etcd").info("seeded a new fleet in etcd", prefix=config.etcd_prefix)
+            # The seed reaches this replica through the watch, as every change does: once
+            # it has, the fleet below is the whole seed, and the workers start with it.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SEED_WAIT_S):
+                    await store.applied(revision)
+    await control.on_resync(store.state())
+    replicas = _join_replicas(config, workers, client, lambda: store.revision)
+    control.replicas = replicas
+    return store, replicas
+
+
+def _join_replicas(
+    config: Config, workers: Workers, client: EtcdClient, applied: Callable[[], int]
+) -> Replicas:
+    """This replica's row in etcd, and the other replicas' rows and placements folded in
+    (``applied``: the etcd revision of the membership this replica has applied)."""
+    from router.replicas import Replicas
+
+    prefix = config.etcd_prefix.encode()
+    replicas = Replicas(
+        client, prefix, workers.table, lambda: workers.slots, applied, replica_id=config.replica_id
+    )
+    workers.on_records = replicas.add_records
+    replicas.on_records = workers.relay
+    return replicas
+
+
+def _stamp_base(config: Config) -> int:
+    """This replica's TRAFFIC placement stamps: ``base + worker``, unique in the fleet."""
+    if not config.replica_id:
+        return 0  # one replica: its workers are numbered 0..N-1
+    digest = hashlib.blake2b(config.replica_id.encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big") << 16
+
+
+# How long start-up waits for the discovery source's first answer before it
+# listens anyway (with the state file's membership, if any; /readyz says 503).
+DISCOVER_WAIT = 10.0
+
+
+async def _open_discovery(
+    discover: DiscoverConfig, router: Router, control: RouterControl
+) -> tuple[Reconciler, Source]:
+    """Start the discovery source and wait (boundedly) for its first membership."""
+    from router.discovery import Reconciler
+    from router.log import get_logger
+
+    source: Source
+    if discover.source == "k8s":
+        from router.discovery.k8s import K8sSource, from_kubeconfig, in_cluster
+
+        auth = from_kubeconfig(discover.kubeconfig) if discover.kubeconfig else in_cluster()
+        source = K8sSource(
+            auth,
+            discover.namespace or auth.namespace or "default",
+            service=discover.service,
+            selector=discover.selector,
+            port_name=discover.port_name,
+            models=discover.models,
+            model_label=discover.model_label,
+        )
+    else:
+        from router.discovery.dns import DnsSource, parse_target
+
+        name, port = parse_target(discover.source)
+        source = DnsSource(name, port, interval=discover.interval, models=discover.models)
+    reconciler = Reconciler(
+        control,
+        drain_timeout=discover.drain_timeout,
+        unhealthy_after=discover.unhealthy_after,
+    )
+    reconciler.start(source)
+    log = get_logger("discovery")
+    if await reconciler.wait_synced(DISCOVER_WAIT):
+        log.info("discovered", source=source.description, backends=sorted(router.fleet.backends))
+    else:
+        log.warning(
+            "no membership from the discovery source yet: listening with the last one",
+            source=source.description,
+            backends=sorted(router.fleet.backends),
+            waited_s=DISCOVER_WAIT,
+        )
+    return reconciler, source
+
+
+async def _refuse_own_addresses(
+    control: RouterControl, router: Router, state_file: StateFile | None
+) -> None:
+    """ConfigError if a backend is one of the router's own listeners (a loop)."""
+    from router.control import Invalid
+
+    for backend in router.fleet.backends.values():
+        try:
+            await control.refuse_own_address(backend.spec)
+        except Invalid as exc:
+            where = f" (backends come from the state file {state_file.path})" if state_file else ""
+            raise ConfigError(f"{exc}{where}") from None
