@@ -56,8 +56,9 @@ Contract
   with P = 0 and ``log``, a deterministic strategy routes as one router.
   With P > 0, R > 1 and ``spread_claims`` (the default, as live replicas
   do) every router spreads its claims (``Balancer.set_claim_spread``) by
-  ``router.replicas.claim_spread(R, rate, P)``, the rate being the
-  workload's (live replicas measure theirs).
+  ``router.replicas.claim_spread(R, rate, P)``, the rate being the fleet's
+  requests past their primary over the last ``RATE_WINDOW`` model seconds,
+  taken at router 0's publications (``RateWindow``, as live replicas do).
 - ``simulate`` returns the ``report.Run`` and the fleets, balancers and
   engines it used, so tests can check that every lease and every pinned
   block was released.
@@ -85,7 +86,7 @@ from router.balancer import Balancer, Choice
 from router.config import BackendSpec, ConfigError, RoutingConfig, parse_routing
 from router.extract import decode_openai, prompt_key
 from router.fleet import Fleet
-from router.replicas import claim_spread
+from router.replicas import RATE_MIN_SPAN, RATE_WINDOW, RateWindow, claim_spread
 
 from . import report, workloads
 from .simserver.model import Engine, KVCache, Ticket, Timing, tokenize
@@ -164,6 +165,7 @@ class _Exchange:
         period: float,
         placement: str,
         extrapolate: bool = False,
+        spread: bool = False,
     ):
         if period < 0:
             raise ValueError(f"share period must be >= 0, not {period}")
@@ -195,6 +197,12 @@ class _Exchange:
         self.ticks = [0] * count  # publications made by each router
         self.phase = [r / count for r in range(count)]
         self.next_at = min(self._due(r) for r in range(count)) if period > 0 else math.inf
+        # Claim spreading, as live replicas measure it (router.replicas): the
+        # fleet's requests past their primary, sampled at router 0's publications.
+        self.balancers = balancers
+        self.window = (
+            RateWindow(RATE_WINDOW, RATE_MIN_SPAN, period) if spread and period > 0 else None
+        )
 
     def _due(self, router: int) -> float:
         return (self.phase[router] + self.ticks[router]) * self.period
@@ -231,6 +239,8 @@ class _Exchange:
             self._deliver(router, log.publish())
 
     def _publish(self, router: int) -> None:
+        if router == 0 and self.window is not None and len(self.fleets) > 1:
+            self._spread(self._due(0))
         self.rows[router] = dict(self.loads[router].own)
         self.waiting_rows[router] = dict(self.waiting[router].own)
         log = self.logs[router]
@@ -241,6 +251,17 @@ class _Exchange:
                 rest = [r for r in range(len(self.fleets)) if r != other]
                 self.loads[other].fold([self.rows[r] for r in rest])
                 self.waiting[other].fold([self.waiting_rows[r] for r in rest])
+
+    def _spread(self, now: float) -> None:
+        assert self.window is not None
+        contended = sum(
+            b.overflow + b.fallback for fleet in self.fleets for b in fleet.backends.values()
+        )
+        rate = self.window.add(now, contended)
+        if rate is not None:
+            spread = claim_spread(len(self.fleets), rate, self.period)
+            for balancer in self.balancers:
+                balancer.set_claim_spread(spread)
 
     def _deliver(self, router: int, records: list[Record]) -> None:
         if not records:
@@ -292,14 +313,17 @@ def simulate(
     fleets = [Fleet(specs) for _ in range(replicas)]
     balancers = [Balancer(f, per_router, seed=s) for f, s in zip(fleets, seeds, strict=True)]
     exchange = (
-        _Exchange(fleets, balancers, share_period, share_placement, extrapolate=share_extrapolate)
+        _Exchange(
+            fleets,
+            balancers,
+            share_period,
+            share_placement,
+            extrapolate=share_extrapolate,
+            spread=spread_claims,
+        )
         if share_period is not None
         else None
     )
-    if spread_claims and share_period and replicas > 1 and len(requests) > 1:
-        rate = len(requests) / (requests[-1].at - requests[0].at or 1.0)
-        for balancer in balancers:
-            balancer.set_claim_spread(claim_spread(replicas, rate, share_period))
     timing = Timing(**params.timing_kwargs())
     engines = {n: Engine(timing, KVCache(params.block_size, params.capacity_blocks)) for n in names}
     if hashes is None:

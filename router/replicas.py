@@ -60,15 +60,20 @@ Contract:
   every live replica has applied the revision that set it draining and
   reports nothing in flight to it, and this replica has nothing either.
 - Claim spreading (``router.balancer``): every ``EXTRAPOLATE_PERIOD`` this
-  replica adds up what its workers routed (each worker's ``ROUTED_CELL``,
-  ``router.worker``) and takes the rate over the last ``RATE_WINDOW``
-  seconds (``rate``, published in its row); the fleet's rate is its own
-  plus the other rows' (a row without one counts as this replica's rate),
-  and ``claim_spread`` of it goes into the remote row's ``SPREAD_CELL``,
-  which every worker reads (``spread`` holds it for the admin API).  A
-  count that went down (a worker restarted, a backend left with its
-  counters) starts the window again; until it spans ``RATE_MIN_SPAN`` the
-  rate and spread stay as they were.
+  replica adds up how many of its workers' requests went past their primary
+  (each worker's ``CONTENDED_CELL``, ``router.worker``) and takes their rate
+  over the last ``RATE_WINDOW`` seconds (``RateWindow``; ``rate``, published
+  in its row); the fleet's is its own plus the other rows' (a row without
+  one counts as this replica's), and ``claim_spread`` of it goes into the
+  remote row's ``SPREAD_CELL``, which every worker reads (``spread`` holds
+  it for the admin API).  A count that went down (a worker restarted, a
+  backend left with its counters) starts the window again; until it spans
+  ``RATE_MIN_SPAN`` the rate and spread stay as they were.
+  Why those requests: only a request that found its walk's first member
+  full can race another for a place freed there; one whose primary had room
+  claimed a place nobody else wanted.  Counting every request made c = R on
+  ``long`` under SageMaker's semantics at 35 requests/s (its homes rarely
+  full: 0.5 % overflow) and cost it 3 points of hit rate live.
 - Cost: each replica writes at most 1/``PERIOD`` times a second (10/s) and
   receives every other replica's writes: R replicas make 10 R writes/s and
   10 R (R - 1) watch events/s on etcd, fine for the R = 2-10 a fleet runs.
@@ -96,16 +101,16 @@ from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
 from .shared import (
+    CONTENDED_CELL,
     DEFAULT_PERIOD,
     PLANES,
     RESERVE_PLANE,
-    ROUTED_CELL,
     SPREAD_CELL,
     SharedDeadline,
     SharedTable,
 )
 
-__all__ = ["PERIOD", "Replicas", "Row", "claim_spread"]
+__all__ = ["PERIOD", "RateWindow", "Replicas", "Row", "claim_spread"]
 
 log = get_logger("replicas")
 
@@ -129,17 +134,41 @@ MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is 
 
 def claim_spread(replicas: int, rate: float, period: float = PERIOD) -> int:
     """Claim spreading's ``c`` (``router.balancer``) for ``replicas`` routers that
-    route ``rate`` requests/s between them and see each other's counts a
-    ``period`` late: the decisions made in one period (those that race for a
-    place freed in it), rounded, at least 1 and at most ``replicas``.
+    see each other's counts a ``period`` late, where ``rate`` requests/s in the
+    fleet find their walk's first member full (overflow and fallback): those
+    made in one period (the claims that race for a place freed in it), rounded,
+    at least 1 and at most ``replicas``.
 
-    Why the rate: at 7 requests/s (``long``) fewer than one decision falls in
-    a period, nothing races, and any spread only costs hits; at 20/s
-    (``sysprompt``) two do.  Offline, c = 2 there gives one router's share
-    range at R = 4 where c = R cost ``long`` 2.9 hit-rate points."""
+    ``sysprompt`` (20 requests/s, ~87 % past the primary) gets 2, which
+    offline gives one router's share range at R = 4 where c = R cost ``long``
+    2.9 hit-rate points; ``long`` (0.5 % past the primary) gets 1."""
     if replicas <= 1:
         return 1
     return max(1, min(replicas, round(rate * period)))
+
+
+class RateWindow:
+    """A rate from a cumulative count sampled over time: the increase over the
+    samples of the last ``window`` seconds.  A count that went down starts the
+    window again; ``add`` answers None until the samples span ``min_span``."""
+
+    __slots__ = ("_samples", "min_span", "window")
+
+    def __init__(self, window: float, min_span: float, every: float):
+        """``every``: about how often ``add`` is called (sizes the sample ring)."""
+        self.window = window
+        self.min_span = min_span
+        self._samples: deque[tuple[float, int]] = deque(maxlen=round(window / every) + 1)
+
+    def add(self, now: float, count: int) -> float | None:
+        samples = self._samples
+        if samples and count < samples[-1][1]:
+            samples.clear()  # a worker restarted or a backend left: its counts went
+        samples.append((now, count))
+        since, first = samples[0]
+        if now - since < self.min_span:
+            return None
+        return (count - first) / (now - since)
 
 
 # A whole fleet's placement record as rows carry it: ``Record`` without its pool,
@@ -158,8 +187,8 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     # reserve: a tenant under its share sent a request there (router.queue); 0: not.
     reserve_until: int = 0
     at: float = 0.0  # wall-clock time of the counts (0: a version that did not say)
-    # Requests/s this replica routed over the last RATE_WINDOW, to 0.1 (claim
-    # spreading); -1: a version that did not say (taken as routing as we do).
+    # Requests/s this replica routed past their primary over the last RATE_WINDOW,
+    # to 0.1 (claim spreading); -1: not said (taken as routing as we do).
     rate: float = -1.0
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
@@ -211,15 +240,12 @@ class Replicas:
         self._responses: list[Learnt] = []
         # another replica's placements and response ids
         self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
-        # Claim spreading: the workers' routed cells, the spread's cell and the
-        # routed counts of the last RATE_WINDOW (time.monotonic, count).
-        self._routed_cells = [
-            table.index(row, RESERVE_PLANE) + ROUTED_CELL for row in range(self.remote)
+        # Claim spreading: the workers' contended cells, the spread's cell, the rate.
+        self._contended_cells = [
+            table.index(row, RESERVE_PLANE) + CONTENDED_CELL for row in range(self.remote)
         ]
         self._spread_cell = table.index(self.remote, RESERVE_PLANE) + SPREAD_CELL
-        self._routed: deque[tuple[float, int]] = deque(
-            maxlen=round(RATE_WINDOW / EXTRAPOLATE_PERIOD) + 1
-        )
+        self._window = RateWindow(RATE_WINDOW, RATE_MIN_SPAN, EXTRAPOLATE_PERIOD)
         self.rate = -1.0  # this replica's, published in its row; -1: not measured yet
         self.spread = 1
         self._changed = asyncio.Event()  # any other replica's row changed or left
@@ -397,18 +423,13 @@ class Replicas:
         self._wants.set(time.monotonic() + left if left > 0 else 0.0)
 
     def measure_spread(self, now: float) -> int:
-        """Take the workers' routed counts at ``now`` (``time.monotonic``) and set
-        the claim spread from the rate (the contract)."""
+        """Take the workers' contended counts at ``now`` (``time.monotonic``) and set
+        the claim spread from the fleet's rate (the contract)."""
         cells = self.table.cells
-        routed = sum(cells[i] for i in self._routed_cells)
-        samples = self._routed
-        if samples and routed < samples[-1][1]:
-            samples.clear()  # a worker restarted or a backend left: its counts went
-        samples.append((now, routed))
-        since, first = samples[0]
-        if now - since < RATE_MIN_SPAN:
+        rate = self._window.add(now, sum(cells[i] for i in self._contended_cells))
+        if rate is None:
             return self.spread  # too few counts yet (a start, a restart): as it was
-        rate = self.rate = round((routed - first) / (now - since), 1) if now > since else 0.0
+        rate = self.rate = round(rate, 1)
         others = self.others.values()
         fleet = rate + sum(row.rate if row.rate >= 0 else rate for row in others)
         self.spread = claim_spread(len(others) + 1, fleet)

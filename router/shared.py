@@ -24,8 +24,9 @@ Contract:
   has one more plane (``TABLE_PLANES``), of which each row uses a few cells:
   until when that worker wants the admission queue's reserve
   (``SharedDeadline``, ``router.queue``), and for claim spreading
-  (``router.balancer``) how many requests the worker routed
-  (``ROUTED_CELL``) and, in the remote row, the spread (``SPREAD_CELL``).
+  (``router.balancer``) how many of its requests found their walk's first
+  member full (``CONTENDED_CELL``) and, in the remote row, the spread
+  (``SPREAD_CELL``).
 - One writer per cell: a worker writes only its own row, through one
   tracker per (row, plane) (pure Python has no atomic read-modify-write: a
   cell two processes increment loses updates).  A worker's cell is its own
@@ -78,10 +79,10 @@ from itertools import compress
 from hashring import Lease, LoadTracker
 
 __all__ = [
+    "CONTENDED_CELL",
     "DEFAULT_PERIOD",
     "PLANES",
     "RESERVE_PLANE",
-    "ROUTED_CELL",
     "SPREAD_CELL",
     "TABLE_PLANES",
     "SharedDeadline",
@@ -100,7 +101,8 @@ PLANES = 2  # what a router shares: plane 0 Fleet.loads, plane 1 Fleet.waiting
 RESERVE_PLANE = PLANES
 # Further cells of that plane (a row's block of it has ``stride`` >= 8 cells,
 # whatever ``slots``): what claim spreading measures and sets (router.balancer).
-ROUTED_CELL = 1  # a worker row's: requests it routed so far (``router.worker``)
+# a worker row's: its requests routed past their primary so far (``router.worker``)
+CONTENDED_CELL = 1
 SPREAD_CELL = 2  # the remote row's: the claim spread (``router.replicas``); 0 means 1
 TABLE_PLANES = PLANES + 1  # a router's table: the trackers' planes and the reserve's
 

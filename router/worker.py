@@ -32,8 +32,9 @@ Contract:
   supervisor's ``SetHealthy`` ops.  It tells the supervisor when its own
   count for a draining backend reaches zero (``Idle``).
 - Claim spreading (``router.balancer``): every ``SPREAD_SECONDS`` the
-  worker writes how many requests it has routed (its backends' counters
-  summed, nothing on the request path) into its row's ``ROUTED_CELL`` and
+  worker writes how many of its requests went past their primary (its
+  backends' overflow and fallback counters summed, nothing on the request
+  path) into its row's ``CONTENDED_CELL`` and
   takes the spread the supervisor set in the table's last row
   (``SPREAD_CELL``, ``router.replicas``); a table without replicas never
   sets it, and the spread stays 1.
@@ -82,10 +83,10 @@ from .health import HealthMonitor
 from .log import configure, get_logger
 from .metrics import Histogram
 from .shared import (
+    CONTENDED_CELL,
     DEFAULT_PERIOD,
     PLANES,
     RESERVE_PLANE,
-    ROUTED_CELL,
     SPREAD_CELL,
     TABLE_PLANES,
     SharedDeadline,
@@ -101,7 +102,7 @@ FOLD_SECONDS = DEFAULT_PERIOD
 # How late the other workers learn of a placement made here (and, through the
 # supervisor and router.replicas, the other replicas, PERIOD later again).
 PUBLISH_SECONDS = DEFAULT_PERIOD
-# How often this worker's routed count and the replicas' claim spread are exchanged.
+# How often this worker's contended count and the replicas' claim spread are exchanged.
 SPREAD_SECONDS = 0.1
 
 log = get_logger("worker")
@@ -212,9 +213,9 @@ class _Worker:
         router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
         self.port = init.port
         self._publishing: asyncio.TimerHandle | None = None
-        # Claim spreading: this row's routed count, the last row's spread (read 0 as 1).
+        # Claim spreading: this row's contended count, the last row's spread (0 means 1).
         self._cells = table.cells
-        self._routed = table.index(init.index, RESERVE_PLANE) + ROUTED_CELL
+        self._contended = table.index(init.index, RESERVE_PLANE) + CONTENDED_CELL
         self._spread = table.index(table.rows - 1, RESERVE_PLANE) + SPREAD_CELL
         self._spreading: asyncio.TimerHandle | None = None
         self._spread_set = 1  # the last spread set (the balancer's starts at 1)
@@ -234,9 +235,10 @@ class _Worker:
         self._publishing = loop.call_later(PUBLISH_SECONDS, self._publish)
 
     def _exchange_spread(self) -> None:
-        """Publish the routed count and take the spread (the contract); again in a period."""
+        """Publish the contended count and take the spread (the contract); again in a period."""
         cells = self._cells
-        cells[self._routed] = sum(b.requests for b in self.router.fleet.backends.values())
+        backends = self.router.fleet.backends.values()
+        cells[self._contended] = sum(b.overflow + b.fallback for b in backends)
         spread = cells[self._spread] or 1
         if spread != self._spread_set:
             self.router.balancer.set_claim_spread(spread)
