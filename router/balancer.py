@@ -69,8 +69,8 @@ Contract:
   with more room, so about one of ``c`` racing claims lands on it.  Where
   no member has room beyond the draw, the fallback (the least loaded) takes
   the request, often that same member: the spread thins claims only where
-  the walk has somewhere else to go.  ``c`` is set to the decisions the
-  fleet makes in one period, capped at the replicas (``router.replicas``
+  the walk has somewhere else to go.  ``c`` is set to the requests that
+  pass their primary fleet-wide in one period, capped at the replicas (``router.replicas``
   ``claim_spread``, read by ``router.worker``); 1 (no draw, the exact walk)
   with one replica.  ``claim_spread`` is what applies: at most the
   ConcurrencyThreshold, 1 under TRAFFIC.  A pick the draw sends to the

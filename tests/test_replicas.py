@@ -455,14 +455,17 @@ async def test_a_responses_api_follow_up_through_another_replica_lands_where_its
 async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop_after(
     etcd: EtcdServer, backends: StartBackend
 ) -> None:
-    # Claim spreading (router.balancer): c = the fleet's decisions in one row
-    # period, at most the replicas.  Idle, nothing races: 1.  Two clients routing
-    # as fast as they can make far more than 20 requests/s: c = 2, in the
+    # Claim spreading (router.balancer): c = the fleet's requests past their
+    # primary in one row period, at most the replicas.  Idle, nothing races: 1.
+    # Threshold 2, one prompt, twelve clients on two backends: nearly every request
+    # finds its primary full, and the clients, routing as fast as they can, make
+    # far more than 20 such requests/s: c = 2 (at most the threshold), in the
     # supervisors' stats and in the workers, whose dry run (one worker's) says
     # it.  Once they stop, the rate window empties and c is 1 again.
     a, b = await backends(echo), await backends(echo)
-    # Two workers each: a replica's rate is what all its workers routed.
+    # Two workers each: a replica's rate is what all its workers routed past the primary.
     ring = ("--balance-mode", "IN_FLIGHT", "--concurrency-scope", "IN_FLIGHT", "--workers", "2")
+    ring += ("--concurrency-threshold", "2")
     routers = await replicas(2, etcd, a, b, extra=ring)
     dry = {"method": "POST", "path": "/generate", "body": "prompt 0"}
     try:
@@ -492,11 +495,11 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
             async def drive(port: int) -> int:
                 sent = 0
                 while not done.is_set():
-                    assert await post(http, port, f"prompt {sent % 5}") == 200
+                    assert await post(http, port, "prompt 0") == 200
                     sent += 1
                 return sent
 
-            driving = [asyncio.create_task(drive(port)) for _, port in routers]
+            driving = [asyncio.create_task(drive(port)) for _, port in routers * 6]
             try:
                 await until(lambda: _equal(spreads(), [2, 2]))
                 await until(lambda: workers_spread(2))
@@ -511,7 +514,7 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
             finally:
                 done.set()
                 sent = await asyncio.gather(*driving)
-            print(f"\nspread 2 after {sent} requests through the two replicas")
+            print(f"\nspread 2 after {sum(sent)} requests through the two replicas")
             # The rate window empties first.
             await until(lambda: _equal(spreads(), [1, 1]), within=RATE_WINDOW + WAIT)
             await until(lambda: workers_spread(1))

@@ -535,16 +535,16 @@ def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
 
 def test_the_claim_spread_follows_the_fleets_rate_and_a_count_that_went_down_restarts_it() -> None:
     from router.replicas import Row
-    from router.shared import RESERVE_PLANE, ROUTED_CELL, SPREAD_CELL
+    from router.shared import CONTENDED_CELL, RESERVE_PLANE, SPREAD_CELL
 
     table = router_table()
     estimate = _Remote(table)
     replicas = estimate.replicas
-    routed = [table.index(row, RESERVE_PLANE) + ROUTED_CELL for row in range(4)]
+    contended = [table.index(row, RESERVE_PLANE) + CONTENDED_CELL for row in range(4)]
     spread = table.index(4, RESERVE_PLANE) + SPREAD_CELL
 
     def at(now: float, *counts: int) -> int:
-        for cell, count in zip(routed, counts, strict=False):
+        for cell, count in zip(contended, counts, strict=False):
             table.cells[cell] = count
         return replicas.measure_spread(now)
 
@@ -554,7 +554,8 @@ def test_the_claim_spread_follows_the_fleets_rate_and_a_count_that_went_down_res
     assert table.cells[spread] == 1
     assert replicas.local_row().rate == 1000.0  # published for the others
     estimate.arrives("old", Row(0, {}, {}))  # a version without a rate: counts as ours
-    # Two workers at 1,000/s over the window, twice that in the fleet: capped at 2.
+    # Two workers' requests past their primary at 1,000/s, twice that in the fleet:
+    # capped at 2.
     assert at(1.5, 750, 750) == 2
     assert table.cells[spread] == 2
     # A worker restarted (its count back at 0): the window starts again, and
