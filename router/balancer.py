@@ -174,6 +174,7 @@ class Balancer:
 
     __slots__ = (
         "_bound",
+        "_draw",
         "_placement",
         "_pools",
         "_prefill_scope",
@@ -219,7 +220,8 @@ class Balancer:
         # router.signals: each backend's engine rank (lower first), swapped by reference
         # after each scrape round; None: engine signals off.
         self.engine_ranks: Mapping[str, int] | None = None
-        self._spread = 1  # claim spreading's c (the contract); 1: off
+        self._spread = 1  # claim spreading's c as set (the contract); 1: off
+        self._draw = 1  # ... and as it applies (claim_spread), kept by _applied_spread
         self.configure(config)
 
     def share_placement(self, stamp: int) -> None:
@@ -351,6 +353,7 @@ class Balancer:
             Strategy.PREFIX_AWARE: self._prefix_aware,
         }[config.strategy]
         self.config = config
+        self._applied_spread()
         if config.arms:
             self.arms = Experiment(config, self._arm, self.arms, self.fleet)
         elif self.arms is not None:
@@ -371,9 +374,7 @@ class Balancer:
         ConcurrencyThreshold (a draw that leaves no place below it anywhere only
         sends the request to the fallback), and 1 where no walk reads it (BalanceMode
         TRAFFIC, RANDOM, LEAST_OUTSTANDING_REQUESTS)."""
-        if self._placement is not None or self.config.strategy is not Strategy.PREFIX_AWARE:
-            return 1
-        return min(self._spread, self._bound.threshold)
+        return self._draw
 
     def set_claim_spread(self, spread: int) -> None:
         """Spread claims over ``spread`` racing routers from now on (the contract),
@@ -381,9 +382,18 @@ class Balancer:
         if spread < 1:
             raise ValueError(f"claim spread must be at least 1, got {spread}")
         self._spread = spread
+        self._applied_spread()
         if self.arms is not None:
             for arm in self.arms.arms:
-                arm.balancer._spread = spread
+                arm.balancer.set_claim_spread(spread)
+
+    def _applied_spread(self) -> None:
+        """``claim_spread`` for the spread set and the config now: worked out when
+        either changes, not on each request."""
+        if self._placement is not None or self.config.strategy is not Strategy.PREFIX_AWARE:
+            self._draw = 1
+        else:
+            self._draw = min(self._spread, self._bound.threshold)
 
     def _arm(self, name: str, config: RoutingConfig) -> Balancer:
         """A new arm's balancer: the same fleet and in-flight counts, its own placement."""
@@ -391,7 +401,7 @@ class Balancer:
         arm = Balancer(self.fleet, config, seed=seed, tag=ARM_TAG + name)
         arm.on_release = self._released
         arm.engine_ranks = self.engine_ranks  # the fleet's engines, whichever arm
-        arm._spread = self._spread
+        arm.set_claim_spread(self._spread)
         if self._stamp is not None:
             arm.share_placement(self._stamp)
         return arm
@@ -609,7 +619,7 @@ class Balancer:
                 if log is not None and chosen is not None:
                     log.decided(key_hash, chosen.member, before, time.time())
         else:
-            spread = self.claim_spread
+            spread = self._draw
             chosen = self._walk(key_hash, skip, members, ranks, spread)
             if (queue or rewalk) and chosen is not None and chosen[1] is _FALLBACK and spread > 1:
                 chosen = self._walk(key_hash, skip, members, ranks, 1)  # saturated for real?

@@ -440,7 +440,7 @@ class _Answer:
             waits = self._queued(queue, key_hash, members)
             if waits is not None:
                 return waits
-        queued = self.router.queue is not None  # _route passes queue=True to choose then
+        queued = queue is not None  # _route passes queue=True to choose then
         picked = balancer.peek(key_hash, members, queue=queued)
         if picked is None:
             serving = "" if self.model is None else f" for model `{self.model[:256]}`"

@@ -104,7 +104,6 @@ from .shared import (
     CONTENDED_CELL,
     DEFAULT_PERIOD,
     PLANES,
-    RESERVE_PLANE,
     SPREAD_CELL,
     SharedDeadline,
     SharedTable,
@@ -241,10 +240,8 @@ class Replicas:
         # another replica's placements and response ids
         self.on_records: Callable[[list[Record], list[Learnt]], None] | None = None
         # Claim spreading: the workers' contended cells, the spread's cell, the rate.
-        self._contended_cells = [
-            table.index(row, RESERVE_PLANE) + CONTENDED_CELL for row in range(self.remote)
-        ]
-        self._spread_cell = table.index(self.remote, RESERVE_PLANE) + SPREAD_CELL
+        self._contended_cells = [table.row_cell(row, CONTENDED_CELL) for row in range(self.remote)]
+        self._spread_cell = table.row_cell(self.remote, SPREAD_CELL)
         self._window = RateWindow(RATE_WINDOW, RATE_MIN_SPAN, EXTRAPOLATE_PERIOD)
         self.rate = -1.0  # this replica's, published in its row; -1: not measured yet
         self.spread = 1

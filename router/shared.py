@@ -181,6 +181,12 @@ class SharedTable:
         The table owns ``fd`` from now on (``close`` closes it)."""
         return cls(fd, rows, slots, planes, fresh=False)
 
+    def row_cell(self, row: int, cell: int) -> int:
+        """The cell of ``row``'s own figures (``RESERVE_PLANE``: 0 the reserve's
+        deadline, ``CONTENDED_CELL``, ``SPREAD_CELL``) in ``cells``; a row's block of
+        that plane has ``stride`` >= 8 cells whatever ``slots``."""
+        return self.index(row, RESERVE_PLANE) + cell
+
     def index(self, row: int, plane: int, slot: int = 0) -> int:
         """The cell of (row, plane, slot) in ``cells``."""
         if not 0 <= row < self.rows:

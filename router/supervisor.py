@@ -94,7 +94,6 @@ from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
 from .shared import (
     PLANES,
-    RESERVE_PLANE,
     SPREAD_CELL,
     TABLE_PLANES,
     SharedLoadTracker,
@@ -476,7 +475,7 @@ class Workers:
         table = self.table
         if table.rows == self.count:
             return 1
-        return table.cells[table.index(self.count, RESERVE_PLANE) + SPREAD_CELL] or 1
+        return table.cells[table.row_cell(self.count, SPREAD_CELL)] or 1
 
     def in_flight(self, name: str) -> int:
         """Requests in flight to ``name`` in this host's workers, read now."""

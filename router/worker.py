@@ -86,7 +86,6 @@ from .shared import (
     CONTENDED_CELL,
     DEFAULT_PERIOD,
     PLANES,
-    RESERVE_PLANE,
     SPREAD_CELL,
     TABLE_PLANES,
     SharedDeadline,
@@ -215,8 +214,8 @@ class _Worker:
         self._publishing: asyncio.TimerHandle | None = None
         # Claim spreading: this row's contended count, the last row's spread (0 means 1).
         self._cells = table.cells
-        self._contended = table.index(init.index, RESERVE_PLANE) + CONTENDED_CELL
-        self._spread = table.index(table.rows - 1, RESERVE_PLANE) + SPREAD_CELL
+        self._contended = table.row_cell(init.index, CONTENDED_CELL)
+        self._spread = table.row_cell(table.rows - 1, SPREAD_CELL)
         self._spreading: asyncio.TimerHandle | None = None
         self._spread_set = 1  # the last spread set (the balancer's starts at 1)
 
