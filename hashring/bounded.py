@@ -14,13 +14,25 @@ Contract:
   Positions count only the members not avoided, so a down primary makes its
   successor the primary rather than an overflow.  Overflow therefore always
   lands on the same next members, which warm up for a hot prefix.
-- When every candidate is at its bound, ``FALLBACK`` returns the one with the
-  fewest in flight (earliest in the walk on ties, so even fallback keeps some
-  affinity).  With no candidate at all, ``pick`` returns None.
+- When every candidate is at its bound, ``FALLBACK`` returns the earliest
+  member of the walk among the least loaded, so that even the fallback keeps
+  the key's affinity.  "Least loaded" has a tolerance once the fleet queues:
+  with ``least`` the fewest in flight of the walk, a member with at most
+  ``least + FALLBACK_TOLERANCE * (queued - threshold)`` (rounded down) counts,
+  where ``queued`` is that least loaded member's count as the threshold
+  reads it (``fallback_ceiling``).  At or just past the threshold that is the fewest
+  in flight, earliest on ties; deep past it every member queues, and a queue
+  up to 1.5 times the shortest is worth a warm prefix (a miss costs a whole
+  prefill, a longer queue a share of one).  Measured on a saturated fleet
+  (``short`` under SageMaker's semantics, 1200 model s): hit rate 36.6 % ->
+  59.5 %, P90 TTFT 0.53 -> 0.26 s, and routers that see each other's counts
+  late keep it (R = 4: 59.8 %), where exact ties broke differently on each.
+  With no candidate at all, ``pick`` returns None.
 - ``ranks`` (optional: a number per member, lower first, absent 0) breaks
   the fallback's ties before the walk order does; nothing else reads it, so
-  it never outweighs a load or passes over an eligible member.  A ``Ranked``
-  pick says a rank decided: without ranks another member would have won.
+  it never outweighs a load beyond the tolerance or passes over an eligible
+  member.  A ``Ranked`` pick says a rank decided: without ranks another
+  member would have won.
   The router feeds it its engines' queues (``router.signals``).
 - The threshold and the balance factor may count different things: with
   ``balance_loads`` (and ``balance_total``) the factor's bound and the
@@ -44,7 +56,17 @@ from typing import NamedTuple
 
 from .ring import Ring
 
-__all__ = ["Decision", "LoadBound", "Pick", "Ranked", "exact_factor", "pick", "walk"]
+__all__ = [
+    "FALLBACK_TOLERANCE",
+    "Decision",
+    "LoadBound",
+    "Pick",
+    "Ranked",
+    "exact_factor",
+    "fallback_ceiling",
+    "pick",
+    "walk",
+]
 
 
 class Decision(enum.StrEnum):
@@ -71,6 +93,13 @@ class Ranked(Pick):
 # NamedTuple's generated __new__ is Python code (~400 ns); tuple.__new__ is not.
 _new_pick = tuple.__new__
 PRIMARY, OVERFLOW, FALLBACK = Decision.PRIMARY, Decision.OVERFLOW, Decision.FALLBACK
+
+# The saturated fallback's tolerance (the contract): members whose count is within
+# this fraction of the least loaded member's queue past the threshold count as
+# least loaded, and the earliest of them in the walk wins.
+FALLBACK_TOLERANCE = Fraction(1, 2)
+_TOLERANCE_NUM = FALLBACK_TOLERANCE.numerator
+_TOLERANCE_DEN = FALLBACK_TOLERANCE.denominator
 
 
 class LoadBound:
@@ -176,6 +205,7 @@ def pick(
         balance_loads,
         soft=False,
         ranks=ranks,
+        slack=slack,
     )
 
 
@@ -197,6 +227,7 @@ def walk(
     *,
     soft: bool,
     ranks: Mapping[str, int] | None = None,
+    slack: int = 0,
 ) -> Pick | None:
     """The one bounded walk of the key's preference list (``pick`` and ``Placement``).
 
@@ -205,21 +236,22 @@ def walk(
     share_den)`` (no share bound when ``share_num`` is 0) wins: ``PRIMARY`` at
     position 0, else ``OVERFLOW``.  With ``soft``, the share bound gives way
     before the threshold does: the first member below ``threshold`` wins next.
-    Else ``FALLBACK``: the fewest ``fallback_loads``, then (with ``ranks``) the
-    lowest rank, then the earliest.  Integer arithmetic only: a float bound
-    lets one request too many through.
+    Else ``FALLBACK``: the earliest member (with ``ranks``, the lowest ranked,
+    then the earliest) whose ``fallback_loads`` is within the fallback's
+    tolerance of the fewest (``fallback_ceiling``, whose queue is counted from
+    the threshold before ``slack`` lowered it).  Integer arithmetic only: a
+    float bound lets one request too many through.
     """
     weights = ring._view  # a friend's read: this runs on the request path
-    best: str | None = None  # the fallback so far, and its place, load and rank
-    best_at = best_load = best_rank = 0
-    plain: str | None = None  # ... and the one without ranks (earliest on ties)
-    plain_load = 0
+    least = -1  # the fewest fallback_loads of the walk so far (-1: no member yet)
+    counted = 0  # ... and that member's loads (what the threshold reads)
+    passed: list[str] = []  # the walk's members not avoided, in order (the fallback's)
     below: Pick | None = None
-    position = 0
     for member in ring.walk(key_hash):
         if member in avoid:
             continue
         if loads.get(member, 0) < threshold:
+            position = len(passed)
             if not share_num or shares.get(member, 0) < -(
                 -(share_num * weights[member]) // share_den
             ):
@@ -227,19 +259,47 @@ def walk(
             if soft and below is None:
                 below = _new_pick(Pick, (member, OVERFLOW if position else PRIMARY, position))
         load = fallback_loads.get(member, 0)
-        if ranks is None:
-            if best is None or load < best_load:
-                best, best_at, best_load = member, position, load
-        else:
-            rank = ranks.get(member, 0)
-            if best is None or load < best_load or (load == best_load and rank < best_rank):
-                best, best_at, best_load, best_rank = member, position, load, rank
-            if plain is None or load < plain_load:
-                plain, plain_load = member, load
-        position += 1
+        if least < 0 or load < least:
+            least, counted = load, loads.get(member, 0)
+        passed.append(member)
     if below is not None:
         return below
-    if best is None:
+    if least < 0:
         return None
-    kind = Ranked if ranks is not None and best != plain else Pick
-    return _new_pick(kind, (best, FALLBACK, best_at))
+    ceiling = fallback_ceiling(least, counted, threshold + slack)
+    return _fallback(passed, fallback_loads, ceiling, ranks)
+
+
+def fallback_ceiling(least: int, counted: int, threshold: int) -> int:
+    """The most ``fallback_loads`` a fallback member may hold: ``least``, the fewest
+    of the walk, plus ``FALLBACK_TOLERANCE`` of that member's queue past
+    ``threshold`` (``counted`` is its count as the threshold reads it), rounded down."""
+    if counted <= threshold:
+        return least
+    return least + (counted - threshold) * _TOLERANCE_NUM // _TOLERANCE_DEN
+
+
+def _fallback(
+    walked: list[str],
+    fallback_loads: Mapping[str, int],
+    ceiling: int,
+    ranks: Mapping[str, int] | None,
+) -> Pick:
+    """A saturated walk's answer (``walked``: its members, in order): the earliest
+    with at most ``ceiling`` in flight or, with ``ranks``, the lowest ranked of
+    those (the earliest on equal ranks).  Some member qualifies: the least loaded."""
+    plain = best = -1  # places of the earliest within the ceiling and of the lowest ranked
+    best_rank = 0
+    for position, member in enumerate(walked):
+        if fallback_loads.get(member, 0) <= ceiling:
+            if ranks is None:
+                return _new_pick(Pick, (member, FALLBACK, position))
+            rank = ranks.get(member, 0)
+            if plain < 0:
+                plain = best = position
+                best_rank = rank
+            elif rank < best_rank:
+                best, best_rank = position, rank
+    assert best >= 0, "the least loaded member is within its own ceiling"
+    kind = Ranked if best != plain else Pick
+    return _new_pick(kind, (walked[best], FALLBACK, best))

@@ -6,6 +6,8 @@ Prints, for prefix lengths of 1 KiB, 4 KiB and 64 KiB and rings of 7, 64 and
 1,024 members (default vnodes), the nanoseconds per key of:
   hash      hash_key over a memoryview of the prefix (what a native request pays)
   pick      bounded-load pick on the ring, members idle (the common case)
+  saturated the pick when every member is past its threshold (30-33 in flight,
+            threshold 10): the whole walk, then the fallback's
   total     hash + pick, measured together
 and the median over --repeats runs (the machine is shared: medians, not means).
 Then the share of keys that move when the ring grows 7->8 and 64->65, measured
@@ -43,12 +45,19 @@ def median_ns_per_item(run: Callable[[], None], items: int, repeats: int) -> flo
 
 def bench_costs(keys: int, repeats: int) -> None:
     rng = random.Random(1)
-    print("| members | prefix | hash ns/key | pick ns/key | hash+pick ns/key |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| members | prefix | hash ns/key | pick ns/key | hash+pick ns/key"
+        " | saturated pick ns/key |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for members in FLEETS:
         ring = Ring(names(members))
         tracker = LoadTracker()
         bound = LoadBound(threshold=10, balance=1.25)
+        queued = LoadTracker()
+        for name in ring.members:
+            for _ in range(30 + rng.randrange(4)):
+                queued.acquire(name)
         for length in PREFIX_LENGTHS:
             # One buffer per key, as each request holds its own.
             buffers = [memoryview(bytearray(rng.randbytes(length))) for _ in range(keys)]
@@ -57,9 +66,10 @@ def bench_costs(keys: int, repeats: int) -> None:
                 "hash": partial(hash_all, buffers),
                 "pick": partial(pick_all, ring, tracker, bound, hashes),
                 "both": partial(hash_and_pick_all, ring, tracker, bound, buffers),
+                "saturated": partial(pick_all, ring, queued, bound, hashes),
             }
             ns = {name: median_ns_per_item(run, keys, repeats) for name, run in runs.items()}
-            figures = " | ".join(f"{ns[name]:,.0f}" for name in ("hash", "pick", "both"))
+            figures = " | ".join(f"{ns[name]:,.0f}" for name in runs)
             print(f"| {members} | {length} | {figures} |")
 
 

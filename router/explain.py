@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Literal, cast
 import msgspec
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
-from hashring.bounded import exact_factor
+from hashring.bounded import FALLBACK_TOLERANCE, exact_factor
 
 from .accesslog import prefix_hash
 from .balancer import decision_label
@@ -616,9 +616,11 @@ class _Answer:
                 + self._tie(name)
             )
         if decision == "fallback":
+            which = "the earliest of the walk" if self.unsignalled is None else "one"
             return (
-                f"every backend of the walk is at its bound: {name} has the fewest in flight"
-                " overall (fallback)" + self._tie(name)
+                f"every backend of the walk is at its bound: {name} is {which} among the least"
+                f" loaded ({fleet.loads.get(name)} in flight; past the threshold, counts within"
+                f" {FALLBACK_TOLERANCE} of the shortest queue tie) (fallback)" + self._tie(name)
             )
         if placement is not None and home is not None:
             if decision == "primary":
@@ -661,11 +663,12 @@ class _Answer:
         signals = self.router.signals
         if other is None or signals is None:
             return ""
-        in_flight = self.router.fleet.loads.get(name)
+        loads = self.router.fleet.loads
         now = time.time()
         return (
-            f"; it ties with {other} at {in_flight} in flight and the engine signals break the"
-            f" tie: {name}'s engine {_figures(signals.figures.get(name), now)}, {other}'s"
+            f"; it ties with {other} ({loads.get(name)} and {loads.get(other)} in flight) and"
+            f" the engine signals break the tie: {name}'s engine"
+            f" {_figures(signals.figures.get(name), now)}, {other}'s"
             f" {_figures(signals.figures.get(other), now)} (without them: {other})"
         )
 

@@ -5,6 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hashring import Decision, LoadBound, LoadTracker, Pick, Ring, pick
+from hashring.bounded import fallback_ceiling
+from tests.harness.fallback import expected_fallback
 
 MEMBERS = {"a": 1, "b": 2, "c": 1, "d": 3, "e": 1}
 
@@ -63,9 +65,10 @@ def test_assignments_never_exceed_a_bound_while_some_member_is_below_its_own(
         walk = [m for m in ring.walk(value) if m not in avoid]
         assert walk[chosen.position] == chosen.member
         if chosen.decision is Decision.FALLBACK:
-            # Only when nobody is below their bound, and then the least loaded.
+            # Only when nobody is below their bound, and then the least loaded (with
+            # the tolerance of a queue past the threshold).
             assert all(before.get(m, 0) >= allowed[m] for m in allowed)
-            assert before.get(chosen.member, 0) == min(before.get(m, 0) for m in allowed)
+            assert chosen.member == expected_fallback(walk, before, threshold)
         else:
             # The first member of the walk that is below its bound.
             earlier = walk[: chosen.position]
@@ -124,7 +127,7 @@ def test_the_threshold_and_the_balance_factor_can_count_different_loads(
     assert walk[chosen.position] == chosen.member
     if chosen.decision is Decision.FALLBACK:
         assert not any(map(eligible, walk))
-        assert in_flight.get(chosen.member, 0) == min(in_flight.get(m, 0) for m in walk)
+        assert chosen.member == expected_fallback(walk, in_flight, threshold, counted=waiting)
     else:
         assert eligible(chosen.member)
         assert not any(map(eligible, walk[: chosen.position]))
@@ -180,7 +183,27 @@ def test_fallback_takes_the_least_loaded_earliest_in_the_walk() -> None:
     key = 99
     walk = list(ring.walk(key))
     loads = {walk[0]: 5, walk[1]: 4, walk[2]: 4}
-    assert pick(ring, key, loads, LoadBound(2)) == Pick(walk[1], Decision.FALLBACK, 1)
+    # Just past the threshold (a queue of 1 at most): the fewest, earliest on ties.
+    assert pick(ring, key, loads, LoadBound(3)) == Pick(walk[1], Decision.FALLBACK, 1)
+    assert pick(ring, key, loads | {walk[2]: 3}, LoadBound(3)).member == walk[2]
+
+
+def test_deep_past_the_threshold_the_fallback_keeps_the_walk_order_within_its_tolerance() -> None:
+    ring = Ring({"a": 1, "b": 1, "c": 1}, vnodes=16)
+    key = 99
+    walk = list(ring.walk(key))
+    # Threshold 10, the least loaded queues 20 past it: up to 40 in flight count as least
+    # loaded (FALLBACK_TOLERANCE 1/2), so the key's primary keeps it at 40, not at 41.
+    assert fallback_ceiling(30, 30, 10) == 40
+    loads = {walk[0]: 40, walk[1]: 35, walk[2]: 30}
+    assert pick(ring, key, loads, LoadBound(10)) == Pick(walk[0], Decision.FALLBACK, 0)
+    loads[walk[0]] = 41
+    assert pick(ring, key, loads, LoadBound(10)) == Pick(walk[1], Decision.FALLBACK, 1)
+    loads[walk[1]] = 41
+    assert pick(ring, key, loads, LoadBound(10)) == Pick(walk[2], Decision.FALLBACK, 2)
+    # The queue is counted from the threshold as configured, not as a draw lowered it
+    # (from 5 the ceiling would be 42 and take walk[0]).
+    assert pick(ring, key, loads, LoadBound(10), slack=5) == Pick(walk[2], Decision.FALLBACK, 2)
 
 
 def test_balance_factor_caps_a_member_at_its_weighted_share() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from router.config import build_config
 from router.control.live import RouterControl
 from router.signals import KV_STEP, rank
 from tests.harness.backends import Backend, Seen, StartBackend
+from tests.harness.fallback import expected_fallback
 from tests.harness.http import WAIT, response
 from tests.harness.routers import FAST_HEALTH, SimFleet, StartRouter
 
@@ -45,14 +45,6 @@ def test_rank_counts_waiting_first_then_kv_use_in_steps() -> None:
 
 
 # -- hashring: a rank breaks ties and nothing else -------------------------------------
-
-
-def lowest(members: list[str], loads: Mapping[str, int], ranks: Mapping[str, int]) -> str:
-    """The first of ``members`` (walk order) with the fewest loads, then the lowest rank."""
-    least = min(loads.get(m, 0) for m in members)
-    tied = [m for m in members if loads.get(m, 0) == least]
-    best = min(ranks.get(m, 0) for m in tied)
-    return next(m for m in tied if ranks.get(m, 0) == best)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,9 +78,9 @@ def test_ranks_never_move_an_eligible_pick_and_only_break_fallback_ties(
         return
     assert ranked.decision is Decision.FALLBACK
     walk = [m for m in ring.walk(key) if m not in avoid]
-    assert ranked.member == lowest(walk, loads, ranks)
+    assert ranked.member == expected_fallback(walk, loads, threshold, ranks=ranks)
     assert walk[ranked.position] == ranked.member
-    assert loads.get(ranked.member, 0) == loads.get(plain.member, 0)  # a tie, never a load
+    assert plain.member == expected_fallback(walk, loads, threshold)  # a tie, never a load
     assert (type(ranked) is Ranked) == (ranked.member != plain.member)
 
 

@@ -12,4 +12,5 @@
 - ``fakek8s``: a fake Kubernetes API server serving EndpointSlices by list and watch.
 - ``discovery``: waiting for a discovery ``Reconciler`` and reading the fleet.
 - ``dockerfile``: the Dockerfile and .dockerignore, read statically.
+- ``fallback``: the saturated fallback's answer, from ``hashring.bounded``'s contract.
 """
