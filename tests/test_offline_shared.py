@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from hashring import Lease, LoadTracker, Placement, Ring
+from hashring import Lease, LoadTracker, Placement, Ring, bounded
 from hashring.placement import SCAN_REPLICAS
 from hashring.shared import STALE_SCAN_REPLICAS, PlacementLog, SharedLoads
 from loadtests import offline, report, workloads
@@ -195,6 +195,47 @@ def test_spreading_claims_gives_four_routers_one_routers_share_range() -> None:
     assert abs(one["min_share"] - spread["min_share"]) <= 0.01
     assert spread["ttft_p90"] < 1.1 * one["ttft_p90"]
     assert spread["hit_rate"] > one["hit_rate"] - 0.01
+
+
+DURATION_SHORT = 240  # model s: the fleet queues past the threshold within ~30 s
+
+
+def saturated(replicas: int) -> dict[str, float]:
+    """``short`` under SageMaker's semantics: a fleet saturated from the first
+    minute on, where (nearly) every request takes the fallback."""
+    requests = workloads.build(
+        "short", seed=1, duration=DURATION_SHORT, rate=FLEET["short"].rate_for(7)
+    )
+    outcome = simulate(
+        requests,
+        routing(**IN_FLIGHT),
+        instances=7,
+        params=FLEET["short"],
+        seed=1,
+        replicas=replicas,
+        share_period=0.1 if replicas > 1 else None,
+    )
+    return report.summarize(outcome.run)
+
+
+def test_a_saturated_fleet_keeps_one_routers_hits_across_four_routers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Saturated, the fallback decides: the earliest of the walk among the least
+    # loaded.  With counts up to 0.1 s old exact ties break differently on each
+    # router; the fallback's tolerance (hashring.bounded) makes the walk order,
+    # which every router shares, decide instead.
+    one, four = saturated(1), saturated(4)
+    monkeypatch.setattr(bounded, "_TOLERANCE_NUM", 0)  # exact ties only, as before
+    exact_one, exact_four = saturated(1), saturated(4)
+    print(
+        f"\nhit rate: tolerance one {one['hit_rate']:.3f} four {four['hit_rate']:.3f};"
+        f" exact ties one {exact_one['hit_rate']:.3f} four {exact_four['hit_rate']:.3f}"
+    )
+    assert abs(one["hit_rate"] - four["hit_rate"]) <= 0.01
+    assert four["ttft_p90"] < 1.1 * one["ttft_p90"]
+    assert exact_one["hit_rate"] - exact_four["hit_rate"] > 0.01
+    assert one["hit_rate"] > exact_one["hit_rate"] + 0.1
 
 
 # -- PlacementLog ---------------------------------------------------------------
