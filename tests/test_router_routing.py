@@ -13,6 +13,7 @@ import pytest
 from hashring import Placement, hash_key, tenant_seed
 from router.app import Router
 from router.balancer import Balancer
+from router.explain import DryRequest, explain
 from router.extract import decode_openai, prompt_key
 from tests.harness.routers import SimFleet, StartRouter, sagemaker
 
@@ -154,6 +155,47 @@ async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
         await router.wait_quiet()
     assert router.fleet.loads.total == 0
     assert dict(router.fleet.loads.counts) == {}
+
+
+async def test_deep_past_the_threshold_a_saturated_key_keeps_its_walk_within_the_tolerance(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # One key, threshold 1, three instances that hold every request.  Just past the
+    # threshold the fallback takes the fewest in flight, earliest on ties; from a
+    # queue of 2 past it, a member within half that queue of the least loaded
+    # counts as least loaded too (hashring.bounded.FALLBACK_TOLERANCE), so the key
+    # stays on the first member of its walk where exact ties would move it on.
+    sims = await sim_fleet(3, extra_ttft_s=30)
+    router = await start_router(sims, routing=sagemaker(ConcurrencyThreshold=1))
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    walk = walk_of(router, chat("q"))
+    w0, w1, w2 = walk
+    expected = dict.fromkeys(walk, 0)
+    tasks = []
+    async with aiohttp.ClientSession() as http:
+        try:
+            # Primary, two overflows, then fallback round by round: all at 3 in flight.
+            # Then at 3 each (a queue of 2): up to 4 count as least loaded, twice w0.
+            for i, target in enumerate([w0, w1, w2] * 3 + [w0, w0, w1]):
+                tasks.append(asyncio.create_task(post(http, url, chat(f"question {i}"))))
+                expected[target] += 1
+                await wait_running(router, sims, expected)
+            assert dict(router.fleet.loads.counts) == {w0: 5, w1: 4, w2: 3}
+            backends = router.fleet.backends
+            assert [backends[m].fallback for m in walk] == [4, 3, 2]
+            # The dry run (POST /admin/route) of the next one: w2 is the least loaded
+            # (3, a queue of 2), so up to 4 count and w1 is the earliest of those.
+            dry = DryRequest("POST", "/v1/chat/completions", body=json.dumps(chat("q")))
+            answer = explain(router, dry)
+            assert (answer.backend, answer.decision) == (w1, "fallback"), answer
+            assert "the earliest of the walk among the least loaded" in answer.reason
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    async with asyncio.timeout(10):
+        await router.wait_quiet()
+    assert router.fleet.loads.total == 0
 
 
 @pytest.mark.parametrize(("scope", "spread"), [("IN_FLIGHT", [0, 1, 2]), ("PREFILL", [0, 0, 0])])
