@@ -26,7 +26,7 @@ Contract:
   prefill, a longer queue a share of one).  Measured on a saturated fleet
   (``short`` under SageMaker's semantics, 1200 model s): hit rate 36.6 % ->
   59.5 %, P90 TTFT 0.53 -> 0.26 s, and routers that see each other's counts
-  late keep it (R = 4: 59.8 %), where exact ties broke differently on each.
+  late keep it (R = 4: 59.3 %), where exact ties broke differently on each.
   With no candidate at all, ``pick`` returns None.
 - ``ranks`` (optional: a number per member, lower first, absent 0) breaks
   the fallback's ties before the walk order does; nothing else reads it, so
