@@ -149,21 +149,28 @@ def test_without_extrapolating_a_row_folded_again_changes_nothing() -> None:
     assert dict(loads.counts) == {"a": 2}
 
 
-@functools.cache
-def sysprompt(replicas: int, extrapolate: bool, spread: bool = False) -> Outcome:
+def sagemaker_run(workload: str, duration: float, replicas: int, **shared: bool) -> Outcome:
+    """``workload`` under SageMaker's semantics on 7 instances, R routers sharing
+    every 0.1 s (``shared``: how, as ``simulate`` takes it)."""
     requests = workloads.build(
-        "sysprompt", seed=1, duration=60, rate=FLEET["sysprompt"].rate_for(7)
+        workload, seed=1, duration=duration, rate=FLEET[workload].rate_for(7)
     )
     return simulate(
         requests,
         routing(**IN_FLIGHT),
         instances=7,
-        params=FLEET["sysprompt"],
+        params=FLEET[workload],
         seed=1,
         replicas=replicas,
         share_period=0.1 if replicas > 1 else None,
-        share_extrapolate=extrapolate,
-        spread_claims=spread,
+        **shared,
+    )
+
+
+@functools.cache
+def sysprompt(replicas: int, extrapolate: bool, spread: bool = False) -> Outcome:
+    return sagemaker_run(
+        "sysprompt", 60, replicas, share_extrapolate=extrapolate, spread_claims=spread
     )
 
 
@@ -203,19 +210,7 @@ DURATION_SHORT = 240  # model s: the fleet queues past the threshold within ~30 
 def saturated(replicas: int) -> dict[str, float]:
     """``short`` under SageMaker's semantics: a fleet saturated from the first
     minute on, where (nearly) every request takes the fallback."""
-    requests = workloads.build(
-        "short", seed=1, duration=DURATION_SHORT, rate=FLEET["short"].rate_for(7)
-    )
-    outcome = simulate(
-        requests,
-        routing(**IN_FLIGHT),
-        instances=7,
-        params=FLEET["short"],
-        seed=1,
-        replicas=replicas,
-        share_period=0.1 if replicas > 1 else None,
-    )
-    return report.summarize(outcome.run)
+    return report.summarize(sagemaker_run("short", DURATION_SHORT, replicas).run)
 
 
 def test_a_saturated_fleet_keeps_one_routers_hits_across_four_routers(
