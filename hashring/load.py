@@ -9,9 +9,13 @@ Contract:
   ``total`` is its sum, kept incrementally.
 - ``on_idle``, when set, is called with a member's name when its count falls
   to zero (a drain waits on it instead of polling).
-- This is the seam for sharing counts between worker processes later: the
+- This is the seam for sharing counts between worker processes: the
   balancer reads loads only through ``counts``/``total`` and writes them only
-  through ``acquire``/``release``.
+  through ``acquire``/``release``.  A tracker that folds other processes'
+  counts in late says so with ``refreshes`` and re-reads one member's on
+  demand with ``refresh(member)`` (True if its count changed); the balancer
+  calls it on the member it is about to choose.  Here both are no-ops: a
+  plain tracker is the count itself.
 """
 
 from __future__ import annotations
@@ -57,8 +61,16 @@ class LoadTracker:
         self.total = 0
         self.on_idle: Callable[[str], None] | None = None
 
+    # Whether ``refresh`` can change a count (the contract): a class attribute,
+    # read on every decision.
+    refreshes = False
+
     def get(self, member: str) -> int:
         return self._counts.get(member, 0)
+
+    def refresh(self, member: str) -> bool:
+        """Re-read ``member``'s count where others keep part of it; True if it changed."""
+        return False
 
     def acquire(self, member: str) -> Lease:
         counts = self._counts

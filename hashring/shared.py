@@ -28,6 +28,11 @@ Contract:
   is R - 1 requests per own request: at R = 8 and ConcurrencyThreshold 10 it
   overflows more than the requests warrant (``loadtests/RESULTS.md``).
   Fold takes a new row object as a new publication: pass snapshots.
+- ``read_from(source)`` (without ``extrapolate``) gives a way to read the
+  others' count of one member as it is now, as the workers of one host read
+  each other's cells (``router.shared``): ``refresh(member)`` then replaces
+  that member's part of the view by it (the next ``fold`` replaces it
+  again), and ``refreshes`` is True.  The offline model uses it for workers.
 - ``PlacementLog`` keeps a TRAFFIC ``Placement`` in step with the other
   replicas' without a round trip on the request path.  After each routed
   request the caller reports it (``decided``); ``publish`` hands over the
@@ -55,7 +60,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -86,9 +91,11 @@ class SharedLoads(LoadTracker):
         "_others",
         "_others_total",
         "_rows",
+        "_source",
         "_view",
         "extrapolate",
         "own",
+        "refreshes",
     )
 
     def __init__(self, *, extrapolate: bool = False) -> None:
@@ -105,6 +112,8 @@ class SharedLoads(LoadTracker):
         self._rows: list[Mapping[str, int]] = []
         self._bases: list[dict[str, int]] = []
         self._extra_total = 0  # the extrapolated part of ``total``
+        self._source: Callable[[str], int] | None = None
+        self.refreshes = False
 
     @property
     def own_total(self) -> int:
@@ -138,6 +147,34 @@ class SharedLoads(LoadTracker):
         if not self._bases:
             return 0
         return sum(1 for base in self._bases if base.get(member, 0) < own)
+
+    def read_from(self, source: Callable[[str], int] | None) -> None:
+        """Read the others' count of one member from ``source`` on ``refresh`` (the contract)."""
+        if source is not None and self.extrapolate:
+            raise ValueError("a SharedLoads that extrapolates has no current source to read")
+        self._source = source
+        self.refreshes = source is not None
+
+    def refresh(self, member: str) -> bool:
+        source = self._source
+        if source is None:
+            return False
+        others = self._others
+        value, old = source(member), others.get(member, 0)
+        if value == old:
+            return False
+        if value:
+            others[member] = value
+        else:
+            del others[member]
+        self._others_total += value - old
+        self.total += value - old
+        count = self._view.get(member, 0) + value - old
+        if count:
+            self._view[member] = count
+        else:
+            self._view.pop(member, None)
+        return True
 
     @property
     def others(self) -> Mapping[str, int]:

@@ -2,8 +2,10 @@
 
     python -m loadtests.bench_shared [--pairs 200] [--requests 2000] [--folds 200]
 
-Per decision: ``acquire`` + ``counts.get`` + ``Lease.release``, what the
-balancer does to the in-flight tracker per request, in a tight loop over
+Per decision: ``counts.get``, ``refresh`` of the member chosen (a shared
+tracker's: its cells in the other rows read again), ``acquire`` and
+``Lease.release``, what the balancer does to the in-flight tracker per
+request (ConcurrencyScope PREFILL refreshes a second tracker), in a tight loop over
 random backends (half of them busy with a held lease, as in a loaded fleet),
 for the plain ``LoadTracker`` and a ``SharedLoadTracker`` on row 0 of a table
 of 1, 2, 4 and 8 rows (workers), with 7 and 1,000 backends.  Plain and shared
@@ -41,6 +43,8 @@ def decide_all(tracker: LoadTracker, names: list[str]) -> None:
     acquire = tracker.acquire
     for name in names:
         counts.get(name, 0)
+        if tracker.refreshes:  # as Balancer._walk: the plain tracker pays the test
+            tracker.refresh(name)
         acquire(name).release()
 
 

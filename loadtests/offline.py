@@ -59,6 +59,10 @@ Contract
   ``router.replicas.claim_spread(R, rate, P)``, the rate being the fleet's
   requests past their primary over the last ``RATE_WINDOW`` model seconds,
   taken at router 0's publications (``RateWindow``, as live replicas do).
+  ``share_fresh`` models the workers of one host instead of replicas: no
+  estimate, and each router reads the member it is about to choose in the
+  others' own rows again (``SharedLoads.read_from``, as ``router.shared``'s
+  ``refresh`` reads cells).
 - ``simulate`` returns the ``report.Run`` and the fleets, balancers and
   engines it used, so tests can check that every lease and every pinned
   block was released.
@@ -75,6 +79,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -166,6 +171,7 @@ class _Exchange:
         placement: str,
         extrapolate: bool = False,
         spread: bool = False,
+        fresh: bool = False,
     ):
         if period < 0:
             raise ValueError(f"share period must be >= 0, not {period}")
@@ -173,9 +179,15 @@ class _Exchange:
             raise ValueError(f"share placement must be one of {SHARE_PLACEMENT}, not {placement!r}")
         self.period = period
         self.fleets = fleets
-        extrapolate = extrapolate and period > 0  # at period 0 the rows are current
+        fresh = fresh and period > 0 and len(fleets) > 1
+        # At period 0 the rows are current; the workers of one host read cells, not estimates.
+        extrapolate = extrapolate and period > 0 and not fresh
         self.loads = [SharedLoads(extrapolate=extrapolate) for _ in fleets]
         self.waiting = [SharedLoads(extrapolate=extrapolate) for _ in fleets]
+        if fresh:
+            for trackers in (self.loads, self.waiting):
+                for router, tracker in enumerate(trackers):
+                    tracker.read_from(partial(_column, trackers, router))
         for fleet, loads, waiting in zip(fleets, self.loads, self.waiting, strict=True):
             fleet.loads, fleet.waiting = loads, waiting
         placements: list[Placement | None] = [b._placement for b in balancers]
@@ -271,6 +283,12 @@ class _Exchange:
                 log.apply(self.fleets[other].ring, records)
 
 
+def _column(trackers: list[SharedLoads], router: int, member: str) -> int:
+    """The other routers' own counts of ``member`` now: what a worker reads in the others'
+    cells of the shared table (``router.shared``)."""
+    return sum(t.own.get(member, 0) for r, t in enumerate(trackers) if r != router)
+
+
 # An event: (model time, tie-break serial, instance, ticket, request index, choice,
 # FIRST_TOKEN or FINISH).
 _Event = tuple[float, int, str, Ticket, int, Choice, int]
@@ -293,6 +311,7 @@ def simulate(
     share_extrapolate: bool = True,
     share_placement: str = "log",
     spread_claims: bool = True,
+    share_fresh: bool = False,
 ) -> Outcome:
     """Route and serve ``requests`` (sorted by arrival); see the module contract.
 
@@ -320,6 +339,7 @@ def simulate(
             share_placement,
             extrapolate=share_extrapolate,
             spread=spread_claims,
+            fresh=share_fresh,
         )
         if share_period is not None
         else None
@@ -423,6 +443,8 @@ def simulate(
             notes += f" (ConcurrencyThreshold {total} split: {prefix.concurrency_threshold} each)"
         if share_period is not None:
             notes += f", sharing state every {share_period:g} s"
+            if share_fresh and share_period > 0:
+                notes += " (the chosen member read again: workers)"
             if prefix.balance_mode == "TRAFFIC" and config.strategy.value == "PREFIX_AWARE":
                 notes += f" (placement: {share_placement})"
     run = report.Run(
@@ -512,6 +534,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="with --share-loads: each router spreads its claims over the routers that "
         "race for a freed place, as live replicas do (router.replicas.claim_spread)",
     )
+    p.add_argument(
+        "--share-fresh",
+        action="store_true",
+        help="with --share-loads: the routers are the workers of one host, which read "
+        "the member they are about to choose in each other's cells again (router.shared) "
+        "and do not estimate between rows",
+    )
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
@@ -579,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             share_placement=args.share_placement,
             share_extrapolate=args.share_extrapolate,
             spread_claims=args.spread_claims,
+            share_fresh=args.share_fresh,
         )
         wall = time.perf_counter() - clock
         walls[outcome.run.target] = wall
@@ -599,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             "share_placement": args.share_placement,
             "share_extrapolate": args.share_extrapolate,
             "spread_claims": args.spread_claims,
+            "share_fresh": args.share_fresh,
             "form": args.form,
             "fleet": vars(params),
             "routing": [c.document() for c in configs],

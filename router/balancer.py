@@ -77,6 +77,12 @@ Contract:
   fallback is counted as one; the admission queue (``choose(...,
   queue=True)``, ``peek(..., queue=True)``, ``saturated``) walks again
   without the draw before it calls the fleet saturated.
+- Counts folded in late (``LoadTracker.refreshes``: the workers of one host,
+  ``router.shared``): a walk that chooses a member below its bound reads that
+  member's count again (``refresh``) and walks again if it moved, at most
+  ``_REFRESHES`` walks, so a worker does not take a place another worker took
+  since the last fold.  A refresh is a read (it changes no routing state):
+  ``peek`` makes it too, and answers what ``choose`` would.
 """
 
 from __future__ import annotations
@@ -107,6 +113,10 @@ from .split import FLEET_PART
 __all__ = ["SATURATED", "Balancer", "Choice", "decision_label"]
 
 _PRIMARY, _OVERFLOW, _FALLBACK = Decision.PRIMARY, Decision.OVERFLOW, Decision.FALLBACK
+# Walks one decision may make when the member it chose turns out, read again, to
+# have moved (``LoadTracker.refresh``): each read makes the next walk see that
+# member as it is; the last walk's choice stands.
+_REFRESHES: Final = 3
 
 
 def decision_label(decision: str, position: int) -> str:
@@ -647,10 +657,37 @@ class Balancer:
         spread: int,
     ) -> Pick | None:
         """The bounded walk of BalanceMode IN_FLIGHT, either scope (``pick``), its
-        threshold lowered by a draw when claims are spread (the contract)."""
+        threshold lowered by a draw when claims are spread (the contract).  Where
+        the counts fold other workers' in late, the member chosen below its bound
+        is read again first, and the walk is made again if its count moved."""
+        slack = int(self._rng.random() * spread) if spread > 1 else 0
+        chosen = self._pick(key_hash, skip, members, ranks, slack)
+        if chosen is None or chosen[1] is _FALLBACK or not self.fleet.loads.refreshes:
+            return chosen
+        loads, waiting = self.fleet.loads, self.fleet.waiting
+        for _ in range(_REFRESHES - 1):
+            member = chosen[0]
+            moved = loads.refresh(member)
+            if self._prefill_scope and waiting.refresh(member):
+                moved = True
+            if not moved:
+                return chosen
+            chosen = self._pick(key_hash, skip, members, ranks, slack)
+            if chosen is None or chosen[1] is _FALLBACK:
+                return chosen
+        return chosen
+
+    def _pick(
+        self,
+        key_hash: int,
+        skip: Set[str],
+        members: Members,
+        ranks: Mapping[str, int] | None,
+        slack: int,
+    ) -> Pick | None:
+        """One walk of ``_walk``'s, on the counts as they are."""
         fleet = self.fleet
         loads = fleet.loads
-        slack = int(self._rng.random() * spread) if spread > 1 else 0
         if self._prefill_scope:
             # The same for the threshold; BalanceFactor still bounds every request
             # in flight, so one hot prefix cannot take a backend's whole batch.

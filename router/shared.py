@@ -49,6 +49,16 @@ Contract:
   all rows after ``fold``, and ``on_idle`` fires from ``fold`` when a
   backend's fleet-wide count falls to zero (a drain across workers waits on
   it); ``in_flight(name)`` sums the column right now, without a fold.
+- ``refresh(name)`` re-reads one backend's cells in the other rows now (one
+  load per row) and updates the view; the balancer calls it on the backend
+  it is about to choose and walks again if the count moved (``refreshes``
+  is True).  So a worker does not add a request to a place another worker
+  took since the last fold: a bound that counts requests not yet answered
+  (ConcurrencyScope PREFILL) turns over faster than any fold period (on
+  ``sysprompt`` with BalanceFactor, four workers folding every 10 ms let
+  41 % more requests start behind another's prefill than one process;
+  ``loadtests/RESULTS.md``).  The next fold reads every row again, so what a
+  refresh saw is never kept past the rows' own bytes.
 - Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
   tracker of every worker, in the order the supervisor sent it.  ``forget``
   zeroes the worker's own cell and unbinds the name; a lease on it released
@@ -113,6 +123,9 @@ TABLE_PLANES = PLANES + 1  # a router's table: the trackers' planes and the rese
 # that last a whole stream (seconds): the threshold can overshoot by the host's
 # request rate x 10 ms at most, e.g. 5 requests at 500 requests/s.
 DEFAULT_PERIOD = 0.01
+
+
+_LITTLE = sys.byteorder == "little"  # which end of a summed row is slot 0
 
 
 def _stride(slots: int) -> int:
@@ -243,6 +256,7 @@ class SharedLoadTracker(LoadTracker):
     """
 
     __slots__ = (
+        "_firsts",
         "_folded",
         "_handle",
         "_ints",
@@ -279,6 +293,7 @@ class SharedLoadTracker(LoadTracker):
             self._mine = table.cells[start : start + table.slots]
         # The other rows' blocks of this plane, as byte offsets, and what fold read there.
         self._starts = [table.index(r, plane) * CELL for r in range(table.rows) if r != row]
+        self._firsts = [start // CELL for start in self._starts]  # the same, in cells
         self._span = 0  # slots folded: up to the highest assigned
         self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
         self._ints = [0] * len(self._starts)  # the same, each as one integer
@@ -441,6 +456,33 @@ class SharedLoadTracker(LoadTracker):
                 self.on_idle(name)
         return True
 
+    refreshes = True
+
+    def refresh(self, name: str) -> bool:
+        """Re-read ``name``'s cells in the other rows now; True if its count changed
+        (the contract).  Keeps ``fold``'s bookkeeping: the lane of ``_folded`` moves
+        with the count, and the next fold reads every row again (a row whose bytes
+        went back to those of the last fold would otherwise be skipped, and with it
+        the lane this refresh moved)."""
+        slot = self._slot.get(name)
+        if slot is None or slot >= self._span:
+            return False
+        cells = self.table.cells
+        value = 0
+        for first in self._firsts:
+            value += cells[first + slot]
+        others = self._others
+        old = others[slot]
+        if value == old:
+            return False
+        others[slot] = value
+        lane = slot if _LITTLE else self._span - 1 - slot
+        self._folded += (value - old) << (64 * lane)
+        self._seen[0] = b""  # a refresh implies another row: there is a first
+        self.total += value - old
+        self._set(name, self._mine[slot] + value)
+        return True
+
     def in_flight(self, name: str) -> int:
         """``name``'s count over all rows, read now (no fold); the own count if it has no slot."""
         slot = self._slot.get(name)
@@ -473,7 +515,7 @@ class SharedLoadTracker(LoadTracker):
         self.stop()
         for name in list(self._slot):
             self.forget(name)
-        self._starts, self._seen, self._ints, self._span = [], [], [], 0
+        self._starts, self._firsts, self._seen, self._ints, self._span = [], [], [], [], 0
         if self.row is not None:
             self._mine.release()
             self._mine = _zeros(self.table.slots)

@@ -357,8 +357,11 @@ def test_attach_checks_the_shape_and_leaves_the_fd_open(table: SharedTable) -> N
             SharedTable.create(rows, slots, planes)
 
 
-def test_the_balancer_sees_the_other_workers_load_after_fold(table: SharedTable) -> None:
-    """Two workers' balancers on one table: the threshold becomes fleet-wide."""
+def test_the_balancer_sees_the_other_workers_load_without_waiting_for_a_fold(
+    table: SharedTable,
+) -> None:
+    """Two workers' balancers on one table: the threshold is fleet-wide, and the
+    member a walk chooses is read again in the other rows before it is taken."""
     routing = parse_routing(
         {
             "RoutingStrategy": "PREFIX_AWARE",
@@ -376,20 +379,58 @@ def test_the_balancer_sees_the_other_workers_load_after_fold(table: SharedTable)
     held = [choice for choice in (first.choose(key), first.choose(key)) if choice is not None]
     assert [choice.decision for choice in held] == ["primary", "primary"]
     home = held[0].backend.name
-    before = second.choose(key)  # not folded yet: the home looks idle to the second worker
-    assert before is not None
-    assert before.backend.name == home
-    before.release()
     loads = second.fleet.loads
     assert isinstance(loads, SharedLoadTracker)
-    loads.fold()
+    assert loads.get(home) == 0  # not folded: the home looked idle to the second worker
     after = second.choose(key)
     assert after is not None
     assert after.decision == "overflow"
     assert after.backend.name != home
-    after.release()
+    assert loads.get(home) == 2  # what the walk read again
     for choice in held:
         choice.release()
+    # Only the member chosen is read again: a place freed elsewhere waits for the
+    # fold (the safe side: the walk goes on past a member that has room).
+    picked = second.peek(key)
+    assert picked is not None
+    assert picked[1] == "overflow"
+    loads.fold()
+    again = second.choose(key)
+    assert again is not None
+    assert (again.decision, again.backend.name) == ("primary", home)
+    for choice in (after, again):
+        choice.release()
+
+
+def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
+    table: SharedTable,
+) -> None:
+    me, other, supervisor = worker(table, 0), worker(table, 1), reader(table)
+    assert me.refreshes
+    me.fold()
+    lease = other.acquire("b1")
+    assert not me.refresh("b2")  # unchanged
+    assert not me.refresh("nobody")  # no slot: nothing to read
+    assert me.refresh("b1")
+    assert (dict(me.counts), me.total) == ({"b1": 1}, 1)
+    assert not me.refresh("b1")
+    assert supervisor.refresh("b1")
+    assert supervisor.get("b1") == 1
+    # The other row goes back to the bytes the last fold read: the fold must
+    # still take back what the refresh saw in between.
+    lease.release()
+    me.fold()
+    assert (dict(me.counts), me.total) == ({}, 0)
+    mine = me.acquire("b1")
+    theirs = [other.acquire("b1"), other.acquire("b4")]
+    assert me.refresh("b1")
+    assert me.get("b1") == 2
+    me.fold()
+    assert (dict(me.counts), me.total) == ({"b1": 2, "b4": 1}, 3)
+    for held in (mine, *theirs):
+        held.release()
+    me.fold()
+    assert (dict(me.counts), me.total) == ({}, 0)
 
 
 async def test_start_folds_on_the_loop_until_stop(table: SharedTable) -> None:
