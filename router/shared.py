@@ -51,12 +51,12 @@ Contract:
   it); ``in_flight(name)`` sums the column right now, without a fold.
 - ``refresh(name)`` re-reads one backend's cells in the other rows now (one
   load per row) and updates the view; the balancer calls it on the backend
-  it is about to choose and walks again if the count moved (``refreshes``
-  is True).  So a worker does not add a request to a place another worker
+  it is about to choose and walks again if the count moved (``refreshes``:
+  the table has another row).  So a worker does not add a request to a place another worker
   took since the last fold: a bound that counts requests not yet answered
   (ConcurrencyScope PREFILL) turns over faster than any fold period (on
   ``sysprompt`` with BalanceFactor, four workers folding every 10 ms let
-  41 % more requests start behind another's prefill than one process;
+  49 % more requests start behind another's prefill than one process;
   ``loadtests/RESULTS.md``).  The next fold reads every row again, so what a
   refresh saw is never kept past the rows' own bytes.
 - Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
@@ -271,6 +271,7 @@ class SharedLoadTracker(LoadTracker):
         "_writes",
         "on_fold",
         "plane",
+        "refreshes",
         "row",
         "table",
     )
@@ -294,6 +295,7 @@ class SharedLoadTracker(LoadTracker):
         # The other rows' blocks of this plane, as byte offsets, and what fold read there.
         self._starts = [table.index(r, plane) * CELL for r in range(table.rows) if r != row]
         self._firsts = [start // CELL for start in self._starts]  # the same, in cells
+        self.refreshes = bool(self._firsts)  # a table of one row has nothing to read again
         self._span = 0  # slots folded: up to the highest assigned
         self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
         self._ints = [0] * len(self._starts)  # the same, each as one integer
@@ -456,16 +458,14 @@ class SharedLoadTracker(LoadTracker):
                 self.on_idle(name)
         return True
 
-    refreshes = True
-
     def refresh(self, name: str) -> bool:
         """Re-read ``name``'s cells in the other rows now; True if its count changed
         (the contract).  Keeps ``fold``'s bookkeeping: the lane of ``_folded`` moves
         with the count, and the next fold reads every row again (a row whose bytes
         went back to those of the last fold would otherwise be skipped, and with it
         the lane this refresh moved)."""
-        slot = self._slot.get(name)
-        if slot is None or slot >= self._span:
+        slot = self._slot.get(name)  # an assigned slot is below ``_span``
+        if slot is None:
             return False
         cells = self.table.cells
         value = 0
@@ -516,6 +516,7 @@ class SharedLoadTracker(LoadTracker):
         for name in list(self._slot):
             self.forget(name)
         self._starts, self._firsts, self._seen, self._ints, self._span = [], [], [], [], 0
+        self.refreshes = False
         if self.row is not None:
             self._mine.release()
             self._mine = _zeros(self.table.slots)
