@@ -52,8 +52,8 @@ Contract:
 - ``refresh(name)`` re-reads one backend's cells in the other rows now (one
   load per row) and updates the view; the balancer calls it on the backend
   it is about to choose and walks again if the count moved (``refreshes``:
-  the table has another row).  So a worker does not add a request to a place another worker
-  took since the last fold: a bound that counts requests not yet answered
+  the table has another row).  So a worker does not add a request to a
+  place another worker took since the last fold: a bound that counts requests not yet answered
   (ConcurrencyScope PREFILL) turns over faster than any fold period (on
   ``sysprompt`` with BalanceFactor, four workers folding every 10 ms let
   49 % more requests start behind another's prefill than one process;
@@ -480,7 +480,12 @@ class SharedLoadTracker(LoadTracker):
         self._folded += (value - old) << (64 * lane)
         self._seen[0] = b""  # a refresh implies another row: there is a first
         self.total += value - old
-        self._set(name, self._mine[slot] + value)
+        count = self._mine[slot] + value
+        counts = self._counts
+        if count:
+            counts[name] = count
+        elif counts.pop(name, 0) and self.row is None and self.on_idle is not None:
+            self.on_idle(name)  # as fold: the fleet-wide count fell to zero
         return True
 
     def in_flight(self, name: str) -> int:

@@ -416,11 +416,17 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
     assert not me.refresh("b1")
     assert supervisor.refresh("b1")
     assert supervisor.get("b1") == 1
+    idle: list[str] = []
+    supervisor.on_idle = idle.append
     # The other row goes back to the bytes the last fold read: the fold must
     # still take back what the refresh saw in between.
     lease.release()
     me.fold()
     assert (dict(me.counts), me.total) == ({}, 0)
+    assert supervisor.refresh("b1")
+    assert idle == ["b1"]  # a drain across workers hears it, as from a fold
+    supervisor.fold()
+    assert idle == ["b1"]
     mine = me.acquire("b1")
     theirs = [other.acquire("b1"), other.acquire("b4")]
     assert me.refresh("b1")
