@@ -58,7 +58,9 @@ Contract:
   ``sysprompt`` with BalanceFactor, four workers folding every 10 ms let
   49 % more requests start behind another's prefill than one process;
   ``loadtests/RESULTS.md``).  The next fold reads every row again, so what a
-  refresh saw is never kept past the rows' own bytes.
+  refresh saw is never kept past the rows' own bytes.  A refresh that finds
+  a count lower calls ``on_fold`` (the queue's wake), since the timed fold
+  will not see that change again.
 - Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
   tracker of every worker, in the order the supervisor sent it.  ``forget``
   zeroes the worker's own cell and unbinds the name; a lease on it released
@@ -83,6 +85,7 @@ import fcntl
 import mmap
 import os
 import sys
+from array import array
 from collections.abc import Callable
 from itertools import compress
 
@@ -302,7 +305,8 @@ class SharedLoadTracker(LoadTracker):
         self._folded = 0  # their sum: one 64-bit lane per slot
         self._others: list[int] = []  # the same, per slot
         self._handle: asyncio.TimerHandle | None = None
-        # Called after a timed fold that changed a count (the admission queue's wake).
+        # Called after a timed fold that changed a count, or a refresh that found
+        # one lower (the admission queue's wake).
         self.on_fold: Callable[[], None] | None = None
 
     # -- the request path (LoadTracker's interface) ------------------------------
@@ -378,6 +382,10 @@ class SharedLoadTracker(LoadTracker):
             self._others.extend([0] * (slot + 1 - self._span))
             self._span = slot + 1
             self._seen = [b""] * len(self._starts)  # re-read every row over the new span
+            # The folded sum laid out for the new span: the same integer on a
+            # little-endian host, shifted lanes on a big-endian one (slot 0 is
+            # the top lane there, so its position moves with the span).
+            self._folded = int.from_bytes(array("q", self._others).tobytes(), sys.byteorder)
         self._mine[slot] = self._own.pop(name, 0)
         self._slot[name] = slot
         self._names[slot] = name
@@ -486,6 +494,8 @@ class SharedLoadTracker(LoadTracker):
             counts[name] = count
         elif counts.pop(name, 0) and self.row is None and self.on_idle is not None:
             self.on_idle(name)  # as fold: the fleet-wide count fell to zero
+        if value < old and self.on_fold is not None:
+            self.on_fold()  # a place freed: the timed fold will not report it now
         return True
 
     def in_flight(self, name: str) -> int:

@@ -407,6 +407,8 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
 ) -> None:
     me, other, supervisor = worker(table, 0), worker(table, 1), reader(table)
     assert me.refreshes
+    woken: list[str] = []
+    me.on_fold = lambda: woken.append("wake")  # the admission queue's wake
     me.fold()
     lease = other.acquire("b1")
     assert not me.refresh("b2")  # unchanged
@@ -414,6 +416,7 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
     assert me.refresh("b1")
     assert (dict(me.counts), me.total) == ({"b1": 1}, 1)
     assert not me.refresh("b1")
+    assert woken == []  # a count that rose frees no place
     assert supervisor.refresh("b1")
     assert supervisor.get("b1") == 1
     idle: list[str] = []
@@ -433,7 +436,11 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
     assert me.get("b1") == 2
     me.fold()
     assert (dict(me.counts), me.total) == ({"b1": 2, "b4": 1}, 3)
-    for held in (mine, *theirs):
+    theirs[0].release()
+    assert woken == []
+    assert me.refresh("b1")  # a place freed: the timed fold will not report it now
+    assert woken == ["wake"]
+    for held in (mine, theirs[1]):
         held.release()
     me.fold()
     assert (dict(me.counts), me.total) == ({}, 0)
