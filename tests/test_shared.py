@@ -402,6 +402,49 @@ def test_the_balancer_sees_the_other_workers_load_without_waiting_for_a_fold(
         choice.release()
 
 
+def test_under_prefill_scope_the_walk_reads_the_requests_not_yet_answered_again(
+    table: SharedTable,
+) -> None:
+    """ConcurrencyScope PREFILL bounds requests not yet answered (plane 1): the
+    chosen member is read again there too."""
+    routing = parse_routing(
+        {
+            "RoutingStrategy": "PREFIX_AWARE",
+            "PrefixAwareRoutingConfig": {
+                "ConcurrencyThreshold": 1,
+                **SAGEMAKER,
+                "ConcurrencyScope": "PREFILL",
+            },
+        }
+    )
+    specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]
+    balancers = []
+    for row in range(2):
+        fleet = Fleet(specs)
+        fleet.loads, fleet.waiting = worker(table, row, 0), worker(table, row, 1)
+        balancers.append(Balancer(fleet, routing, seed=row))
+    first, second = balancers
+    key = 4242
+    held = first.choose(key)
+    assert held is not None
+    home = held.backend.name
+    after = second.choose(key)  # no fold: only the read again sees the home waiting
+    assert after is not None
+    assert (after.decision, after.backend.name != home) == ("overflow", True)
+    after.release()
+    held.first_byte()  # answered: in flight still, no longer waiting
+    again = second.choose(key)
+    assert again is not None
+    assert (again.decision, again.backend.name) == ("overflow", after.backend.name)
+    # The view still counts the home as waiting until something reads it again.
+    second.fleet.waiting.fold()
+    last = second.choose(key)
+    assert last is not None
+    assert (last.decision, last.backend.name) == ("primary", home)
+    for choice in (held, again, last):
+        choice.release()
+
+
 def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
     table: SharedTable,
 ) -> None:
