@@ -24,7 +24,7 @@ import pytest
 
 from hashring import Lease
 from router.balancer import Balancer
-from router.config import BackendSpec, parse_routing
+from router.config import BackendSpec, RoutingConfig, parse_routing
 from router.fleet import Fleet
 from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
 from tests.harness.routers import SAGEMAKER
@@ -357,6 +357,17 @@ def test_attach_checks_the_shape_and_leaves_the_fd_open(table: SharedTable) -> N
             SharedTable.create(rows, slots, planes)
 
 
+def two_workers(table: SharedTable, routing: RoutingConfig) -> tuple[Balancer, Balancer]:
+    """Two workers' balancers on ``table`` (rows 0 and 1), as ``router.worker`` makes them."""
+    specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]
+    balancers = []
+    for row in range(2):
+        fleet = Fleet(specs)
+        fleet.loads, fleet.waiting = worker(table, row, 0), worker(table, row, 1)
+        balancers.append(Balancer(fleet, routing, seed=row))
+    return balancers[0], balancers[1]
+
+
 def test_the_balancer_sees_the_other_workers_load_without_waiting_for_a_fold(
     table: SharedTable,
 ) -> None:
@@ -368,13 +379,7 @@ def test_the_balancer_sees_the_other_workers_load_without_waiting_for_a_fold(
             "PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 2, **SAGEMAKER},
         }
     )
-    specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]
-    balancers = []
-    for row in range(2):
-        fleet = Fleet(specs)
-        fleet.loads, fleet.waiting = worker(table, row, 0), worker(table, row, 1)
-        balancers.append(Balancer(fleet, routing, seed=row))
-    first, second = balancers
+    first, second = two_workers(table, routing)
     key = 12345
     held = [choice for choice in (first.choose(key), first.choose(key)) if choice is not None]
     assert [choice.decision for choice in held] == ["primary", "primary"]
@@ -417,13 +422,7 @@ def test_under_prefill_scope_the_walk_reads_the_requests_not_yet_answered_again(
             },
         }
     )
-    specs = [BackendSpec(name, f"http://127.0.0.1:{9000 + i}") for i, name in enumerate(NAMES)]
-    balancers = []
-    for row in range(2):
-        fleet = Fleet(specs)
-        fleet.loads, fleet.waiting = worker(table, row, 0), worker(table, row, 1)
-        balancers.append(Balancer(fleet, routing, seed=row))
-    first, second = balancers
+    first, second = two_workers(table, routing)
     key = 4242
     held = first.choose(key)
     assert held is not None
