@@ -115,44 +115,57 @@ async def wait_running(router: Router, sims: list[Any], expected: dict[str, int]
             await by_name[name].instance.wait_for(lambda e, c=count: e.running + e.waiting == c)
 
 
+class Held:
+    """Requests of one key held in flight on instances that answer late: ``send``
+    posts one and waits until it runs on ``target``; ``release`` sends the clients
+    away and waits for every lease to come back."""
+
+    def __init__(
+        self, http: aiohttp.ClientSession, router: Router, sims: list[Any], walk: list[str]
+    ):
+        self.http, self.router, self.sims = http, router, sims
+        self.url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+        self.expected = dict.fromkeys(walk, 0)
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def send(self, target: str, question: str) -> None:
+        # Different questions, same prefix: the same key.
+        self.tasks.append(asyncio.create_task(post(self.http, self.url, chat(question))))
+        self.expected[target] += 1
+        await wait_running(self.router, self.sims, self.expected)
+
+    async def release(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        async with asyncio.timeout(10):
+            await self.router.wait_quiet()
+
+
 async def test_concurrency_threshold_overflows_along_the_walk_then_falls_back(
     sim_fleet: SimFleet, start_router: StartRouter
 ) -> None:
     # Every instance holds its requests for a long time, so they stay in flight.
     sims = await sim_fleet(4, extra_ttft_s=30)
     router = await start_router(sims, routing=sagemaker(ConcurrencyThreshold=2))
-    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     walk = walk_of(router, chat("q"))
-    expected = dict.fromkeys(walk, 0)
-    tasks = []
     async with aiohttp.ClientSession() as http:
+        held = Held(http, router, sims, walk)
         try:
             for i, target in enumerate([walk[0], walk[0], walk[1], walk[1], walk[2], walk[2]]):
-                # Different questions, same prefix: the same key.
-                tasks.append(asyncio.create_task(post(http, url, chat(f"question {i}"))))
-                expected[target] += 1
-                await wait_running(router, sims, expected)
+                await held.send(target, f"question {i}")
             backends = router.fleet.backends
             assert backends[walk[1]].overflow == 2  # always the next one of the walk
             assert backends[walk[2]].overflow == 2
             assert dict(router.fleet.loads.counts) == {walk[0]: 2, walk[1]: 2, walk[2]: 2}
             for i in range(2):
-                tasks.append(asyncio.create_task(post(http, url, chat(f"more {i}"))))
-                expected[walk[3]] += 1
-                await wait_running(router, sims, expected)
+                await held.send(walk[3], f"more {i}")
             # Everyone is at the threshold: fallback to the least loaded, first in the walk.
-            tasks.append(asyncio.create_task(post(http, url, chat("one too many"))))
-            expected[walk[0]] += 1
-            await wait_running(router, sims, expected)
+            await held.send(walk[0], "one too many")
             assert backends[walk[0]].fallback == 1
             assert router.fleet.loads.total == 9
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    # The clients went away: every lease comes back.
-    async with asyncio.timeout(10):
-        await router.wait_quiet()
+            await held.release()  # the clients went away: every lease comes back
     assert router.fleet.loads.total == 0
     assert dict(router.fleet.loads.counts) == {}
 
@@ -167,19 +180,15 @@ async def test_deep_past_the_threshold_a_saturated_key_keeps_its_walk_within_the
     # stays on the first member of its walk where exact ties would move it on.
     sims = await sim_fleet(3, extra_ttft_s=30)
     router = await start_router(sims, routing=sagemaker(ConcurrencyThreshold=1))
-    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
     walk = walk_of(router, chat("q"))
     w0, w1, w2 = walk
-    expected = dict.fromkeys(walk, 0)
-    tasks = []
     async with aiohttp.ClientSession() as http:
+        held = Held(http, router, sims, walk)
         try:
             # Primary, two overflows, then fallback round by round: all at 3 in flight.
             # Then at 3 each (a queue of 2): up to 4 count as least loaded, twice w0.
             for i, target in enumerate([w0, w1, w2] * 3 + [w0, w0, w1]):
-                tasks.append(asyncio.create_task(post(http, url, chat(f"question {i}"))))
-                expected[target] += 1
-                await wait_running(router, sims, expected)
+                await held.send(target, f"question {i}")
             assert dict(router.fleet.loads.counts) == {w0: 5, w1: 4, w2: 3}
             backends = router.fleet.backends
             assert [backends[m].fallback for m in walk] == [4, 3, 2]
@@ -190,11 +199,7 @@ async def test_deep_past_the_threshold_a_saturated_key_keeps_its_walk_within_the
             assert (answer.backend, answer.decision) == (w1, "fallback"), answer
             assert "the earliest of the walk among the least loaded" in answer.reason
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    async with asyncio.timeout(10):
-        await router.wait_quiet()
+            await held.release()
     assert router.fleet.loads.total == 0
 
 
