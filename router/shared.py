@@ -50,16 +50,17 @@ Contract:
   backend's fleet-wide count falls to zero (a drain across workers waits on
   it); ``in_flight(name)`` sums the column right now, without a fold.
 - ``refresh(name)`` re-reads one backend's cells in the other rows now (one
-  load per row) and updates the view; the balancer calls it on the backend
-  it is about to choose and walks again if the count moved (``refreshes``:
-  the table has another row).  So a worker does not add a request to a
-  place another worker took since the last fold: a bound that counts requests not yet answered
-  (ConcurrencyScope PREFILL) turns over faster than any fold period (on
-  ``sysprompt`` with BalanceFactor, four workers folding every 10 ms let
-  49 % more requests start behind another's prefill than one process;
-  ``loadtests/RESULTS.md``).  The next fold reads every row again, so what a
-  refresh saw is never kept past the rows' own bytes.  A refresh that finds
-  a count lower calls ``on_fold`` (the queue's wake), since the timed fold
+  ``sum`` over a strided view of its column) and updates the view; the
+  balancer calls it on the backend it is about to choose and walks again if
+  the count moved (``refreshes``: the table has another row). So a worker
+  does not add a request to a place another worker took since the last fold:
+  a bound that counts requests not yet answered (ConcurrencyScope PREFILL)
+  turns over faster than any fold period (on ``sysprompt`` with
+  BalanceFactor, four workers folding every 10 ms let 49 % more requests
+  start behind another's prefill than one process;
+  ``loadtests/RESULTS.md``). The next fold reads every row again, so what a
+  refresh saw is never kept past the rows' own bytes. A refresh that finds a
+  count lower calls ``on_fold`` (the queue's wake), since the timed fold
   will not see that change again.
 - Slots: ``assign(name, slot)`` / ``forget(name)``, the same sequence on every
   tracker of every worker, in the order the supervisor sent it.  ``forget``
@@ -259,7 +260,7 @@ class SharedLoadTracker(LoadTracker):
     """
 
     __slots__ = (
-        "_firsts",
+        "_columns",
         "_folded",
         "_handle",
         "_ints",
@@ -297,8 +298,10 @@ class SharedLoadTracker(LoadTracker):
             self._mine = table.cells[start : start + table.slots]
         # The other rows' blocks of this plane, as byte offsets, and what fold read there.
         self._starts = [table.index(r, plane) * CELL for r in range(table.rows) if r != row]
-        self._firsts = [start // CELL for start in self._starts]  # the same, in cells
-        self.refreshes = bool(self._firsts)  # a table of one row has nothing to read again
+        self.refreshes = bool(self._starts)  # a table of one row has nothing to read again
+        # name -> its slot's cells in every row of this plane (this worker's own
+        # included): what ``refresh`` sums, one view per assigned backend.
+        self._columns: dict[str, memoryview] = {}
         self._span = 0  # slots folded: up to the highest assigned
         self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
         self._ints = [0] * len(self._starts)  # the same, each as one integer
@@ -388,6 +391,9 @@ class SharedLoadTracker(LoadTracker):
             self._folded = int.from_bytes(array("q", self._others).tobytes(), sys.byteorder)
         self._mine[slot] = self._own.pop(name, 0)
         self._slot[name] = slot
+        table = self.table
+        first, step = table.index(0, self.plane, slot), table.planes * table.stride
+        self._columns[name] = table.cells[first : first + table.rows * step : step]
         self._names[slot] = name
         others = self._others[slot]
         self.total += others
@@ -398,6 +404,7 @@ class SharedLoadTracker(LoadTracker):
         if name not in self._slot:
             raise KeyError(f"{name!r} has no slot")
         slot = self._slot.pop(name)
+        self._columns.pop(name).release()
         self._names[slot] = None
         own = self._mine[slot]
         self._mine[slot] = 0
@@ -472,23 +479,21 @@ class SharedLoadTracker(LoadTracker):
         with the count, and the next fold reads every row again (a row whose bytes
         went back to those of the last fold would otherwise be skipped, and with it
         the lane this refresh moved)."""
-        slot = self._slot.get(name)  # an assigned slot is below ``_span``
-        if slot is None:
+        column = self._columns.get(name)  # only an assigned backend has one
+        if column is None:
             return False
-        cells = self.table.cells
-        value = 0
-        for first in self._firsts:
-            value += cells[first + slot]
+        count = sum(column)  # the fleet-wide count: the column holds this worker's cell too
+        if count == self._counts.get(name, 0):
+            return False  # the common case: nothing moved since the fold
+        slot = self._slot[name]
+        value = count - self._mine[slot]
         others = self._others
         old = others[slot]
-        if value == old:
-            return False
         others[slot] = value
         lane = slot if _LITTLE else self._span - 1 - slot
         self._folded += (value - old) << (64 * lane)
         self._seen[0] = b""  # a refresh implies another row: there is a first
         self.total += value - old
-        count = self._mine[slot] + value
         counts = self._counts
         if count:
             counts[name] = count
@@ -530,7 +535,7 @@ class SharedLoadTracker(LoadTracker):
         self.stop()
         for name in list(self._slot):
             self.forget(name)
-        self._starts, self._firsts, self._seen, self._ints, self._span = [], [], [], [], 0
+        self._starts, self._seen, self._ints, self._span = [], [], [], 0
         self.refreshes = False
         if self.row is not None:
             self._mine.release()

@@ -254,6 +254,8 @@ class Workers:
                 worker.task.cancel()
             if worker.channel is not None:
                 worker.channel.close()
+        for tracker in self._trackers:
+            tracker.close()  # its views of the table first
         self.table.close()
 
     @property

@@ -488,6 +488,24 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
     assert (dict(me.counts), me.total) == ({}, 0)
 
 
+def test_a_forgotten_backend_is_not_read_again_and_the_table_closes_after_its_trackers() -> None:
+    table = SharedTable.create(rows=2, slots=SLOTS)
+    me, other, supervisor = worker(table, 0), worker(table, 1), reader(table)
+    lease = other.acquire("b1")
+    me.forget("b1")
+    assert not me.refresh("b1")  # no slot, no view of its cells
+    me.assign("b1", 1)
+    assert me.get("b1") == 0  # as assigned: the others' count comes with the next fold
+    assert me.refresh("b1")
+    assert me.get("b1") == 1
+    lease.release()
+    with pytest.raises(BufferError, match="close the SharedLoadTrackers"):
+        table.close()  # the trackers still view the mapping
+    for tracker in (me, other, supervisor):
+        tracker.close()
+    table.close()
+
+
 async def test_start_folds_on_the_loop_until_stop(table: SharedTable) -> None:
     me = worker(table, 0)
     supervisor = reader(table)
