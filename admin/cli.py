@@ -190,6 +190,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("--etcd-prefix", metavar="P", help="the keys under P (/prefix-router/)")
     serve.add_argument("--replica-id", metavar="ID", help="this replica's key (random)")
     serve.add_argument(
+        "--replica-listen",
+        metavar="HOST:PORT",
+        help="with --etcd: take the other replicas' in-flight counts by UDP here, a"
+        " millisecond after they change (HOST: the address they send to)",
+    )
+    serve.add_argument(
         "--workers",
         type=int,
         metavar="N",
@@ -315,6 +321,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["etcd_prefix"] = args.etcd_prefix
     if args.replica_id is not None:
         data["replica_id"] = args.replica_id
+    if args.replica_listen is not None:
+        data["replica_listen"] = args.replica_listen
     discover = dict(data.get("discover", {}))
     for flag, field in DISCOVER_FLAGS:
         if getattr(args, flag) is not None:

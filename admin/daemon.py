@@ -121,7 +121,8 @@ async def serve(
             from router.etcd import EtcdClient
 
             assert workers is not None
-            replicas = _join_replicas(config, workers, EtcdClient(config.etcd), lambda: 0)
+            replicas = await _join_replicas(config, workers, EtcdClient(config.etcd), lambda: 0)
+            control.replicas = replicas
         if config.discover is not None:
             discovery = await _open_discovery(config.discover, router, control)
             admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
@@ -223,21 +224,37 @@ async def _open_etcd(
                 async with asyncio.timeout(SEED_WAIT_S):
                     await store.applied(revision)
     await control.on_resync(store.state())
-    replicas = _join_replicas(config, workers, client, lambda: store.revision)
+    replicas = await _join_replicas(config, workers, client, lambda: store.revision)
     control.replicas = replicas
     return store, replicas
 
 
-def _join_replicas(
+async def _join_replicas(
     config: Config, workers: Workers, client: EtcdClient, applied: Callable[[], int]
 ) -> Replicas:
     """This replica's row in etcd, and the other replicas' rows and placements folded in
-    (``applied``: the etcd revision of the membership this replica has applied)."""
+    (``applied``: the etcd revision of the membership this replica has applied); with
+    ``replica_listen``, its UDP rows open (``router.udprows``)."""
     from router.replicas import Replicas
+    from router.udprows import UdpRows
 
+    assert config.replica_id is not None  # made up before the workers start
+    udp = None
+    if config.replica_listen is not None:
+        udp = UdpRows(config.replica_id, lambda _: None)
+        try:
+            await udp.open(config.replica_listen)
+        except OSError as exc:
+            raise ConfigError(f"replica_listen {config.replica_listen}: {exc}") from None
     prefix = config.etcd_prefix.encode()
     replicas = Replicas(
-        client, prefix, workers.table, lambda: workers.slots, applied, replica_id=config.replica_id
+        client,
+        prefix,
+        workers.table,
+        lambda: workers.slots,
+        applied,
+        replica_id=config.replica_id,
+        udp=udp,
     )
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay

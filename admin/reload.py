@@ -51,6 +51,7 @@ RESTART_FIELDS = (
     "etcd",
     "etcd_prefix",
     "replica_id",
+    "replica_listen",
     "state_file",
     "access_log",
     "decision_header",

@@ -599,6 +599,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     etcd: list[str] = msgspec.field(default_factory=list)  # client URLs
     etcd_prefix: str = "/prefix-router/"
     replica_id: str | None = None  # this replica's name in etcd; random when unset
+    # UDP rows: the others' in-flight counts a millisecond after they change, sent
+    # to this address (router.udprows); unset: through etcd only, every 0.1 s.
+    replica_listen: str | None = None
     # Membership from Kubernetes EndpointSlices or DNS (router.discovery).
     discover: DiscoverConfig | None = None
     otel: OtelConfig = msgspec.field(default_factory=OtelConfig)  # tracing, off by default
@@ -612,6 +615,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         parse_address(self.listen, "listen")
         if self.admin_listen != "off":
             parse_address(self.admin_listen, "admin_listen")
+        if self.replica_listen is not None:
+            host, _ = parse_address(self.replica_listen, "replica_listen")
+            if not self.etcd:
+                raise ValueError("replica_listen needs etcd: the replicas find each other there")
+            if host in ("0.0.0.0", "::"):
+                raise ValueError(
+                    f"replica_listen {self.replica_listen!r}: give the address the other"
+                    " replicas send to, not a wildcard"
+                )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         names = [b.name for b in self.backends]

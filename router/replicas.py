@@ -97,6 +97,7 @@ import msgspec
 
 from hashring.shared import Record
 
+from .control import PeerView, ReplicasView, UdpView
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
@@ -108,6 +109,7 @@ from .shared import (
     SharedDeadline,
     SharedTable,
 )
+from .udprows import FAST_PERIOD, FAST_STALE, KEEPALIVE, Sample, UdpRows, peer_address
 
 __all__ = ["PERIOD", "RateWindow", "Replicas", "Row", "claim_spread"]
 
@@ -189,6 +191,12 @@ class Row(msgspec.Struct, frozen=True, omit_defaults=True):
     # Requests/s this replica routed past their primary over the last RATE_WINDOW,
     # to 0.1 (claim spreading); -1: not said (taken as routing as we do).
     rate: float = -1.0
+    # UDP rows (router.udprows): where this replica takes the others' samples, the
+    # key its own are signed with (hex), and the number of the sample of the counts
+    # above (datagrams carry the same numbers); "", "", 0: no UDP rows.
+    udp: str = ""
+    udp_key: str = ""
+    seq: int = 0
 
     def with_records(self, records: list[Record], responses: list[Learnt]) -> Row:
         """This row carrying ``records`` (the fleet's in ``records``, the pools' apart)
@@ -216,9 +224,11 @@ class Replicas:
         applied: Callable[[], int],
         *,
         replica_id: str | None = None,
+        udp: UdpRows | None = None,
     ):
         """``table``: the host's in-flight table, its last row the remote one;
-        ``slots()``: backend -> column now; ``applied()``: the store's revision."""
+        ``slots()``: backend -> column now; ``applied()``: the store's revision;
+        ``udp``: this replica's UDP rows, open (router.udprows), or None."""
         self.client = client
         self.key_prefix = prefix + b"replicas/"
         self.id = replica_id or os.urandom(6).hex()
@@ -247,6 +257,21 @@ class Replicas:
         self.spread = 1
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
+        # The own counts as last sampled and their number (rows and datagrams).
+        self._seq = 0
+        self._sample: list[dict[str, int]] = [{} for _ in range(PLANES)]
+        self._sample_raw = b""  # the workers' rows when sampled
+        # UDP rows: where each other replica listens, its key, and when (monotonic)
+        # its last datagram came.
+        self.udp = udp
+        self._peers: dict[str, tuple[str, int]] = {}
+        self._keys: dict[str, bytes] = {}
+        self._heard: dict[str, float] = {}
+        self._flushing: asyncio.Handle | None = None  # the remote row's write, pending
+        self._flushed = 0.0  # when (loop time) the last one ran
+        if udp is not None:
+            udp.key_of = self._keys.get
+            udp.on_sample = self._take_sample
 
     @property
     def key(self) -> bytes:
@@ -258,6 +283,8 @@ class Replicas:
             asyncio.create_task(self._watch_loop(), name="replica watch"),
             asyncio.create_task(self._extrapolate_loop(), name="replica estimate"),
         ]
+        if self.udp is not None:
+            self._tasks.append(asyncio.create_task(self._udp_loop(), name="replica udp"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -268,6 +295,11 @@ class Replicas:
         if self._lease:
             with contextlib.suppress(EtcdError):
                 await self.client.lease_revoke(self._lease)  # our key goes at once
+        if self.udp is not None:
+            self.udp.close()
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
 
     # -- what we publish ---------------------------------------------------------
 
@@ -289,11 +321,26 @@ class Replicas:
             planes.append({name: sums[slot] for name, slot in slots.items() if sums[slot]})
         return planes
 
+    def sampled(self) -> tuple[int, list[dict[str, int]]]:
+        """This replica's own counts now (``local``) and their number, one more
+        than the last sample's if they changed."""
+        raw = self.table.rows_bytes(self.remote)  # the workers' rows
+        if raw == self._sample_raw:
+            return self._seq, self._sample  # not a cell changed: the every-ms case when idle
+        self._sample_raw = raw
+        local = self.local()
+        if local != self._sample:
+            self._seq, self._sample = self._seq + 1, local
+        return self._seq, self._sample
+
     def local_row(self) -> Row:
-        loads, waiting = self.local()
+        seq, (loads, waiting) = self.sampled()
         left = self._wants.latest() - time.monotonic()
         until = math.ceil(time.time() + left) if left > 0 else 0  # whole seconds: few writes
-        return Row(self.applied(), loads, waiting, reserve_until=until, rate=self.rate)
+        row = Row(self.applied(), loads, waiting, reserve_until=until, rate=self.rate, seq=seq)
+        if self.udp is not None:
+            row = msgspec.structs.replace(row, udp=self.udp.address, udp_key=self.udp.key.hex())
+        return row
 
     async def _publish_loop(self) -> None:
         attempt = 0
@@ -342,7 +389,8 @@ class Replicas:
         while True:
             try:
                 items, revision = await self.client.range(self.key_prefix)
-                self.others, self._bases = {}, {}
+                for by_replica in (self.others, self._bases, self._peers, self._keys):
+                    by_replica.clear()
                 for kv in items:
                     self._take(kv.key, kv.value)
                 self._write_remote()
@@ -363,17 +411,80 @@ class Replicas:
         if replica == self.id:
             return
         if value is None:
-            self.others.pop(replica, None)
-            self._bases.pop(replica, None)
+            for by_replica in (self.others, self._bases, self._peers, self._keys, self._heard):
+                by_replica.pop(replica, None)
             return
         try:
-            row = self.others[replica] = _decoder.decode(value)
+            row = _decoder.decode(value)
         except msgspec.DecodeError as exc:
             log.warning("replica row skipped", replica=replica, reason=str(exc))
             return
+        self._listen_to(replica, row)
+        held = self.others.get(replica)
+        if held is not None and held.seq > row.seq:  # a datagram brought newer counts
+            row = msgspec.structs.replace(
+                row, loads=held.loads, waiting=held.waiting, at=held.at, seq=held.seq
+            )
+        self.others[replica] = row
         self._bases[replica] = self._local_at(row.at)
         if (row.records or row.pool_records or row.responses) and self.on_records is not None:
             self.on_records(row.placements(), row.responses)
+
+    def _listen_to(self, replica: str, row: Row) -> None:
+        """Where ``replica`` takes UDP rows and its key, as its etcd row says."""
+        address = peer_address(row.udp) if row.udp else None
+        try:
+            key = bytes.fromhex(row.udp_key)
+        except ValueError:
+            key = b""
+        if address is None or len(key) != 16:
+            self._peers.pop(replica, None)
+            self._keys.pop(replica, None)
+        else:
+            self._peers[replica], self._keys[replica] = address, key
+
+    def _take_sample(self, replica: str, sample: Sample) -> None:
+        """Another replica's counts by UDP (``udp.on_sample``; signed, router.udprows)."""
+        held = self.others.get(replica)
+        if held is None:
+            return  # its key came with its row: cannot happen, but a row may just have left
+        self._heard[replica] = time.monotonic()
+        if sample.seq <= held.seq:
+            return  # what we hold is as new (a keep-alive) or newer (reordered)
+        self.others[replica] = msgspec.structs.replace(
+            held, loads=sample.loads, waiting=sample.waiting, at=sample.at, seq=sample.seq
+        )
+        self._bases[replica] = self._local_at(sample.at)
+        if self._flushing is None:  # one write for what came meanwhile, one per FAST_PERIOD
+            loop = asyncio.get_running_loop()
+            wait = self._flushed + FAST_PERIOD - loop.time()
+            self._flushing = (
+                loop.call_later(wait, self._flush) if wait > 0 else loop.call_soon(self._flush)
+            )
+
+    def heard(self, replica: str, now: float | None = None) -> bool:
+        """``replica``'s counts come by UDP: its last datagram is under FAST_STALE old."""
+        heard = self._heard.get(replica)
+        if heard is None:
+            return False
+        return (time.monotonic() if now is None else now) - heard < FAST_STALE
+
+    async def _udp_loop(self) -> None:
+        """Send the own counts to every replica that listens, each time they
+        change (sampled every FAST_PERIOD) and at least every KEEPALIVE."""
+        assert self.udp is not None
+        udp, loop = self.udp, asyncio.get_running_loop()
+        sent_seq, sent_at = -1, 0.0
+        while True:
+            await asyncio.sleep(FAST_PERIOD if self._peers else PERIOD)
+            if not self._peers:
+                continue
+            seq, (loads, waiting) = self.sampled()
+            now = loop.time()
+            if seq == sent_seq and now - sent_at < KEEPALIVE:
+                continue
+            udp.send(Sample(seq, time.time(), loads, waiting), list(self._peers.values()))
+            sent_seq, sent_at = seq, now
 
     def remember(self, now: float, local: list[dict[str, int]]) -> None:
         """Keep ``local`` as this replica's own counts at wall-clock ``now``."""
@@ -392,29 +503,42 @@ class Replicas:
 
     def estimate(self, local: list[dict[str, int]] | None = None) -> list[Counter[str]]:
         """The other replicas' counts per plane, as the contract estimates them."""
-        local = self.local() if local is None else local
+        monotonic = time.monotonic()
+        # A replica heard by UDP sends each change within FAST_PERIOD: no news is none.
+        estimated = [replica for replica in self.others if not self.heard(replica, monotonic)]
+        if estimated and local is None:
+            local = self.local()  # only what is estimated needs this replica's own counts
         planes = []
         for plane, field in enumerate(("loads", "waiting")):
-            now = local[plane]
             sums: Counter[str] = Counter()
-            for replica, row in self.others.items():
+            for row in self.others.values():
                 published: dict[str, int] = getattr(row, field)
-                base = self._bases[replica][plane] if replica in self._bases else now
                 for name, count in published.items():
                     sums[name] += count
-                for name, count in now.items():
-                    gained = count - base.get(name, 0)
-                    if gained > 0:
-                        sums[name] += gained
+            if local is not None:
+                now = local[plane]
+                for replica in estimated:
+                    base = self._bases[replica][plane] if replica in self._bases else now
+                    for name, count in now.items():
+                        gained = count - base.get(name, 0)
+                        if gained > 0:
+                            sums[name] += gained
             planes.append(sums)
         return planes
 
+    def _flush(self) -> None:
+        self._flushing = None
+        self._flushed = asyncio.get_running_loop().time()
+        self._write_remote()
+
     def _write_remote(self, local: list[dict[str, int]] | None = None) -> None:
         table = self.table
+        cells = table.cells
         slots = self.slots()
         for plane, sums in enumerate(self.estimate(local)):
+            first = table.index(self.remote, plane)
             for name, slot in slots.items():
-                table.cells[table.index(self.remote, plane, slot)] = sums.get(name, 0)
+                cells[first + slot] = sums.get(name, 0)
         until = max((row.reserve_until for row in self.others.values()), default=0)
         left = until - time.time()
         self._wants.set(time.monotonic() + left if left > 0 else 0.0)
@@ -429,7 +553,10 @@ class Replicas:
         rate = self.rate = round(rate, 1)
         others = self.others.values()
         fleet = rate + sum(row.rate if row.rate >= 0 else rate for row in others)
-        self.spread = claim_spread(len(others) + 1, fleet)
+        # The race for a freed place lasts as long as the others' counts are late.
+        fast = bool(self.others) and all(self.heard(replica, now) for replica in self.others)
+        period = 2 * FAST_PERIOD if fast else PERIOD
+        self.spread = claim_spread(len(others) + 1, fleet, period)
         cells[self._spread_cell] = self.spread
         return self.spread
 
@@ -448,6 +575,19 @@ class Replicas:
             if local != written:
                 self._write_remote(local)
                 written = local
+
+    def view(self) -> ReplicasView:
+        """For ``/admin/stats``: this replica, the others it holds, its UDP rows."""
+        now = time.monotonic()
+        others = [
+            PeerView(replica, row.seq, self.heard(replica, now))
+            for replica, row in sorted(self.others.items())
+        ]
+        udp = self.udp
+        if udp is None:
+            return ReplicasView(self.id, others)
+        sent = UdpView(udp.address, udp.sent, udp.received, udp.rejected, udp.oversize, udp.errors)
+        return ReplicasView(self.id, others, sent)
 
     # -- drains --------------------------------------------------------------------
 

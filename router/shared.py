@@ -234,6 +234,11 @@ class SharedTable:
             summed += int.from_bytes(mm[start : start + span], sys.byteorder)
         return memoryview(summed.to_bytes(span, sys.byteorder)).cast("q")
 
+    def rows_bytes(self, rows: int) -> bytes:
+        """Rows ``[0, rows)``, every plane, as bytes: compared with an earlier copy,
+        says whether any of their cells changed (one copy and one memcmp)."""
+        return self._mm[self.index(0, 0) * CELL : self.index(rows, 0) * CELL]
+
     def zero_row(self, row: int) -> None:
         """Zero every plane of ``row`` (the supervisor, once its worker is dead)."""
         start = self.index(row, 0) * CELL

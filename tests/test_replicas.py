@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 
 import aiohttp
@@ -16,6 +18,7 @@ import pytest
 from hashring import Ring, hash_key
 from router.etcd import EtcdClient
 from router.replicas import RATE_WINDOW, TTL
+from router.udprows import Sample, encode
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
@@ -279,6 +282,67 @@ async def test_in_flight_counts_and_drains_span_the_replicas(
                     return status == 404
 
                 await until(gone)
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not_signed(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a, b = await backends(hold), await backends(hold)
+    flags = ("--concurrency-threshold", "1", "--balance-mode", "IN_FLIGHT")
+    flags += ("--concurrency-scope", "IN_FLIGHT", "--replica-listen", "127.0.0.1:0")
+    routers = await replicas(2, etcd, a, b, extra=flags)
+    (one, one_port), (two, two_port) = routers
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def stats(proc: asyncio.subprocess.Process) -> dict:  # type: ignore[type-arg]
+                status, body = await admin_call(http, proc, "GET", "/admin/stats")
+                assert status == 200, body
+                return body  # type: ignore[return-value]
+
+            async def each_hears_the_other() -> bool:
+                for proc in (one, two):
+                    others = (await stats(proc))["replicas"]["others"]
+                    if [(p["id"], p["udp"]) for p in others] != [
+                        ("r1" if proc is one else "r0", True)
+                    ]:
+                        return False
+                return True
+
+            await until(each_hears_the_other)  # the addresses and keys came through etcd
+            await etcd.kill()  # from here on, only UDP carries the counts
+            first = asyncio.create_task(post(http, one_port, "one prompt"))
+            await a.wait_for(lambda: len(a.heads) + len(b.heads) == 1)
+            held_by_one, other = (a, b) if a.heads else (b, a)
+
+            async def two_counts(n: int) -> bool:
+                return (await stats(two))["totals"]["in_flight"] == n  # type: ignore[no-any-return]
+
+            await until(lambda: two_counts(1))
+            second = asyncio.create_task(post(http, two_port, "one prompt"))
+            await other.wait_for(lambda: len(other.heads) == 1)  # the home is full: overflow
+            assert len(held_by_one.heads) == 1
+            # Datagrams not signed by a replica in etcd: dropped, counted, nothing moves.
+            host, port = (await stats(two))["replicas"]["udp"]["address"].rsplit(":", 1)
+            forged = encode(b"r0", os.urandom(16), Sample(1 << 40, time.time(), {a.name: 9}, {}))
+            unknown = encode(b"r9", os.urandom(16), Sample(1, time.time(), {a.name: 9}, {}))
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                for data in (forged, unknown, b"PRu1", b"\xff" * 100):
+                    sock.sendto(data, (host, int(port)))
+
+            async def rejected() -> bool:
+                return (await stats(two))["replicas"]["udp"]["rejected"] == 4  # type: ignore[no-any-return]
+
+            await until(rejected)
+            assert await two_counts(2)
+            a.release.set()
+            b.release.set()
+            assert await first == await second == 200
+            await until(lambda: two_counts(0))
+            await etcd.start()
     finally:
         for proc, _ in routers:
             await stop(proc)

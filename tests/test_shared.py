@@ -682,3 +682,43 @@ def test_the_claim_spread_follows_the_fleets_rate_and_a_count_that_went_down_res
     # 6 + 6 + 10 = 22/s in the fleet, 2.2 a period: 2.
     assert at(3.6, 6, 766) == 2
     assert table.cells[spread] == 2
+
+
+async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_estimate() -> None:
+    from router.replicas import Row
+    from router.udprows import Sample
+
+    table = router_table()
+    estimate = _Remote(table)
+    replicas, arrives, remote = estimate.replicas, estimate.arrives, estimate.remote
+    zero = worker(table, 0)
+    key = "ab" * 16
+    arrives("r1", Row(0, {"b0": 1}, udp="127.0.0.1:7400", udp_key=key, seq=5))
+    assert replicas._peers == {"r1": ("127.0.0.1", 7400)}
+    assert replicas._keys == {"r1": bytes.fromhex(key)}
+    take = replicas._take_sample
+    take("r1", Sample(6, time.time(), {"b2": 2}, {"b2": 1}))
+    assert (remote(), remote(1)) == ({"b2": 2}, {"b2": 1})
+    take("r1", Sample(4, time.time(), {"b3": 9}, {}))  # older (reordered, replayed): ignored
+    assert remote() == {"b2": 2}
+    assert replicas.heard("r1")
+    # Heard by UDP, r1 sends each change: what this replica gains is not added to it.
+    held = zero.acquire("b0")
+    assert remote() == {"b2": 2}
+    # The etcd row of an older sample brings its other fields, not its counts.
+    arrives("r1", Row(3, {"b0": 1}, udp="127.0.0.1:7400", udp_key=key, seq=5))
+    assert remote() == {"b2": 2}
+    assert replicas.others["r1"].applied == 3
+    # Without a datagram for FAST_STALE, the estimate between rows is back.
+    replicas._heard["r1"] -= 1.0
+    more = zero.acquire("b1")
+    assert remote() == {"b1": 1, "b2": 2}
+    # A row without an address (or a key that is not one): nothing sent to it.
+    arrives("r1", Row(3, udp="127.0.0.1:7400", udp_key="zz", seq=7))
+    assert (replicas._peers, replicas._keys) == ({}, {})
+    arrives("r1", None)
+    assert replicas.view().others == []
+    held.release()
+    more.release()
+    zero.close()
+    os.close(table.fd)

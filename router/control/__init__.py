@@ -198,6 +198,29 @@ class ResponseStats(msgspec.Struct, frozen=True):
     capacity: int = 0  # limits.response_ids (0: off)
 
 
+class UdpView(msgspec.Struct, frozen=True):
+    """This replica's UDP rows (router.udprows): datagrams, each to or from one replica."""
+
+    address: str
+    sent: int
+    received: int
+    rejected: int  # not signed by a replica in etcd, or not decodable: dropped
+    oversize: int  # samples too big for one datagram (the etcd row carried them)
+    errors: int  # sends the OS reported failed (a replica that left)
+
+
+class PeerView(msgspec.Struct, frozen=True):
+    id: str
+    seq: int  # the number of its counts held (router.replicas)
+    udp: bool  # its counts come by UDP: a datagram in the last 0.5 s
+
+
+class ReplicasView(msgspec.Struct, frozen=True):
+    id: str
+    others: list[PeerView]
+    udp: UdpView | None = None  # None: no replica_listen
+
+
 class Stats(msgspec.Struct, frozen=True):
     strategy: Literal["RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"]
     backends: list[BackendView]
@@ -209,6 +232,7 @@ class Stats(msgspec.Struct, frozen=True):
     # An A/B experiment's arms (router.arms), without their TTFT samples (/admin/ab
     # has them); None: the RoutingConfig has no Arms.
     experiment: ExperimentView | None = None
+    replicas: ReplicasView | None = None  # None: no etcd
 
 
 class Control(Protocol):

@@ -65,6 +65,7 @@ from .ops import (
 
 if TYPE_CHECKING:
     from ..app import Router
+    from ..replicas import Replicas
     from ..supervisor import Workers
 
 __all__ = ["RouterControl", "snapshot"]
@@ -109,6 +110,7 @@ class RouterControl:
         self._lock = asyncio.Lock()
         self._drains: dict[str, _Drain] = {}
         self.admin_listeners: list[Listener] = []
+        self.replicas: Replicas | None = None  # with etcd: the other replicas' rows
         if workers is None:
             router.fleet.loads.on_idle = self._backend_idle
         else:
@@ -188,6 +190,7 @@ class RouterControl:
                 capacity=router.responses.capacity,
             ),
             experiment=router.balancer.arms.view() if router.balancer.arms is not None else None,
+            replicas=self.replicas.view() if self.replicas is not None else None,
         )
 
     async def experiment(self) -> ExperimentView:

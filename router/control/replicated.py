@@ -40,7 +40,6 @@ from .ops import AddBackend, Op, RemoveBackend, SetRouting, SetState, SetWeight
 
 if TYPE_CHECKING:
     from ..app import Router
-    from ..replicas import Replicas
     from ..supervisor import Workers
     from .etcd import EtcdStore
 
@@ -64,7 +63,6 @@ class ReplicatedControl(RouterControl):
     def __init__(self, router: Router, workers: Workers):
         super().__init__(router, None, workers=workers)
         self.store: EtcdStore | None = None  # set before the store opens
-        self.replicas: Replicas | None = None
         self._etcd_drains: dict[str, _Drain] = {}
         self._idle = asyncio.Event()
         self._listening = asyncio.Lock()  # the watch and the start-up resync, one at a time
