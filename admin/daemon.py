@@ -132,6 +132,7 @@ async def serve(
             await workers.start()
             if replicas is not None:
                 replicas.start()
+                _warn_late_counts(config, router)
             get_logger("router").info(
                 "workers listening",
                 address=f"{router.listeners[0].host}:{router.port}",
@@ -259,6 +260,20 @@ async def _join_replicas(
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay
     return replicas
+
+
+def _warn_late_counts(config: Config, router: Router) -> None:
+    """Replicas without UDP rows, in a RoutingConfig that pays for counts 0.1 s late."""
+    from router.log import get_logger
+    from router.replicas import late_counts_cost
+
+    cost = late_counts_cost(router.balancer.config)
+    if config.replica_listen is None and cost is not None:
+        get_logger("replicas").warning(
+            "the other replicas' in-flight counts come through etcd, 0.1 s late: give"
+            " --replica-listen (UDP rows) for this RoutingConfig",
+            cost=f"{cost} on one hot prompt, offline (README, Several replicas)",
+        )
 
 
 def _stamp_base(config: Config) -> int:

@@ -348,6 +348,27 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             await stop(proc)
 
 
+async def test_without_udp_rows_a_routing_config_that_pays_for_late_counts_is_warned_of(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    a = await backends(echo)
+    flags = ["--etcd", etcd.url, "--etcd-prefix", "/warn/", "--strategy", "prefix"]
+    flags += ["--no-health-checks", "--backend", "{}={}".format(*a.spec)]
+    flags += ["--balance-mode", "TRAFFIC", "--concurrency-scope", "IN_FLIGHT"]
+    cases: list[tuple[tuple[str, ...], bool]] = [
+        ((), True),
+        (("--replica-listen", "127.0.0.1:0"), False),
+    ]
+    for i, (extra, warned) in enumerate(cases):
+        events: list[dict[str, object]] = []
+        proc, _ = await spawn_router(*flags, "--replica-id", f"r{i}", *extra, events=events)
+        try:
+            said = [e for e in events if "--replica-listen" in str(e["event"])]
+            assert bool(said) is warned, events
+        finally:
+            await stop(proc)
+
+
 async def test_with_discovery_etcd_carries_the_shared_state_and_not_the_membership(
     etcd: EtcdServer, backends: StartBackend
 ) -> None:

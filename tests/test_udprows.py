@@ -35,6 +35,23 @@ def test_a_datagram_decodes_only_under_its_replicas_key() -> None:
     assert decode(MAGIC + b"\x02r1" + mac(KEY, b"r1", junk) + junk, {"r1": KEY}.get) is None
 
 
+def test_the_settings_that_pay_for_counts_a_tenth_of_a_second_late_are_named() -> None:
+    from router.config import PrefixAwareRoutingConfig, RoutingConfig
+    from router.replicas import late_counts_cost
+
+    def cost(**fields: object) -> str | None:
+        prefix = PrefixAwareRoutingConfig(**fields)  # type: ignore[arg-type]
+        return late_counts_cost(RoutingConfig(prefix_aware_routing_config=prefix))
+
+    assert cost() is None  # the default: TRAFFIC + PREFILL
+    assert cost(balance_mode="IN_FLIGHT", concurrency_scope="IN_FLIGHT") is None  # SageMaker's
+    assert cost(balance_mode="IN_FLIGHT", concurrency_scope="PREFILL") is None
+    bounded = cost(balance_mode="IN_FLIGHT", concurrency_scope="PREFILL", balance_factor=1.5)
+    assert bounded is not None
+    assert "BalanceFactor" in bounded
+    assert "TRAFFIC" in str(cost(balance_mode="TRAFFIC", concurrency_scope="IN_FLIGHT"))
+
+
 def test_replica_listen_needs_etcd_and_an_address_the_others_reach() -> None:
     etcd = ["http://127.0.0.1:2379"]
     assert build_config({"etcd": etcd, "replica_listen": "127.0.0.1:0"}).replica_listen
