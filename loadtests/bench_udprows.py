@@ -122,7 +122,8 @@ async def one_case(backends: int, peers: int, repeats: int) -> tuple[float, floa
     numbers = iter(range(1, 10**9))
 
     def signed() -> bytes:
-        return encode(b"p0", key, Sample(next(numbers), time.time(), loads, {}))
+        number = next(numbers)
+        return encode(b"p0", key, number, Sample(number, time.time(), loads, {}))
 
     def receive() -> None:
         udp.datagram_received(signed(), ("127.0.0.1", 1))

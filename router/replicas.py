@@ -276,7 +276,10 @@ class Replicas:
         self._changed = asyncio.Event()  # any other replica's row changed or left
         self._tasks: list[asyncio.Task[None]] = []
         # The own counts as last sampled and their number (rows and datagrams).
-        self._seq = 0
+        # Numbered from the wall clock in microseconds, one more per change: a
+        # replica restarted under the same id numbers above its last life (which
+        # cannot change a million times a second), so its row is taken as newer.
+        self._seq = time.time_ns() // 1000
         self._sample: list[dict[str, int]] = [{} for _ in range(PLANES)]
         self._sample_raw = b""  # the workers' rows when sampled
         # UDP rows: where each other replica listens, its key, and when (monotonic)
@@ -308,8 +311,12 @@ class Replicas:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # a loop that died: still let go of the rest
+                log.error("replica task failed", task=task.get_name(), reason=repr(exc))
         if self._lease:
             with contextlib.suppress(EtcdError):
                 await self.client.lease_revoke(self._lease)  # our key goes at once
@@ -407,7 +414,7 @@ class Replicas:
         while True:
             try:
                 items, revision = await self.client.range(self.key_prefix)
-                for by_replica in (self.others, self._bases, self._peers, self._keys):
+                for by_replica in (self.others, self._bases, self._peers, self._keys, self._heard):
                     by_replica.clear()
                 for kv in items:
                     self._take(kv.key, kv.value)
@@ -455,7 +462,7 @@ class Replicas:
             key = bytes.fromhex(row.udp_key)
         except ValueError:
             key = b""
-        if address is None or len(key) != 16:
+        if address is None or len(key) != 16 or not (self.udp and self.udp.reaches(address)):
             self._peers.pop(replica, None)
             self._keys.pop(replica, None)
         else:
@@ -466,9 +473,11 @@ class Replicas:
         held = self.others.get(replica)
         if held is None:
             return  # its key came with its row: cannot happen, but a row may just have left
+        if sample.seq < held.seq:
+            return  # what we hold is newer (reordered)
         self._heard[replica] = time.monotonic()
-        if sample.seq <= held.seq:
-            return  # what we hold is as new (a keep-alive) or newer (reordered)
+        if sample.seq == held.seq:
+            return  # a keep-alive
         self.others[replica] = msgspec.structs.replace(
             held, loads=sample.loads, waiting=sample.waiting, at=sample.at, seq=sample.seq
         )
@@ -610,7 +619,9 @@ class Replicas:
         udp = self.udp
         if udp is None:
             return ReplicasView(self.id, others)
-        sent = UdpView(udp.address, udp.sent, udp.received, udp.rejected, udp.oversize, udp.errors)
+        sent = UdpView(
+            udp.address, udp.sent, udp.received, udp.rejected, udp.stale, udp.oversize, udp.errors
+        )
         return ReplicasView(self.id, others, sent)
 
     # -- drains --------------------------------------------------------------------

@@ -13,28 +13,43 @@ Contract:
   of both planes by backend name, as a whole (not as changes: a lost
   datagram is made good by the next one, or by the next etcd row).
 - A datagram is taken only when it names a replica whose etcd row this
-  replica holds, its MAC (HMAC-SHA256 over the id and the payload, the first
-  16 bytes, under that row's key) checks, and it decodes.  Anything else is
-  dropped and counted (``rejected``); nothing is ever answered, so the port
-  cannot be used to amplify or probe.  Whoever can read etcd can sign: the
-  same trust as writing membership there.  Replays and reordering: a sample
-  older than the one held from that replica is ignored by ``Replicas``.
+  replica holds, its MAC (HMAC-SHA256 over the id, the datagram's number and
+  the payload, the first 16 bytes, under that row's key) checks, and it
+  decodes.  Anything else is dropped and counted (``rejected``); nothing is
+  ever answered, so the port cannot be used to amplify or probe.  Whoever
+  can read etcd can sign: the same trust as writing membership there.
+- Replays: each datagram carries a number, the wall clock in microseconds
+  or one more than the last, so a restarted replica's come after its last
+  life's; one not above the last taken from that replica (under the same
+  key) is dropped before its payload is decoded (``stale``).  Samples are
+  numbered the same way (``Replicas``): a sample older than the one held is
+  ignored, and a replica restarted under the same id is newer at once.
+- Peers: only an IP literal of the socket's own version is sent to (a row
+  with a name or another version is not a peer); a send the OS or uvloop
+  refuses is counted (``errors``) and the others still go.
 - The size: counts of backends with something in flight only; a sample
   whose datagram would exceed ``MAX_DATAGRAM`` is not sent (``oversize``),
   the etcd row still carries it.
 - Cost: nothing on the request path.  The supervisor's loop wakes every
   ``FAST_PERIOD`` while another replica listens, samples (the same read as
   the 10 ms estimate's), and sends one ``sendto`` per other replica when a
-  count changed; measured in ``python -m loadtests.bench_udprows``.
+  count changed; it decodes up to one datagram a millisecond from each
+  other replica, so the receiving side grows with R - 1 and the fleet's
+  size (at 1,000 busy backends ~60 us a datagram: past ~8 replicas that
+  is most of the supervisor's loop); measured in
+  ``python -m loadtests.bench_udprows``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 
@@ -54,7 +69,7 @@ KEEPALIVE = 0.1  # a datagram at least this often, changed or not
 # (its counts are then estimated between etcd rows, router.replicas).
 FAST_STALE = 0.5
 MAX_DATAGRAM = 60_000
-MAGIC = b"PRu1"
+MAGIC = b"PRu2"
 MAC_BYTES = 16
 
 
@@ -69,33 +84,56 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Sample)
 
 
-def mac(key: bytes, replica: bytes, payload: bytes) -> bytes:
-    return hmac.digest(key, replica + b"\0" + payload, "sha256")[:MAC_BYTES]
+def mac(key: bytes, replica: bytes, counter: bytes, payload: bytes) -> bytes:
+    return hmac.digest(key, b"".join((replica, b"\0", counter, payload)), "sha256")[:MAC_BYTES]
 
 
-def encode(replica: bytes, key: bytes, sample: Sample) -> bytes:
-    """One datagram: MAGIC, the id's length (one byte), the id, the MAC, the payload."""
+def encode(replica: bytes, key: bytes, counter: int, sample: Sample) -> bytes:
+    """One datagram: MAGIC, the id's length (one byte), the id, the datagram's
+    number (8 bytes, big-endian; each newer than the last), the MAC, the payload."""
     payload = _encoder.encode(sample)
-    return b"".join((MAGIC, bytes((len(replica),)), replica, mac(key, replica, payload), payload))
+    number = counter.to_bytes(8, "big")
+    signed = mac(key, replica, number, payload)
+    return b"".join((MAGIC, bytes((len(replica),)), replica, number, signed, payload))
 
 
-def decode(data: bytes, key_of: Callable[[str], bytes | None]) -> tuple[str, Sample] | None:
-    """The sender and its sample, or None for anything not signed by a replica we know."""
-    if len(data) < len(MAGIC) + 1 or not data.startswith(MAGIC):
+class Signed(NamedTuple):
+    replica: str
+    key: bytes
+    counter: int
+    payload: bytes
+
+
+def open_signed(data: bytes, key_of: Callable[[str], bytes | None]) -> Signed | None:
+    """The sender, its key, the datagram's number and the payload (not decoded), or
+    None for anything not signed by a replica we know."""
+    if len(data) > MAX_DATAGRAM or not data.startswith(MAGIC) or len(data) < len(MAGIC) + 1:
         return None
     start = len(MAGIC) + 1
     end = start + data[len(MAGIC)]
-    if len(data) < end + MAC_BYTES:
+    if len(data) < end + 8 + MAC_BYTES:
         return None
-    replica, payload = data[start:end], data[end + MAC_BYTES :]
+    replica, number = data[start:end], data[end : end + 8]
+    payload = data[end + 8 + MAC_BYTES :]
     name = replica.decode(errors="replace")
     key = key_of(name)
     if key is None:
         return None
-    if not hmac.compare_digest(data[end : end + MAC_BYTES], mac(key, replica, payload)):
+    if not hmac.compare_digest(
+        data[end + 8 : end + 8 + MAC_BYTES], mac(key, replica, number, payload)
+    ):
+        return None
+    return Signed(name, key, int.from_bytes(number, "big"), payload)
+
+
+def decode(data: bytes, key_of: Callable[[str], bytes | None]) -> tuple[str, Sample] | None:
+    """The sender and its sample, or None for anything not signed by a replica we
+    know or not a sample."""
+    signed = open_signed(data, key_of)
+    if signed is None:
         return None
     try:
-        return name, _decoder.decode(payload)
+        return signed.replica, _decoder.decode(signed.payload)
     except msgspec.DecodeError:
         return None
 
@@ -113,11 +151,15 @@ class UdpRows(asyncio.DatagramProtocol):
         self.on_sample: Callable[[str, Sample], None] | None = None
         self.address = ""  # HOST:PORT as published, once open
         self.sent = self.received = self.rejected = self.oversize = self.errors = 0
+        self.stale = 0  # signed, but not newer than the last from that replica: replays
+        self.family = socket.AF_INET
         self._transport: asyncio.DatagramTransport | None = None
+        self._counter = 0  # the last datagram's number
+        self._last: dict[str, tuple[bytes, int]] = {}  # replica -> (its key, last number)
 
     async def open(self, listen: str) -> str:
         host, port = parse_address(listen, "replica_listen")  # Config refused wildcards
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        family = self.family = socket.AF_INET6 if ":" in host else socket.AF_INET
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
             lambda: self, local_addr=(host, port), family=family
@@ -133,22 +175,43 @@ class UdpRows(asyncio.DatagramProtocol):
         transport = self._transport
         if transport is None or not peers:
             return
-        data = encode(self.id, self.key, sample)
+        # Numbered from the wall clock in microseconds: a restarted replica's come
+        # after its last life's (it cannot send a million a second).
+        self._counter = max(self._counter + 1, time.time_ns() // 1000)
+        data = encode(self.id, self.key, self._counter, sample)
         if len(data) > MAX_DATAGRAM:
             self.oversize += 1
             return
         for peer in peers:
-            transport.sendto(data, peer)
-        self.sent += len(peers)
+            try:
+                transport.sendto(data, peer)
+            except (OSError, ValueError):  # uvloop raises for an address it cannot use
+                self.errors += 1
+            else:
+                self.sent += 1
+
+    def reaches(self, address: tuple[str, int]) -> bool:
+        """``address`` is one this socket can send to (the same IP version)."""
+        return (":" in address[0]) == (self.family == socket.AF_INET6)
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        got = decode(data, self.key_of)
-        if got is None:
+        signed = open_signed(data, self.key_of)
+        if signed is None:
             self.rejected += 1
             return
+        last = self._last.get(signed.replica)
+        if last is not None and last[0] == signed.key and signed.counter <= last[1]:
+            self.stale += 1  # checked before the payload is decoded
+            return
+        try:
+            sample = _decoder.decode(signed.payload)
+        except msgspec.DecodeError:
+            self.rejected += 1
+            return
+        self._last[signed.replica] = (signed.key, signed.counter)
         self.received += 1
         if self.on_sample is not None:
-            self.on_sample(*got)
+            self.on_sample(signed.replica, sample)
 
     def error_received(self, exc: Exception) -> None:
         self.errors += 1  # e.g. ECONNREFUSED: a replica that left; its row goes with its lease
@@ -160,8 +223,13 @@ class UdpRows(asyncio.DatagramProtocol):
 
 
 def peer_address(text: str) -> tuple[str, int] | None:
-    """A row's ``udp`` as a sendto address, None if it is not one."""
+    """A row's ``udp`` as a sendto address: an IP literal (not a wildcard) and a
+    port; None if it is not one."""
     try:
-        return parse_address(text, "udp")
+        host, port = parse_address(text, "udp")
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return None
+    if ip.is_unspecified or port == 0:
+        return None
+    return host, port

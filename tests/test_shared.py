@@ -27,6 +27,7 @@ from router.balancer import Balancer
 from router.config import BackendSpec, RoutingConfig, parse_routing
 from router.fleet import Fleet
 from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
+from router.udprows import UdpRows
 from tests.harness.routers import SAGEMAKER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -540,7 +541,7 @@ class _Remote:
     """A replica's estimate over ``table`` (rows 0-3 its workers', row 4 the remote
     one), fed rows by hand: nothing is started, etcd never called."""
 
-    def __init__(self, table: SharedTable) -> None:
+    def __init__(self, table: SharedTable, udp: UdpRows | None = None) -> None:
         from router.etcd import EtcdClient
         from router.replicas import Replicas
 
@@ -552,6 +553,7 @@ class _Remote:
             lambda: {name: slot for slot, name in enumerate(NAMES)},
             lambda: 0,
             replica_id="me",
+            udp=udp,
         )
 
     def arrives(self, replica: str, row: object) -> None:
@@ -689,7 +691,7 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     from router.udprows import Sample
 
     table = router_table()
-    estimate = _Remote(table)
+    estimate = _Remote(table, UdpRows("me", lambda _: None))  # not opened: nothing sent
     replicas, arrives, remote = estimate.replicas, estimate.arrives, estimate.remote
     zero = worker(table, 0)
     key = "ab" * 16
@@ -699,8 +701,11 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     take = replicas._take_sample
     take("r1", Sample(6, time.time(), {"b2": 2}, {"b2": 1}))
     assert (remote(), remote(1)) == ({"b2": 2}, {"b2": 1})
-    take("r1", Sample(4, time.time(), {"b3": 9}, {}))  # older (reordered, replayed): ignored
+    replicas._heard.clear()
+    take("r1", Sample(4, time.time(), {"b3": 9}, {}))  # older (reordered): ignored
     assert remote() == {"b2": 2}
+    assert not replicas.heard("r1")  # and it says nothing of r1 being heard
+    take("r1", Sample(6, time.time(), {"b2": 2}, {"b2": 1}))  # a keep-alive: heard
     assert replicas.heard("r1")
     # Heard by UDP, r1 sends each change: what this replica gains is not added to it.
     held = zero.acquire("b0")
@@ -718,6 +723,11 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     assert (replicas._peers, replicas._keys) == ({}, {})
     arrives("r1", None)
     assert replicas.view().others == []
+    # Samples are numbered from the wall clock in microseconds: a replica restarted
+    # under the same id numbers above its last life, so its first row is newer.
+    before = time.time_ns() // 1000
+    again = _Remote(table).replicas
+    assert before <= again.sampled()[0] <= time.time_ns() // 1000
     held.release()
     more.release()
     zero.close()

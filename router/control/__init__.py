@@ -205,6 +205,7 @@ class UdpView(msgspec.Struct, frozen=True):
     sent: int
     received: int
     rejected: int  # not signed by a replica in etcd, or not decodable: dropped
+    stale: int  # signed, but numbered before the last one taken (replays): dropped
     oversize: int  # samples too big for one datagram (the etcd row carried them)
     errors: int  # sends the OS reported failed (a replica that left)
 
