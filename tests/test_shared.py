@@ -700,6 +700,9 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     assert replicas._keys == {"r1": bytes.fromhex(key)}
     take = replicas._take_sample
     take("r1", Sample(6, time.time(), {"b2": 2}, {"b2": 1}))
+    await asyncio.sleep(0)  # one pass of the loop: the write it scheduled
+    cells = {name: table.cells[table.index(4, 0, s)] for s, name in enumerate(NAMES)}
+    assert {name: n for name, n in cells.items() if n} == {"b2": 2}
     assert (remote(), remote(1)) == ({"b2": 2}, {"b2": 1})
     replicas._heard.clear()
     take("r1", Sample(4, time.time(), {"b3": 9}, {}))  # older (reordered): ignored
