@@ -619,14 +619,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             host, _ = parse_address(self.replica_listen, "replica_listen")
             if not self.etcd:
                 raise ValueError("replica_listen needs etcd: the replicas find each other there")
+            if self.replica_id is not None and len(self.replica_id.encode()) > 255:
+                raise ValueError("replica_id: at most 255 bytes with replica_listen")
             try:
                 wildcard = ipaddress.ip_address(host).is_unspecified
             except ValueError:
                 raise ValueError(
                     f"replica_listen {self.replica_listen!r}: HOST must be an IP address"
                 ) from None
-            if self.replica_id is not None and len(self.replica_id.encode()) > 255:
-                raise ValueError("replica_id: at most 255 bytes with replica_listen")
             if wildcard:
                 raise ValueError(
                     f"replica_listen {self.replica_listen!r}: give the address the other"

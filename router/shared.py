@@ -214,11 +214,17 @@ class SharedTable:
             raise IndexError(f"slot {slot} out of range(0, {self.slots})")
         return HEADER + (row * self.planes + plane) * self.stride + slot
 
-    def column_total(self, plane: int, slot: int) -> int:
-        """In flight for ``slot`` on ``plane``, all rows summed, read now."""
+    def column(self, plane: int, slot: int) -> memoryview:
+        """``slot``'s cell on ``plane`` in every row: a strided view of ``cells``
+        (release it before ``close``)."""
         first = self.index(0, plane, slot)
         step = self.planes * self.stride
-        return sum(self.cells[first : first + self.rows * step : step])
+        return self.cells[first : first + self.rows * step : step]
+
+    def column_total(self, plane: int, slot: int) -> int:
+        """In flight for ``slot`` on ``plane``, all rows summed, read now."""
+        with self.column(plane, slot) as column:
+            return sum(column)
 
     def plane_sums(self, plane: int, rows: int) -> memoryview:
         """Each slot's count on ``plane`` summed over rows ``[0, rows)``, read now.
@@ -396,9 +402,7 @@ class SharedLoadTracker(LoadTracker):
             self._folded = int.from_bytes(array("q", self._others).tobytes(), sys.byteorder)
         self._mine[slot] = self._own.pop(name, 0)
         self._slot[name] = slot
-        table = self.table
-        first, step = table.index(0, self.plane, slot), table.planes * table.stride
-        self._columns[name] = table.cells[first : first + table.rows * step : step]
+        self._columns[name] = self.table.column(self.plane, slot)
         self._names[slot] = name
         others = self._others[slot]
         self.total += others
@@ -510,10 +514,8 @@ class SharedLoadTracker(LoadTracker):
 
     def in_flight(self, name: str) -> int:
         """``name``'s count over all rows, read now (no fold); the own count if it has no slot."""
-        slot = self._slot.get(name)
-        if slot is None:
-            return self._own.get(name, 0)
-        return self.table.column_total(self.plane, slot)
+        column = self._columns.get(name)
+        return self._own.get(name, 0) if column is None else sum(column)
 
     # -- the timer -------------------------------------------------------------
 

@@ -54,11 +54,8 @@ from typing import NamedTuple
 import msgspec
 
 from .config import parse_address
-from .log import get_logger
 
 __all__ = ["FAST_PERIOD", "KEEPALIVE", "Sample", "UdpRows"]
-
-log = get_logger("replicas")
 
 # How often the counts are sampled for the datagram: offline, a BalanceFactor on
 # requests not yet answered needs the others' counts within ~1 ms (sysprompt, 4

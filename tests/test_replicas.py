@@ -35,15 +35,22 @@ pytestmark = [
 Replica = tuple[asyncio.subprocess.Process, int]
 
 
-async def replicas(count: int, etcd: EtcdServer, *backends: Backend, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
-    """``count`` replicas on one prefix; the first seeds the fleet with ``backends``."""
+async def replicas(  # type: ignore[no-untyped-def]
+    count: int,
+    etcd: EtcdServer,
+    *backends: Backend,
+    extra: tuple[str, ...] = (),
+    events: list[dict[str, object]] | None = None,
+):
+    """``count`` replicas on one prefix; the first seeds the fleet with ``backends``
+    (``events``: what they logged while starting, as ``spawn_router`` gives it)."""
     started: list[Replica] = []
     for i in range(count):
         flags = ["--etcd", etcd.url, "--etcd-prefix", "/test/", "--replica-id", f"r{i}"]
         flags += ["--strategy", "prefix", "--no-health-checks", *extra]
         for backend in backends:
             flags += ["--backend", "{}={}".format(*backend.spec)]
-        started.append(await spawn_router(*flags))
+        started.append(await spawn_router(*flags, events=events))
     return started
 
 
@@ -355,16 +362,14 @@ async def test_without_udp_rows_a_routing_config_that_pays_for_late_counts_is_wa
     etcd: EtcdServer, backends: StartBackend
 ) -> None:
     a = await backends(echo)
-    flags = ["--etcd", etcd.url, "--etcd-prefix", "/warn/", "--strategy", "prefix"]
-    flags += ["--no-health-checks", "--backend", "{}={}".format(*a.spec)]
-    flags += ["--balance-mode", "TRAFFIC", "--concurrency-scope", "IN_FLIGHT"]
+    ring = ("--balance-mode", "TRAFFIC", "--concurrency-scope", "IN_FLIGHT")
     cases: list[tuple[tuple[str, ...], bool]] = [
         ((), True),
         (("--replica-listen", "127.0.0.1:0"), False),
     ]
-    for i, (extra, warned) in enumerate(cases):
+    for extra, warned in cases:
         events: list[dict[str, object]] = []
-        proc, _ = await spawn_router(*flags, "--replica-id", f"r{i}", *extra, events=events)
+        [(proc, _)] = await replicas(1, etcd, a, extra=(*ring, *extra), events=events)
         try:
             said = [e for e in events if "--replica-listen" in str(e["event"])]
             assert bool(said) is warned, events

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,10 +114,6 @@ async def test_two_sockets_exchange_samples_and_count_what_they_drop() -> None:
 
 def test_the_benchmark_runs_and_prints_its_table() -> None:
     """``python -m loadtests.bench_udprows``, tiny: it runs and prints (no timing)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     done = subprocess.run(
         [sys.executable, "-m", "loadtests.bench_udprows", "--repeats", "3", "--seconds", "0.05"],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
