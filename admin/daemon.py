@@ -101,7 +101,12 @@ async def serve(
         if shared and not config.replica_id:
             config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
         workers = Workers(
-            router, config.workers, held, remote=shared, stamp_base=_stamp_base(config)
+            router,
+            config.workers,
+            held,
+            remote=shared,
+            stamp_base=_stamp_base(config),
+            signal_changes=shared and config.replica_listen is not None,
         )
         await router.start_control(held)
     control: RouterControl
@@ -256,6 +261,7 @@ async def _join_replicas(
         applied,
         replica_id=config.replica_id,
         udp=udp,
+        changes_fd=workers.changes_fd,
     )
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay

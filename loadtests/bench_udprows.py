@@ -10,10 +10,12 @@ Per sample, in one process on 127.0.0.1, a ``Replicas`` over a real shared table
             and rewrite the remote row
 with 7 and 1,000 backends (half of them with something in flight), 1, 3 and 7
 other replicas; microseconds, median of --repeats.  Then the loop itself:
-``_udp_loop`` run for --seconds with 3 other replicas and the counts unchanged
-(a sample every ms, a keep-alive every 0.1 s), as the CPU share of one core
-(``time.process_time``), against the same process idle over the same time in
-the same run.  While counts change it adds at most one send a sample.
+``_udp_loop`` run for --seconds with 3 other replicas and the counts unchanged,
+as ``serve`` runs it (the workers signal their changes: a keep-alive every
+0.1 s) and without the signal (a sample every ms), as the CPU share of one
+core (``time.process_time``), against the same process idle over the same time
+in the same run.  While counts change it adds one send per signalled change,
+at most a fifth of the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable
 
 from router.etcd import EtcdClient
 from router.replicas import Replicas, Row
-from router.shared import TABLE_PLANES, SharedLoadTracker, SharedTable
+from router.shared import TABLE_PLANES, ChangeSignal, SharedLoadTracker, SharedTable
 from router.udprows import Sample, UdpRows, encode
 
 WORKERS = 4
@@ -46,7 +48,9 @@ class Sink(asyncio.DatagramProtocol):
         self.received += 1
 
 
-async def replica(backends: int, name: str = "me") -> tuple[Replicas, SharedTable, UdpRows]:
+async def replica(
+    backends: int, name: str = "me", changes_fd: int | None = None
+) -> tuple[Replicas, SharedTable, UdpRows]:
     table = SharedTable.create(WORKERS + 1, backends, planes=TABLE_PLANES)
     slots = {f"gpu-{i}": i for i in range(backends)}
     udp = UdpRows(name, lambda _: None)
@@ -59,6 +63,7 @@ async def replica(backends: int, name: str = "me") -> tuple[Replicas, SharedTabl
         lambda: 0,
         replica_id=name,
         udp=udp,
+        changes_fd=changes_fd,
     )
     return replicas, table, udp
 
@@ -144,16 +149,23 @@ async def one_case(backends: int, peers: int, repeats: int) -> tuple[float, floa
 
 
 async def loop_share(seconds: float) -> None:
-    idle, busy = await one_loop(seconds)
-    print(
-        f"\nThe loop with 3 other replicas and nothing changing (a sample every ms, a keep-alive"
-        f" every 0.1 s): {100 * busy:.1f} % of one core against {100 * idle:.1f} % for the same"
-        " process idle.  While counts change, add at most 1,000 sends a second (the table above)."
-    )
+    sampled = await one_loop(seconds, signalled=False)
+    signalled = await one_loop(seconds, signalled=True)
+    print("\nThe loop with 3 other replicas and nothing changing, % of one core (the same process")
+    print("idle over the same time in brackets):")
+    print(f"- workers signal their changes (serve): {_shares(signalled)}, a keep-alive every 0.1 s")
+    print(f"- sampled every ms (no signal): {_shares(sampled)}")
+    print("While counts change, add one send per signalled change, at most a fifth of the loop.")
 
 
-async def one_loop(seconds: float) -> tuple[float, float]:
-    replicas, table, udp = await replica(7)
+def _shares(shares: tuple[float, float]) -> str:
+    idle, busy = shares
+    return f"{100 * busy:.1f} % ({100 * idle:.1f} %)"
+
+
+async def one_loop(seconds: float, *, signalled: bool) -> tuple[float, float]:
+    changes_fd = ChangeSignal.open() if signalled else None
+    replicas, table, udp = await replica(7, changes_fd=changes_fd)
     transports, addresses = await sinks(3)
     replicas._peers = {f"p{i}": address for i, address in enumerate(addresses)}
     idle = await cpu_share(seconds)
@@ -166,6 +178,8 @@ async def one_loop(seconds: float) -> tuple[float, float]:
         transport.close()
     udp.close()
     table.close()
+    if changes_fd is not None:
+        os.close(changes_fd)
     return idle, busy
 
 

@@ -82,6 +82,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import mmap
 import os
@@ -99,6 +100,7 @@ __all__ = [
     "RESERVE_PLANE",
     "SPREAD_CELL",
     "TABLE_PLANES",
+    "ChangeSignal",
     "SharedDeadline",
     "SharedLoadTracker",
     "SharedTable",
@@ -284,6 +286,7 @@ class SharedLoadTracker(LoadTracker):
         "_span",
         "_starts",
         "_writes",
+        "on_change",
         "on_fold",
         "plane",
         "refreshes",
@@ -322,6 +325,8 @@ class SharedLoadTracker(LoadTracker):
         # Called after a timed fold that changed a count, or a refresh that found
         # one lower (the admission queue's wake).
         self.on_fold: Callable[[], None] | None = None
+        # Called after each write of this worker's own cells (a ChangeSignal).
+        self.on_change: Callable[[], None] | None = None
 
     # -- the request path (LoadTracker's interface) ------------------------------
 
@@ -329,6 +334,8 @@ class SharedLoadTracker(LoadTracker):
         slot = self._writes.get(member)
         if slot is not None:
             self._mine[slot] += 1
+            if self.on_change is not None:
+                self.on_change()
         elif self.row is None:
             raise TypeError("a read-only SharedLoadTracker (row=None) cannot acquire")
         else:
@@ -354,6 +361,8 @@ class SharedLoadTracker(LoadTracker):
             mine = self._mine
             n = mine[slot] - 1
             mine[slot] = n
+            if self.on_change is not None:
+                self.on_change()
         else:
             own = self._own
             n = own[member] - 1
@@ -574,6 +583,43 @@ class SharedDeadline:
         """The latest deadline of the rows read, in ``time.monotonic`` seconds (0: none)."""
         cells = self._cells
         return max(cells[i] for i in self._rows) / 1e6
+
+
+class ChangeSignal:
+    """A worker's "my row changed" to the supervisor: 1 added to an eventfd once per
+    pass of the loop in which ``__call__`` was called (see the module's contract).
+    The supervisor ``open``\\ s the eventfd and reads it (``take``)."""
+
+    __slots__ = ("_loop", "_pending", "fd")
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop):
+        self.fd = fd
+        self._loop = loop
+        self._pending = False
+
+    @staticmethod
+    def open() -> int:
+        """A new eventfd for the workers to signal on (non-blocking, not inherited
+        but through ``pass_fds``)."""
+        return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    @staticmethod
+    def take(fd: int) -> bool:
+        """Reset the eventfd; True if any worker had signalled since the last take."""
+        try:
+            return os.eventfd_read(fd) > 0
+        except BlockingIOError:
+            return False
+
+    def __call__(self) -> None:
+        if not self._pending:
+            self._pending = True
+            self._loop.call_soon(self._signal)  # after this pass's other writes
+
+    def _signal(self) -> None:
+        self._pending = False
+        with contextlib.suppress(OSError):  # the supervisor gone: the channel says so
+            os.eventfd_write(self.fd, 1)
 
 
 def _zeros(slots: int) -> memoryview:

@@ -96,6 +96,7 @@ from .shared import (
     PLANES,
     SPREAD_CELL,
     TABLE_PLANES,
+    ChangeSignal,
     SharedLoadTracker,
     SharedTable,
 )
@@ -178,10 +179,13 @@ class Workers:
         *,
         remote: bool = False,
         stamp_base: int = 0,
+        signal_changes: bool = False,
     ):
         """``remote``: one more row in the table, the other replicas' counts
         (written by ``router.replicas``); ``stamp_base``: this replica's
-        placement stamps (``stamp_base + worker index``, unique in the fleet)."""
+        placement stamps (``stamp_base + worker index``, unique in the fleet);
+        ``signal_changes``: the workers signal each change of their rows on
+        ``changes_fd`` (``router.shared.ChangeSignal``, for UDP rows)."""
         self.router = router
         self.count = count
         self.stamp_base = stamp_base
@@ -193,6 +197,7 @@ class Workers:
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
         self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
+        self.changes_fd = ChangeSignal.open() if signal_changes else None
         self.slots: dict[str, int] = {}
         for name in router.fleet.backends:
             self._take_slot(name)
@@ -257,6 +262,9 @@ class Workers:
         for tracker in self._trackers:
             tracker.close()  # its views of the table first
         self.table.close()
+        if self.changes_fd is not None:
+            os.close(self.changes_fd)
+            self.changes_fd = None
 
     @property
     def ready(self) -> bool:
@@ -310,16 +318,14 @@ class Workers:
 
     async def _spawn(self, worker: _Worker) -> None:
         ours, theirs = socket.socketpair()
+        fds = [theirs.fileno(), self.table.fd]
+        args = ["--channel-fd", str(fds[0]), "--table-fd", str(fds[1])]
+        if self.changes_fd is not None:
+            fds.append(self.changes_fd)
+            args += ["--changes-fd", str(self.changes_fd)]
         try:
             worker.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "router.worker",
-                "--channel-fd",
-                str(theirs.fileno()),
-                "--table-fd",
-                str(self.table.fd),
-                pass_fds=(theirs.fileno(), self.table.fd),
+                sys.executable, "-m", "router.worker", *args, pass_fds=fds
             )
         finally:
             theirs.close()

@@ -6,12 +6,17 @@ Contract:
   port the OS gave, for port 0) and a key of 16 random bytes made at start in
   its etcd row (``Row.udp``, ``Row.udp_key``).  HOST is what the other
   replicas send to, so a wildcard address is refused.
-- ``Replicas`` samples its own counts every ``FAST_PERIOD`` and, when they
-  changed (or ``KEEPALIVE`` passed), sends one datagram to every other
-  replica that published an address: its id, the sample's number (``seq``,
-  the same numbering as the etcd row's), its wall-clock time, and the counts
-  of both planes by backend name, as a whole (not as changes: a lost
-  datagram is made good by the next one, or by the next etcd row).
+- ``Replicas`` samples its own counts each time a worker signals a change of
+  its row (an eventfd, ``router.shared.ChangeSignal``: once per pass of that
+  worker's loop) and at least every ``KEEPALIVE`` (without the signal, every
+  ``FAST_PERIOD``), and when they changed (or ``KEEPALIVE`` passed) sends
+  one datagram to every other replica that published an address: its id,
+  the sample's number (``seq``, the same numbering as the etcd row's), its
+  wall-clock time, and the counts of both planes by backend name, as a whole
+  (not as changes: a lost datagram is made good by the next one, or by the
+  next etcd row).  After each send the next waits four times as long as the
+  send took, so the sends take at most a fifth of the supervisor's loop
+  however fast the counts change.
 - A datagram is taken only when it names a replica whose etcd row this
   replica holds, its MAC (HMAC-SHA256 over the id, the datagram's number and
   the payload, the first 16 bytes, under that row's key) checks, and it
@@ -30,13 +35,13 @@ Contract:
 - The size: counts of backends with something in flight only; a sample
   whose datagram would exceed ``MAX_DATAGRAM`` is not sent (``oversize``),
   the etcd row still carries it.
-- Cost: nothing on the request path.  The supervisor's loop wakes every
-  ``FAST_PERIOD`` while another replica listens, samples (the same read as
-  the 10 ms estimate's), and sends one ``sendto`` per other replica when a
-  count changed; it decodes up to one datagram a millisecond from each
-  other replica, so the receiving side grows with R - 1 and the fleet's
-  size (at 1,000 busy backends ~60 us a datagram: past ~8 replicas that
-  is most of the supervisor's loop); measured in
+- Cost: on the request path, a worker's eventfd write once per loop pass
+  that changed its row (``ChangeSignal``).  The supervisor wakes on it,
+  samples (the same read as the 10 ms estimate's) and sends one ``sendto``
+  per other replica, and otherwise every ``KEEPALIVE`` / 2; it decodes each
+  other replica's datagrams, so the receiving side grows with R - 1 and the
+  fleet's size (at 1,000 busy backends ~60 us a datagram: past ~8 replicas
+  that is most of the supervisor's loop); measured in
   ``python -m loadtests.bench_udprows``.
 """
 
@@ -57,9 +62,10 @@ from .config import parse_address
 
 __all__ = ["FAST_PERIOD", "KEEPALIVE", "Sample", "UdpRows"]
 
-# How often the counts are sampled for the datagram: offline, a BalanceFactor on
-# requests not yet answered needs the others' counts within ~1 ms (sysprompt, 4
-# routers: P90 x1.03 at 1 ms, x1.15 at 3 ms, x1.33 at 10 ms; loadtests/RESULTS.md).
+# How often the counts are sampled for the datagram where the workers do not
+# signal their changes: offline, a BalanceFactor on requests not yet answered
+# needs the others' counts within ~1 ms (sysprompt, 4 routers: P90 x1.03 at 1 ms,
+# x1.15 at 3 ms, x1.33 at 10 ms; loadtests/RESULTS.md).
 FAST_PERIOD = 0.001
 KEEPALIVE = 0.1  # a datagram at least this often, changed or not
 # Without a datagram for this long, a replica is taken as not reaching us by UDP

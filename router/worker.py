@@ -1,11 +1,12 @@
 """One worker process of ``prefix-router serve --workers N``: the data plane alone.
 
-    python -m router.worker --channel-fd FD --table-fd FD   (started by the supervisor)
+    python -m router.worker --channel-fd FD --table-fd FD [--changes-fd FD]   (by the supervisor)
 
 Contract:
 - The supervisor (``router.supervisor``) starts the worker with two
   inherited descriptors: its end of the channel (``router.channel``) and the
-  shared in-flight table (``router.shared``).  The first message is
+  shared in-flight table (``router.shared``); with UDP rows a third, the
+  eventfd the worker signals each change of its row on (``ChangeSignal``).  The first message is
   ``Init``: the fleet and config as they are now.  The worker builds a
   ``Router`` from it, counts in flight in its own row of the table (the
   balancer reads fleet-wide counts: its own plus the other workers', folded
@@ -88,6 +89,7 @@ from .shared import (
     PLANES,
     SPREAD_CELL,
     TABLE_PLANES,
+    ChangeSignal,
     SharedDeadline,
     SharedLoadTracker,
     SharedTable,
@@ -343,13 +345,17 @@ class _Worker:
                 log.warning("supervisor gone: stopping", reason=str(exc))
 
 
-async def _run(channel_fd: int, table_fd: int) -> None:
+async def _run(channel_fd: int, table_fd: int, changes_fd: int | None) -> None:
     channel = await Channel.open(socket.socket(fileno=channel_fd))
     init = await channel.receive()
     if not isinstance(init, Init):
         raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
     table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
+    if changes_fd is not None:  # UDP rows: the supervisor hears of each change at once
+        signal_change = ChangeSignal(changes_fd, asyncio.get_running_loop())
+        for tracker in worker.trackers:
+            tracker.on_change = signal_change
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -366,11 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m router.worker")
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--table-fd", type=int, required=True)
+    parser.add_argument("--changes-fd", type=int, default=None)
     args = parser.parse_args(argv)
     configure()
     import uvloop
 
-    uvloop.run(_run(args.channel_fd, args.table_fd))
+    uvloop.run(_run(args.channel_fd, args.table_fd, args.changes_fd))
     return 0
 
 

@@ -26,7 +26,13 @@ from hashring import Lease
 from router.balancer import Balancer
 from router.config import BackendSpec, RoutingConfig, parse_routing
 from router.fleet import Fleet
-from router.shared import TABLE_PLANES, SharedDeadline, SharedLoadTracker, SharedTable
+from router.shared import (
+    TABLE_PLANES,
+    ChangeSignal,
+    SharedDeadline,
+    SharedLoadTracker,
+    SharedTable,
+)
 from router.udprows import UdpRows
 from tests.harness.routers import SAGEMAKER
 
@@ -541,7 +547,9 @@ class _Remote:
     """A replica's estimate over ``table`` (rows 0-3 its workers', row 4 the remote
     one), fed rows by hand: nothing is started, etcd never called."""
 
-    def __init__(self, table: SharedTable, udp: UdpRows | None = None) -> None:
+    def __init__(
+        self, table: SharedTable, udp: UdpRows | None = None, changes_fd: int | None = None
+    ) -> None:
         from router.etcd import EtcdClient
         from router.replicas import Replicas
 
@@ -554,6 +562,7 @@ class _Remote:
             lambda: 0,
             replica_id="me",
             udp=udp,
+            changes_fd=changes_fd,
         )
 
     def arrives(self, replica: str, row: object) -> None:
@@ -735,3 +744,70 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     more.release()
     zero.close()
     os.close(table.fd)
+
+
+async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a_timer() -> None:
+    from router.replicas import Row
+    from router.udprows import Sample
+
+    loop = asyncio.get_running_loop()
+    table = router_table()
+    fd = ChangeSignal.open()
+    me, peer = UdpRows("me", lambda _: None), UdpRows("r1", lambda _: None)
+    peer.key_of = {"me": me.key}.get
+    got: asyncio.Queue[Sample] = asyncio.Queue()
+    peer.on_sample = lambda _, sample: got.put_nowait(sample)
+    zero = worker(table, 0)
+    try:
+        await me.open("127.0.0.1:0")
+        address = await peer.open("127.0.0.1:0")
+        estimate = _Remote(table, me, changes_fd=fd)
+        replicas = estimate.replicas
+        estimate.arrives("r1", Row(0, udp=address, udp_key=peer.key.hex()))
+        # What start() does for the signal, without its timers: nothing else sends.
+        loop.add_reader(fd, replicas._on_change)
+        # One signal per pass of the worker's loop, however many cells it wrote.
+        zero.on_change = ChangeSignal(fd, loop)
+        leases = [zero.acquire("b1"), zero.acquire("b1"), zero.acquire("b2")]
+        sample = await asyncio.wait_for(got.get(), 10)
+        assert (sample.loads, me.sent) == ({"b1": 2, "b2": 1}, 1)
+        leases.pop().release()
+        sample = await asyncio.wait_for(got.get(), 10)
+        assert (sample.loads, me.sent) == ({"b1": 2}, 2)
+        # Untouched between signals: the eventfd holds nothing, no datagram goes.
+        assert not ChangeSignal.take(fd)
+        for lease in leases:
+            lease.release()
+        assert (await asyncio.wait_for(got.get(), 10)).loads == {}
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+        zero.close()
+        me.close()
+        peer.close()
+        os.close(table.fd)
+
+
+def test_a_change_signal_is_one_eventfd_write_per_pass() -> None:
+    fd = ChangeSignal.open()
+
+    async def writes() -> None:
+        tracker = worker(router_table(), 0)
+        tracker.on_change = ChangeSignal(fd, asyncio.get_running_loop())
+        leases = [tracker.acquire("b0") for _ in range(5)]
+        await asyncio.sleep(0)  # the pass after: the signal's write, once
+        assert os.eventfd_read(fd) == 1
+        for lease in leases:
+            lease.release()
+        await asyncio.sleep(0)
+        assert os.eventfd_read(fd) == 1
+        tracker.on_change = None  # off: no write
+        tracker.acquire("b0").release()
+        await asyncio.sleep(0)
+        assert not ChangeSignal.take(fd)
+        tracker.close()
+
+    try:
+        asyncio.run(writes())
+    finally:
+        os.close(fd)

@@ -121,3 +121,4 @@ def test_the_benchmark_runs_and_prints_its_table() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 1,000 | 7 |" in done.stdout
     assert "of one core" in done.stdout
+    assert "- workers signal their changes (serve): " in done.stdout
