@@ -409,6 +409,22 @@ async def joined(etcd: str, prefix: str) -> int:
     return len(rows)
 
 
+async def udp_lags(admins: list[str]) -> str:
+    """With UDP rows: how late each router wrote the others' counts (``/admin/stats``
+    ``replicas.udp.lag_ms``, its last 1,000 samples), or "" without them."""
+    lags = []
+    async with aiohttp.ClientSession() as session:
+        for admin in admins:
+            async with session.get(f"{admin}/admin/stats") as response:
+                udp = (await response.json()).get("replicas", {}).get("udp") or {}
+            lag = udp.get("lag_ms")
+            if lag:
+                lags.append(f"{lag['p50']:.2f}/{lag['p99']:.2f}/{lag['max']:.1f}")
+    if not lags:
+        return ""
+    return f"the others' counts written by UDP rows P50/P99/max ms: {', '.join(lags)}; "
+
+
 def lag_note(samples: list[Sample], requests: list[Request], limit: float) -> str:
     """How late the client sent the requests (P99, max; model seconds), and whether that is
     late enough to distort what it measures: more than ``limit``, the engine's fixed cost per
@@ -461,7 +477,7 @@ async def run_target(
                 rows = await joined(etcd, prefix)
                 if rows != replicas:
                     raise FleetError(f"{label}: {rows} of {replicas} routers in etcd at {prefix}")
-                notes = f"{rows} routers in etcd at {prefix}; "
+                notes = f"{rows} routers in etcd at {prefix}; " + await udp_lags(admins)
         finally:
             for router in routers:
                 await router.stop()

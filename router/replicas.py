@@ -91,14 +91,14 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from hashring.shared import Record
 
 from .config import RoutingConfig, Strategy
-from .control import PeerView, ReplicasView, UdpView
+from .control import LagView, PeerView, ReplicasView, UdpView
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
@@ -135,6 +135,7 @@ RATE_MIN_SPAN = 1.0  # ... and takes none from less (10 ms holding one request i
 # After each remote-row write for UDP rows, wait this many times as long as it took.
 FLUSH_SHARE_WAIT = 4
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
+LAG_SAMPLES = 1000  # UDP rows' lags kept for /admin/stats (the last samples taken)
 
 
 def claim_spread(replicas: int, rate: float, period: float = PERIOD) -> int:
@@ -165,6 +166,16 @@ def late_counts_cost(routing: RoutingConfig) -> str | None:
     if prefix.balance_mode == "TRAFFIC" and scope == "IN_FLIGHT":
         return "BalanceMode TRAFFIC with ConcurrencyScope IN_FLIGHT: P90 TTFT x1.26 at 4 replicas"
     return None
+
+
+def lag_view(lags: Iterable[float]) -> LagView | None:
+    """Quantiles of ``lags`` (ms) for /admin/stats, None if there are none."""
+    ordered = sorted(lags)
+    if not ordered:
+        return None
+    last = len(ordered) - 1
+    p50, p90, p99 = (round(ordered[min(last, int(q * len(ordered)))], 3) for q in (0.5, 0.9, 0.99))
+    return LagView(len(ordered), p50, p90, p99, round(ordered[-1], 3))
 
 
 class RateWindow:
@@ -298,6 +309,10 @@ class Replicas:
         self._sending: asyncio.Handle | None = None  # a datagram's send, pending
         self._next_send = 0.0  # not before (loop time): see _send
         self._sent_seq, self._sent_at = -1, 0.0  # the last datagram's sample, when
+        # Samples taken since the remote row's last write (their wall-clock times),
+        # and how late the last LAG_SAMPLES were written there (ms; ``view``).
+        self._unwritten: list[float] = []
+        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
         if udp is not None:
             udp.key_of = self._keys.get
             udp.on_sample = self._take_sample
@@ -495,6 +510,7 @@ class Replicas:
             held, loads=sample.loads, waiting=sample.waiting, at=sample.at, seq=sample.seq
         )
         self._bases[replica] = self._local_at(sample.at)
+        self._unwritten.append(sample.at)
         if self._flushing is None:  # one write for what came meanwhile
             loop = asyncio.get_running_loop()
             wait = self._next_flush - loop.time()
@@ -598,6 +614,9 @@ class Replicas:
         self._write_remote()
         took = time.perf_counter() - start
         self._next_flush = asyncio.get_running_loop().time() + FLUSH_SHARE_WAIT * took
+        written = time.time()
+        self._lags.extend(1000 * (written - at) for at in self._unwritten)
+        self._unwritten.clear()
 
     def _write_remote(self, local: list[dict[str, int]] | None = None) -> None:
         table = self.table
@@ -655,7 +674,14 @@ class Replicas:
         if udp is None:
             return ReplicasView(self.id, others)
         sent = UdpView(
-            udp.address, udp.sent, udp.received, udp.rejected, udp.stale, udp.oversize, udp.errors
+            udp.address,
+            udp.sent,
+            udp.received,
+            udp.rejected,
+            udp.stale,
+            udp.oversize,
+            udp.errors,
+            lag_view(self._lags),
         )
         return ReplicasView(self.id, others, sent)
 

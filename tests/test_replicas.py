@@ -334,6 +334,8 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             assert len(held_by_one.heads) == 1
             # Datagrams not signed by a replica in etcd: dropped, counted, nothing moves.
             udp = (await stats(two))["replicas"]["udp"]
+            assert udp["lag_ms"]["samples"] >= 1  # the count that came is in the lag
+            assert 0 <= udp["lag_ms"]["p50"] <= udp["lag_ms"]["max"]
             host, port = udp["address"].rsplit(":", 1)
             before = udp["rejected"]  # r0's first datagrams may beat its key to r1
             late = time.time_ns() // 1000 + 10**9

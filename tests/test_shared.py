@@ -708,8 +708,14 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     assert replicas._peers == {"r1": ("127.0.0.1", 7400)}
     assert replicas._keys == {"r1": bytes.fromhex(key)}
     take = replicas._take_sample
-    take("r1", Sample(6, time.time(), {"b2": 2}, {"b2": 1}))
+    assert replicas.view().udp.lag_ms is None  # type: ignore[union-attr]
+    sampled = time.time()
+    take("r1", Sample(6, sampled - 0.25, {"b2": 2}, {"b2": 1}))  # sampled 250 ms ago
     await asyncio.sleep(0)  # one pass of the loop: the write it scheduled
+    lag = replicas.view().udp.lag_ms  # type: ignore[union-attr]
+    assert lag is not None
+    assert lag.samples == 1
+    assert 250 <= lag.p50 == lag.max <= 250 + 1000 * (time.time() - sampled)
     cells = {name: table.cells[table.index(4, 0, s)] for s, name in enumerate(NAMES)}
     assert {name: n for name, n in cells.items() if n} == {"b2": 2}
     assert (remote(), remote(1)) == ({"b2": 2}, {"b2": 1})

@@ -208,6 +208,18 @@ class UdpView(msgspec.Struct, frozen=True):
     stale: int  # signed, but numbered before the last one taken (replays): dropped
     oversize: int  # samples too big for one datagram (the etcd row carried them)
     errors: int  # sends the OS reported failed (a replica that left)
+    # From a sample's time at its sender to its counts written in this replica's
+    # remote row, ms, over the last ``router.replicas.LAG_SAMPLES`` new samples
+    # (across hosts, their clocks' skew too); None before the first.
+    lag_ms: LagView | None = None
+
+
+class LagView(msgspec.Struct, frozen=True):
+    samples: int
+    p50: float
+    p90: float
+    p99: float
+    max: float
 
 
 class PeerView(msgspec.Struct, frozen=True):
