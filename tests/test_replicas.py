@@ -300,7 +300,8 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
     a, b = await backends(hold), await backends(hold)
     flags = ("--concurrency-threshold", "1", "--balance-mode", "IN_FLIGHT")
     flags += ("--concurrency-scope", "IN_FLIGHT", "--replica-listen", "127.0.0.1:0")
-    routers = await replicas(2, etcd, a, b, extra=flags)
+    # Two workers each: whichever takes a request signals its supervisor (one eventfd).
+    routers = await replicas(2, etcd, a, b, extra=(*flags, "--workers", "2"))
     (one, one_port), (two, two_port) = routers
     try:
         async with aiohttp.ClientSession() as http:
