@@ -10,7 +10,7 @@ Per sample, in one process on 127.0.0.1, a ``Replicas`` over a real shared table
             and rewrite the remote row
 with 7 and 1,000 backends (half of them with something in flight), 1, 3 and 7
 other replicas; microseconds, median of --repeats.  Then the loop itself:
-``_udp_loop`` run for --seconds with 3 other replicas and the counts unchanged,
+``Sender.run`` for --seconds with 3 other replicas and the counts unchanged,
 as ``serve`` runs it (the workers signal their changes: a keep-alive every
 0.1 s) and without the signal (a sample every ms), as the CPU share of one
 core (``time.process_time``), against the same process idle over the same time
@@ -105,7 +105,7 @@ async def one_case(backends: int, peers: int, repeats: int) -> tuple[float, floa
             tracker.assign(f"gpu-{slot}", slot)
     held = [trackers[0].acquire(f"gpu-{i}") for i in range(0, backends, 2)]
     transports, addresses = await sinks(peers)
-    replicas._peers = {f"p{i}": address for i, address in enumerate(addresses)}
+    replicas._peers.update((f"p{i}", address) for i, address in enumerate(addresses))
     flip = trackers[1]
 
     turns = iter(range(10**9))
@@ -167,9 +167,10 @@ async def one_loop(seconds: float, *, signalled: bool) -> tuple[float, float]:
     changes_fd = ChangeSignal.open() if signalled else None
     replicas, table, udp = await replica(7, changes_fd=changes_fd)
     transports, addresses = await sinks(3)
-    replicas._peers = {f"p{i}": address for i, address in enumerate(addresses)}
+    replicas._peers.update((f"p{i}", address) for i, address in enumerate(addresses))
     idle = await cpu_share(seconds)
-    task = asyncio.create_task(replicas._udp_loop())
+    assert replicas.sender is not None
+    task = asyncio.create_task(replicas.sender.run())
     busy = await cpu_share(seconds)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

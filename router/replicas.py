@@ -91,14 +91,14 @@ import os
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import msgspec
 
 from hashring.shared import Record
 
 from .config import RoutingConfig, Strategy
-from .control import LagView, PeerView, ReplicasView, UdpView
+from .control import PeerView, ReplicasView, UdpView
 from .etcd import EtcdClient, EtcdError, LeaseNotFound
 from .log import get_logger
 from .responses import Learnt
@@ -107,11 +107,10 @@ from .shared import (
     DEFAULT_PERIOD,
     PLANES,
     SPREAD_CELL,
-    ChangeSignal,
     SharedDeadline,
     SharedTable,
 )
-from .udprows import FAST_PERIOD, FAST_STALE, KEEPALIVE, Sample, UdpRows, peer_address
+from .udprows import FAST_PERIOD, FAST_STALE, SHARE_WAIT, Sample, Sender, UdpRows, peer_address
 
 __all__ = ["PERIOD", "RateWindow", "Replicas", "Row", "claim_spread"]
 
@@ -132,10 +131,7 @@ HISTORY = round(0.5 / EXTRAPOLATE_PERIOD)
 # replica's count times R made c jump between 1 and 3 at sysprompt's 20/s).
 RATE_WINDOW = 5.0
 RATE_MIN_SPAN = 1.0  # ... and takes none from less (10 ms holding one request is 100/s)
-# After each remote-row write for UDP rows, wait this many times as long as it took.
-FLUSH_SHARE_WAIT = 4
 MAX_RECORDS = 10_000  # placement records kept for the next write while etcd is away
-LAG_SAMPLES = 1000  # UDP rows' lags kept for /admin/stats (the last samples taken)
 
 
 def claim_spread(replicas: int, rate: float, period: float = PERIOD) -> int:
@@ -166,16 +162,6 @@ def late_counts_cost(routing: RoutingConfig) -> str | None:
     if prefix.balance_mode == "TRAFFIC" and scope == "IN_FLIGHT":
         return "BalanceMode TRAFFIC with ConcurrencyScope IN_FLIGHT: P90 TTFT x1.26 at 4 replicas"
     return None
-
-
-def lag_view(lags: Iterable[float]) -> LagView | None:
-    """Quantiles of ``lags`` (ms) for /admin/stats, None if there are none."""
-    ordered = sorted(lags)
-    if not ordered:
-        return None
-    last = len(ordered) - 1
-    p50, p90, p99 = (round(ordered[min(last, int(q * len(ordered)))], 3) for q in (0.5, 0.9, 0.99))
-    return LagView(len(ordered), p50, p90, p99, round(ordered[-1], 3))
 
 
 class RateWindow:
@@ -305,17 +291,11 @@ class Replicas:
         self._heard: dict[str, float] = {}
         self._flushing: asyncio.Handle | None = None  # the remote row's write, pending
         self._next_flush = 0.0  # not before (loop time): see _flush
-        self.changes_fd = changes_fd
-        self._sending: asyncio.Handle | None = None  # a datagram's send, pending
-        self._next_send = 0.0  # not before (loop time): see _send
-        self._sent_seq, self._sent_at = -1, 0.0  # the last datagram's sample, when
-        # Samples taken since the remote row's last write (their wall-clock times),
-        # and how late the last LAG_SAMPLES were written there (ms; ``view``).
-        self._unwritten: list[float] = []
-        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self.sender: Sender | None = None
         if udp is not None:
             udp.key_of = self._keys.get
             udp.on_sample = self._take_sample
+            self.sender = Sender(udp, self.sampled, self._peers, changes_fd)
 
     @property
     def key(self) -> bytes:
@@ -327,10 +307,8 @@ class Replicas:
             asyncio.create_task(self._watch_loop(), name="replica watch"),
             asyncio.create_task(self._extrapolate_loop(), name="replica estimate"),
         ]
-        if self.udp is not None:
-            self._tasks.append(asyncio.create_task(self._udp_loop(), name="replica udp"))
-            if self.changes_fd is not None:
-                asyncio.get_running_loop().add_reader(self.changes_fd, self._on_change)
+        if self.sender is not None:
+            self.sender.start()
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -345,14 +323,13 @@ class Replicas:
         if self._lease:
             with contextlib.suppress(EtcdError):
                 await self.client.lease_revoke(self._lease)  # our key goes at once
+        if self.sender is not None:
+            await self.sender.close()
         if self.udp is not None:
-            if self.changes_fd is not None:
-                asyncio.get_running_loop().remove_reader(self.changes_fd)
             self.udp.close()
-        for handle in (self._flushing, self._sending):
-            if handle is not None:
-                handle.cancel()
-        self._flushing = self._sending = None
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
 
     # -- what we publish ---------------------------------------------------------
 
@@ -510,7 +487,8 @@ class Replicas:
             held, loads=sample.loads, waiting=sample.waiting, at=sample.at, seq=sample.seq
         )
         self._bases[replica] = self._local_at(sample.at)
-        self._unwritten.append(sample.at)
+        if self.udp is not None:
+            self.udp.taken(sample.at)
         if self._flushing is None:  # one write for what came meanwhile
             loop = asyncio.get_running_loop()
             wait = self._next_flush - loop.time()
@@ -524,45 +502,6 @@ class Replicas:
         if heard is None:
             return False
         return (time.monotonic() if now is None else now) - heard < FAST_STALE
-
-    async def _udp_loop(self) -> None:
-        """Send the own counts to every replica that listens at least every
-        KEEPALIVE, and each time they change: signalled by the workers
-        (``_on_change``) or, without ``changes_fd``, sampled every FAST_PERIOD."""
-        period = KEEPALIVE / 2 if self.changes_fd is not None else FAST_PERIOD
-        while True:
-            await asyncio.sleep(period if self._peers else PERIOD)
-            if self._sending is None:
-                self._send()
-
-    def _on_change(self) -> None:
-        """A worker's row changed: send now, or when the last send's wait is over."""
-        assert self.changes_fd is not None
-        if not ChangeSignal.take(self.changes_fd) or not self._peers or self._sending:
-            return
-        loop = asyncio.get_running_loop()
-        wait = self._next_send - loop.time()
-        if wait > 0:
-            self._sending = loop.call_later(wait, self._send)
-        else:
-            self._send()
-
-    def _send(self) -> None:
-        """The own counts to every other replica that listens, if they changed since
-        the last datagram or KEEPALIVE passed; the next send waits four times as
-        long as this one took (as ``_flush``: at most a fifth of the loop)."""
-        self._sending = None
-        udp = self.udp
-        if udp is None or not self._peers:
-            return
-        start = time.perf_counter()
-        seq, (loads, waiting) = self.sampled()
-        now = asyncio.get_running_loop().time()
-        if seq == self._sent_seq and now - self._sent_at < KEEPALIVE:
-            return
-        udp.send(Sample(seq, time.time(), loads, waiting), list(self._peers.values()))
-        self._sent_seq, self._sent_at = seq, now
-        self._next_send = now + FLUSH_SHARE_WAIT * (time.perf_counter() - start)
 
     def remember(self, now: float, local: list[dict[str, int]]) -> None:
         """Keep ``local`` as this replica's own counts at wall-clock ``now``."""
@@ -613,10 +552,9 @@ class Replicas:
         start = time.perf_counter()  # uvloop's loop.time() moves once a pass
         self._write_remote()
         took = time.perf_counter() - start
-        self._next_flush = asyncio.get_running_loop().time() + FLUSH_SHARE_WAIT * took
-        written = time.time()
-        self._lags.extend(1000 * (written - at) for at in self._unwritten)
-        self._unwritten.clear()
+        self._next_flush = asyncio.get_running_loop().time() + SHARE_WAIT * took
+        if self.udp is not None:
+            self.udp.written()
 
     def _write_remote(self, local: list[dict[str, int]] | None = None) -> None:
         table = self.table
@@ -681,7 +619,7 @@ class Replicas:
             udp.stale,
             udp.oversize,
             udp.errors,
-            lag_view(self._lags),
+            udp.lag(),
         )
         return ReplicasView(self.id, others, sent)
 

@@ -6,9 +6,10 @@ Contract:
   port the OS gave, for port 0) and a key of 16 random bytes made at start in
   its etcd row (``Row.udp``, ``Row.udp_key``).  HOST is what the other
   replicas send to, so a wildcard address is refused.
-- ``Replicas`` samples its own counts each time a worker signals a change of
-  its row (an eventfd, ``router.shared.ChangeSignal``: once per pass of that
-  worker's loop) and at least every ``KEEPALIVE`` (without the signal, every
+- ``Sender`` samples the replica's own counts (``Replicas.sampled``) each
+  time a worker signals a change of its row (an eventfd,
+  ``router.shared.ChangeSignal``: once per pass of that worker's loop) and
+  at least every ``KEEPALIVE`` (without the signal, every
   ``FAST_PERIOD``), and when they changed (or ``KEEPALIVE`` passed) sends
   one datagram to every other replica that published an address: its id,
   the sample's number (``seq``, the same numbering as the etcd row's), its
@@ -29,6 +30,11 @@ Contract:
   key) is dropped before its payload is decoded (``stale``).  Samples are
   numbered the same way (``Replicas``): a sample older than the one held is
   ignored, and a replica restarted under the same id is newer at once.
+- Lag: ``Replicas`` tells its ``UdpRows`` when a sample replaced a
+  replica's counts (``taken``) and when those are in the remote row
+  (``written``); ``lag()`` gives the quantiles of the last ``LAG_SAMPLES``
+  (``/admin/stats`` ``replicas.udp.lag_ms``): from the sender's sample to
+  the write, across hosts plus their clocks' skew.
 - Peers: only an IP literal of the socket's own version is sent to (a row
   with a name or another version is not a peer); a send the OS or uvloop
   refuses is counted (``errors``) and the others still go.
@@ -48,19 +54,23 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import msgspec
 
 from .config import parse_address
+from .control import LagView
+from .shared import ChangeSignal
 
-__all__ = ["FAST_PERIOD", "KEEPALIVE", "Sample", "UdpRows"]
+__all__ = ["FAST_PERIOD", "KEEPALIVE", "SHARE_WAIT", "Sample", "Sender", "UdpRows"]
 
 # How often the counts are sampled for the datagram where the workers do not
 # signal their changes: offline, a BalanceFactor on requests not yet answered
@@ -74,6 +84,10 @@ FAST_STALE = 0.5
 MAX_DATAGRAM = 60_000
 MAGIC = b"PRu2"
 MAC_BYTES = 16
+# After each send (and each remote-row write, router.replicas), wait this many
+# times as long as it took: at most a fifth of the supervisor's loop.
+SHARE_WAIT = 4
+LAG_SAMPLES = 1000  # lags kept for /admin/stats (the last samples written)
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):
@@ -159,6 +173,10 @@ class UdpRows(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self._counter = 0  # the last datagram's number
         self._last: dict[str, tuple[bytes, int]] = {}  # replica -> (its key, last number)
+        # The wall-clock times of the samples taken and not yet written into the
+        # remote row, and how late the last LAG_SAMPLES were written (ms).
+        self._unwritten: list[float] = []
+        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
 
     async def open(self, listen: str) -> str:
         host, port = parse_address(listen, "replica_listen")  # Config refused wildcards
@@ -216,6 +234,20 @@ class UdpRows(asyncio.DatagramProtocol):
         if self.on_sample is not None:
             self.on_sample(signed.replica, sample)
 
+    def taken(self, at: float) -> None:
+        """A sample of wall-clock time ``at`` replaced a replica's counts (``Replicas``)."""
+        self._unwritten.append(at)
+
+    def written(self) -> None:
+        """The counts taken since the last call are in the remote row now: their lags."""
+        now = time.time()
+        self._lags.extend(1000 * (now - at) for at in self._unwritten)
+        self._unwritten.clear()
+
+    def lag(self) -> LagView | None:
+        """Quantiles of the lags kept, for /admin/stats; None before the first."""
+        return lag_view(self._lags)
+
     def error_received(self, exc: Exception) -> None:
         self.errors += 1  # e.g. ECONNREFUSED: a replica that left; its row goes with its lease
 
@@ -236,3 +268,88 @@ def peer_address(text: str) -> tuple[str, int] | None:
     if ip.is_unspecified or port == 0:
         return None
     return host, port
+
+
+def lag_view(lags: Iterable[float]) -> LagView | None:
+    """Quantiles of ``lags`` (ms), None if there are none."""
+    ordered = sorted(lags)
+    if not ordered:
+        return None
+    last = len(ordered) - 1
+    p50, p90, p99 = (round(ordered[min(last, int(q * len(ordered)))], 3) for q in (0.5, 0.9, 0.99))
+    return LagView(len(ordered), p50, p90, p99, round(ordered[-1], 3))
+
+
+class Sender:
+    """When this replica's counts go out (the contract): on each worker's signal on
+    ``changes_fd`` (or, without one, every FAST_PERIOD) and at least every
+    KEEPALIVE, to ``peers`` (replica -> address: ``Replicas``' own dict, changed in place);
+    ``sample()`` gives the own counts' number and both planes."""
+
+    def __init__(
+        self,
+        udp: UdpRows,
+        sample: Callable[[], tuple[int, list[dict[str, int]]]],
+        peers: dict[str, tuple[str, int]],
+        changes_fd: int | None,
+    ):
+        self.udp = udp
+        self.sample = sample
+        self.peers = peers
+        self.changes_fd = changes_fd
+        self._pending: asyncio.Handle | None = None  # a send, waiting for SHARE_WAIT
+        self._next = 0.0  # not before (loop time)
+        self._sent_seq, self._sent_at = -1, 0.0  # the last datagram's sample, when
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="replica udp")
+        if self.changes_fd is not None:
+            asyncio.get_running_loop().add_reader(self.changes_fd, self.on_change)
+
+    async def close(self) -> None:
+        if self.changes_fd is not None and self._task is not None:
+            asyncio.get_running_loop().remove_reader(self.changes_fd)
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run(self) -> None:
+        """The timer: the keep-alive, or with no signal the sampling too."""
+        period = KEEPALIVE / 2 if self.changes_fd is not None else FAST_PERIOD
+        while True:
+            await asyncio.sleep(period if self.peers else KEEPALIVE)
+            if self._pending is None:
+                self.send()
+
+    def on_change(self) -> None:
+        """A worker's row changed: send now, or when the last send's wait is over."""
+        assert self.changes_fd is not None
+        if not ChangeSignal.take(self.changes_fd) or not self.peers or self._pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._next - loop.time()
+        if wait > 0:
+            self._pending = loop.call_later(wait, self.send)
+        else:
+            self.send()
+
+    def send(self) -> None:
+        """The own counts to every peer, if they changed since the last datagram or
+        KEEPALIVE passed; the next send waits SHARE_WAIT times as long as this one took."""
+        self._pending = None
+        if not self.peers:
+            return
+        start = time.perf_counter()  # uvloop's loop.time() moves once a pass
+        seq, (loads, waiting) = self.sample()
+        now = asyncio.get_running_loop().time()
+        if seq == self._sent_seq and now - self._sent_at < KEEPALIVE:
+            return
+        self.udp.send(Sample(seq, time.time(), loads, waiting), list(self.peers.values()))
+        self._sent_seq, self._sent_at = seq, now
+        self._next = now + SHARE_WAIT * (time.perf_counter() - start)

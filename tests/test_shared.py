@@ -771,7 +771,8 @@ async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a
         replicas = estimate.replicas
         estimate.arrives("r1", Row(0, udp=address, udp_key=peer.key.hex()))
         # What start() does for the signal, without its timers: nothing else sends.
-        loop.add_reader(fd, replicas._on_change)
+        assert replicas.sender is not None
+        loop.add_reader(fd, replicas.sender.on_change)
         # One signal per pass of the worker's loop, however many cells it wrote.
         zero.on_change = ChangeSignal(fd, loop)
         leases = [zero.acquire("b1"), zero.acquire("b1"), zero.acquire("b2")]
