@@ -795,11 +795,11 @@ async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a
         os.close(table.fd)
 
 
-def test_a_change_signal_is_one_eventfd_write_per_pass() -> None:
+async def test_a_change_signal_is_one_eventfd_write_per_pass() -> None:
     fd = ChangeSignal.open()
-
-    async def writes() -> None:
-        tracker = worker(router_table(), 0)
+    table = router_table()
+    tracker = worker(table, 0)
+    try:
         tracker.on_change = ChangeSignal(fd, asyncio.get_running_loop())
         leases = [tracker.acquire("b0") for _ in range(5)]
         await asyncio.sleep(0)  # the pass after: the signal's write, once
@@ -812,9 +812,7 @@ def test_a_change_signal_is_one_eventfd_write_per_pass() -> None:
         tracker.acquire("b0").release()
         await asyncio.sleep(0)
         assert not ChangeSignal.take(fd)
-        tracker.close()
-
-    try:
-        asyncio.run(writes())
     finally:
+        tracker.close()
         os.close(fd)
+        os.close(table.fd)
