@@ -3,7 +3,8 @@
     python -m loadtests.bench_udprows [--repeats 2000] [--seconds 3]
 
 Per sample, in one process on 127.0.0.1, a ``Replicas`` over a real shared table
-(4 worker rows and the remote one) and real UDP sockets as the other replicas:
+as ``serve`` makes it (4 worker rows and the remote one, ``SLOTS`` columns) and
+real UDP sockets as the other replicas:
   send      ``sampled()`` (the table read) + encode, sign and one ``sendto`` per
             other replica, the counts changed since the last sample
   receive   one datagram taken: verify, decode, replace the replica's counts
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from router.etcd import EtcdClient
 from router.replicas import Replicas, Row
 from router.shared import TABLE_PLANES, ChangeSignal, SharedLoadTracker, SharedTable
+from router.supervisor import SLOTS
 from router.udprows import Sample, UdpRows, encode
 
 WORKERS = 4
@@ -51,7 +53,7 @@ class Sink(asyncio.DatagramProtocol):
 async def replica(
     backends: int, name: str = "me", changes_fd: int | None = None
 ) -> tuple[Replicas, SharedTable, UdpRows]:
-    table = SharedTable.create(WORKERS + 1, backends, planes=TABLE_PLANES)
+    table = SharedTable.create(WORKERS + 1, SLOTS, planes=TABLE_PLANES)
     slots = {f"gpu-{i}": i for i in range(backends)}
     udp = UdpRows(name, lambda _: None)
     await udp.open("127.0.0.1:0")

@@ -345,20 +345,27 @@ class Replicas:
     def local(self) -> list[dict[str, int]]:
         """This replica's own counts per plane: every worker row, not the remote one."""
         slots = self.slots()
+        return self._local(slots, _span(slots))
+
+    def _local(self, slots: dict[str, int], span: int) -> list[dict[str, int]]:
         planes = []
         for plane in range(PLANES):
-            sums = self.table.plane_sums(plane, self.remote)
+            sums = self.table.plane_sums(plane, self.remote, span)
             planes.append({name: sums[slot] for name, slot in slots.items() if sums[slot]})
         return planes
 
     def sampled(self) -> tuple[int, list[dict[str, int]]]:
         """This replica's own counts now (``local``) and their number, one more
-        than the last sample's if they changed."""
-        raw = self.table.rows_bytes(self.remote)  # the workers' rows
+        than the last sample's if they changed.  Reads up to the highest column in
+        use, not the table's every slot (a sample follows each change: its cost is
+        in the lag)."""
+        slots = self.slots()
+        span = _span(slots)
+        raw = self.table.counts_bytes(self.remote, PLANES, span)  # the workers' rows
         if raw == self._sample_raw:
             return self._seq, self._sample  # not a cell changed: the every-ms case when idle
         self._sample_raw = raw
-        local = self.local()
+        local = self._local(slots, span)
         if local != self._sample:
             self._seq, self._sample = self._seq + 1, local
         return self._seq, self._sample
@@ -633,3 +640,8 @@ class Replicas:
         """Return at the next change of another replica's row."""
         self._changed.clear()
         await self._changed.wait()
+
+
+def _span(slots: dict[str, int]) -> int:
+    """Columns ``[0, span)`` hold every backend of ``slots`` (backend -> column)."""
+    return max(slots.values(), default=-1) + 1

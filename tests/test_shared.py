@@ -628,6 +628,31 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since()
     os.close(table.fd)
 
 
+def test_a_sample_reads_the_columns_in_use_and_numbers_each_change() -> None:
+    table = router_table()
+    replicas = _Remote(table).replicas
+    in_use = {name: slot for slot, name in enumerate(NAMES[:3])}  # columns 0-2 of 6
+    replicas.slots = lambda: in_use
+    seq, planes = replicas.sampled()
+    assert planes == [{}, {}]
+    zero, three = worker(table, 0), worker(table, 3, plane=1)
+    held = [zero.acquire("b2"), three.acquire("b2"), three.acquire("b0")]
+    assert replicas.sampled() == (seq + 1, [{"b2": 1}, {"b2": 1, "b0": 1}])
+    assert replicas.sampled()[0] == seq + 1  # nothing changed: the same number
+    # A count in a column no backend uses is no backend's: the sample stays.
+    lease = zero.acquire("b4")
+    assert replicas.sampled()[0] == seq + 1
+    in_use["b4"] = 4  # once it is in use, it is
+    assert replicas.sampled() == (seq + 2, [{"b2": 1, "b4": 1}, {"b2": 1, "b0": 1}])
+    for each in [*held, lease]:
+        each.release()
+    assert replicas.sampled() == (seq + 3, [{}, {}])
+    assert table.plane_sums(1, 4, 3).tolist() == table.plane_sums(1, 4).tolist()[:3]
+    for tracker in (zero, three):
+        tracker.close()
+    os.close(table.fd)
+
+
 def test_a_row_is_based_on_this_replicas_counts_when_it_was_published() -> None:
     # A row spends time in etcd's watch before it arrives: what this replica
     # gained meanwhile is what the other most likely gained too.
