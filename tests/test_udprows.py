@@ -112,6 +112,31 @@ async def test_two_sockets_exchange_samples_and_count_what_they_drop() -> None:
         two.close()
 
 
+async def test_a_send_held_up_by_another_process_does_not_hold_the_next_back() -> None:
+    """The wait after a send is SHARE_WAIT times its CPU time, not its wall time: a
+    sample that spent 50 ms off the CPU (``time.sleep``, as a preemption would)
+    leaves the next send free to go within a few milliseconds."""
+    from router.udprows import Sender
+
+    udp = UdpRows("r0", {}.get)
+    await udp.open("127.0.0.1:0")
+    seq = iter(range(10**6))
+
+    def sample() -> tuple[int, list[dict[str, int]]]:
+        time.sleep(0.05)  # off the CPU: what the wait must not count
+        return next(seq), [{"gpu-0": 1}, {}]
+
+    sender = Sender(udp, sample, {"r1": ("127.0.0.1", 9)}, None)
+    try:
+        sender.send()
+        assert udp.sent == 1
+        held = sender._next - asyncio.get_running_loop().time()
+        assert held < 0.02, held  # wall time would have held it 4 x 50 ms
+    finally:
+        await sender.close()
+        udp.close()
+
+
 def test_the_benchmark_runs_and_prints_its_table() -> None:
     """``python -m loadtests.bench_udprows``, tiny: it runs and prints (no timing)."""
     done = subprocess.run(
