@@ -422,7 +422,7 @@ async def udp_lags(admins: list[str]) -> str:
                 lags.append(f"{lag['p50']:.2f}/{lag['p99']:.2f}/{lag['max']:.1f}")
     if not lags:
         return ""
-    return f"the others' counts written by UDP rows P50/P99/max ms: {', '.join(lags)}; "
+    return f"the others' changes written here by UDP rows, P50/P99/max ms: {', '.join(lags)}; "
 
 
 def lag_note(samples: list[Sample], requests: list[Request], limit: float) -> str:

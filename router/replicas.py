@@ -109,6 +109,7 @@ from .shared import (
     SPREAD_CELL,
     SharedDeadline,
     SharedTable,
+    stamp_cells,
 )
 from .udprows import FAST_PERIOD, FAST_STALE, SHARE_WAIT, Sample, Sender, UdpRows, peer_address
 
@@ -271,6 +272,8 @@ class Replicas:
         # Claim spreading: the workers' contended cells, the spread's cell, the rate.
         self._contended_cells = [table.row_cell(row, CONTENDED_CELL) for row in range(self.remote)]
         self._spread_cell = table.row_cell(self.remote, SPREAD_CELL)
+        # Each worker's oldest change not yet sent, and where this takes it (the lag).
+        self._stamps = [stamp_cells(table, row) for row in range(self.remote)]
         self._window = RateWindow(RATE_WINDOW, RATE_MIN_SPAN, EXTRAPOLATE_PERIOD)
         self.rate = -1.0  # this replica's, published in its row; -1: not measured yet
         self.spread = 1
@@ -295,7 +298,7 @@ class Replicas:
         if udp is not None:
             udp.key_of = self._keys.get
             udp.on_sample = self._take_sample
-            self.sender = Sender(udp, self.sampled, self._peers, changes_fd)
+            self.sender = Sender(udp, self.sampled, self._peers, changes_fd, self.changed_at)
 
     @property
     def key(self) -> bytes:
@@ -369,6 +372,22 @@ class Replicas:
         if local != self._sample:
             self._seq, self._sample = self._seq + 1, local
         return self._seq, self._sample
+
+    def changed_at(self) -> float:
+        """When (Unix time) the oldest change the workers signalled since the last
+        call was made, 0.0 if none (or the workers do not stamp their changes:
+        ``router.shared.ChangeSignal``); takes those changes."""
+        cells = self.table.cells
+        oldest = 0
+        for stamp in self._stamps:
+            if stamp is None:
+                continue
+            changed, taken = stamp
+            at = cells[changed]
+            if at > cells[taken]:
+                oldest = at if not oldest else min(oldest, at)
+                cells[taken] = at
+        return oldest / 1e6
 
     def local_row(self) -> Row:
         seq, (loads, waiting) = self.sampled()
@@ -495,7 +514,7 @@ class Replicas:
         )
         self._bases[replica] = self._local_at(sample.at)
         if self.udp is not None:
-            self.udp.taken(sample.at)
+            self.udp.taken(sample.changed or sample.at)
         if self._flushing is None:  # one write for what came meanwhile
             loop = asyncio.get_running_loop()
             wait = self._next_flush - loop.time()

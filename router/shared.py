@@ -26,7 +26,9 @@ Contract:
   (``SharedDeadline``, ``router.queue``), and for claim spreading
   (``router.balancer``) how many of its requests found their walk's first
   member full (``CONTENDED_CELL``) and, in the remote row, the spread
-  (``SPREAD_CELL``).
+  (``SPREAD_CELL``); for the UDP rows' lag, when the worker's oldest change
+  not yet sent was made (``CHANGED_CELL``, ``ChangeSignal``) and, in the
+  remote row, the last of those the supervisor took (``TAKEN_CELL + row``).
 - One writer per cell: a worker writes only its own row, through one
   tracker per (row, plane) (pure Python has no atomic read-modify-write: a
   cell two processes increment loses updates).  A worker's cell is its own
@@ -87,6 +89,7 @@ import fcntl
 import mmap
 import os
 import sys
+import time
 from array import array
 from collections.abc import Callable
 from itertools import compress
@@ -94,16 +97,19 @@ from itertools import compress
 from hashring import Lease, LoadTracker
 
 __all__ = [
+    "CHANGED_CELL",
     "CONTENDED_CELL",
     "DEFAULT_PERIOD",
     "PLANES",
     "RESERVE_PLANE",
     "SPREAD_CELL",
     "TABLE_PLANES",
+    "TAKEN_CELL",
     "ChangeSignal",
     "SharedDeadline",
     "SharedLoadTracker",
     "SharedTable",
+    "stamp_cells",
 ]
 
 MAGIC = 0x50_52_4C_4F_41_44_53_31  # "PRLOADS1"
@@ -120,6 +126,12 @@ RESERVE_PLANE = PLANES
 # a worker row's: its requests routed past their primary so far (``router.worker``)
 CONTENDED_CELL = 1
 SPREAD_CELL = 2  # the remote row's: the claim spread (``router.replicas``); 0 means 1
+# For the UDP rows' lag (``ChangeSignal``, ``router.udprows``): a worker row's, when
+# (Unix time, microseconds) the oldest change it signalled and the supervisor has
+# not taken yet was made; the remote row's ``TAKEN_CELL + row``, the last of worker
+# ``row``'s that the supervisor took.
+CHANGED_CELL = 3
+TAKEN_CELL = 3
 TABLE_PLANES = PLANES + 1  # a router's table: the trackers' planes and the reserve's
 
 # How often a worker folds the other rows in.  A fold at 1,000 backends x 8
@@ -594,14 +606,29 @@ class SharedDeadline:
 class ChangeSignal:
     """A worker's "my row changed" to the supervisor: 1 added to an eventfd once per
     pass of the loop in which ``__call__`` was called (see the module's contract).
-    The supervisor ``open``\\ s the eventfd and reads it (``take``)."""
+    The supervisor ``open``\\ s the eventfd and reads it (``take``).
 
-    __slots__ = ("_loop", "_pending", "fd")
+    With ``stamp`` (``stamp_cells``: the worker's ``CHANGED_CELL`` and the
+    supervisor's ``TAKEN_CELL`` for it), the first call of a pass also writes
+    the time into the changed cell, unless the supervisor has not taken the
+    time there yet: the cell then keeps the oldest change not yet sent, however
+    many passes signal before the supervisor wakes (what the lag is measured
+    from, ``router.udprows``)."""
 
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop):
+    __slots__ = ("_cells", "_changed", "_loop", "_pending", "_taken", "fd")
+
+    def __init__(
+        self,
+        fd: int,
+        loop: asyncio.AbstractEventLoop,
+        cells: memoryview | None = None,
+        stamp: tuple[int, int] | None = None,
+    ):
         self.fd = fd
         self._loop = loop
         self._pending = False
+        self._cells = cells if stamp is not None else None
+        self._changed, self._taken = stamp if stamp is not None else (0, 0)
 
     @staticmethod
     def open() -> int:
@@ -620,12 +647,23 @@ class ChangeSignal:
     def __call__(self) -> None:
         if not self._pending:
             self._pending = True
+            cells = self._cells
+            if cells is not None and cells[self._changed] <= cells[self._taken]:
+                cells[self._changed] = time.time_ns() // 1000
             self._loop.call_soon(self._signal)  # after this pass's other writes
 
     def _signal(self) -> None:
         self._pending = False
         with contextlib.suppress(OSError):  # the supervisor gone: the channel says so
             os.eventfd_write(self.fd, 1)
+
+
+def stamp_cells(table: SharedTable, row: int) -> tuple[int, int] | None:
+    """Worker ``row``'s ``CHANGED_CELL`` and the remote (last) row's ``TAKEN_CELL``
+    for it, in ``table.cells``; None if the remote row's block has no cell for it."""
+    if TAKEN_CELL + row >= table.stride:
+        return None
+    return table.row_cell(row, CHANGED_CELL), table.row_cell(table.rows - 1, TAKEN_CELL + row)
 
 
 def _zeros(slots: int) -> memoryview:

@@ -34,8 +34,12 @@ Contract:
 - Lag: ``Replicas`` tells its ``UdpRows`` when a sample replaced a
   replica's counts (``taken``) and when those are in the remote row
   (``written``); ``lag()`` gives the quantiles of the last ``LAG_SAMPLES``
-  (``/admin/stats`` ``replicas.udp.lag_ms``): from the sender's sample to
-  the write, across hosts plus their clocks' skew.
+  (``/admin/stats`` ``replicas.udp.lag_ms``): from the change on the other
+  replica's worker to the write here, across hosts plus their clocks' skew.
+  The change's time comes in the sample (``changed``: each worker stamps the
+  first change of a pass in its row, ``router.shared.ChangeSignal``, and the
+  sender takes the oldest); a sample without it (no signal: sampled every
+  ``FAST_PERIOD``) is timed from the sample.
 - Peers: only an IP literal of the socket's own version is sent to (a row
   with a name or another version is not a peer); a send the OS or uvloop
   refuses is counted (``errors``) and the others still go.
@@ -96,6 +100,10 @@ class Sample(msgspec.Struct, array_like=True, frozen=True):
     at: float  # wall-clock time of the sample
     loads: dict[str, int]
     waiting: dict[str, int]
+    # when (wall clock) the oldest change in it was made, 0.0: not known (the
+    # workers do not signal, or nothing changed); a replica before this field
+    # sends four elements, and one before it ignores the fifth
+    changed: float = 0.0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -236,7 +244,8 @@ class UdpRows(asyncio.DatagramProtocol):
             self.on_sample(signed.replica, sample)
 
     def taken(self, at: float) -> None:
-        """A sample of wall-clock time ``at`` replaced a replica's counts (``Replicas``)."""
+        """A sample whose oldest change was made at wall-clock time ``at`` replaced a
+        replica's counts (``Replicas``)."""
         self._unwritten.append(at)
 
     def written(self) -> None:
@@ -285,7 +294,8 @@ class Sender:
     """When this replica's counts go out (the contract): on each worker's signal on
     ``changes_fd`` (or, without one, every FAST_PERIOD) and at least every
     KEEPALIVE, to ``peers`` (replica -> address: ``Replicas``' own dict, changed in place);
-    ``sample()`` gives the own counts' number and both planes."""
+    ``sample()`` gives the own counts' number and both planes, ``changed_at()``
+    when the oldest change since its last call was made (0.0: not known)."""
 
     def __init__(
         self,
@@ -293,9 +303,11 @@ class Sender:
         sample: Callable[[], tuple[int, list[dict[str, int]]]],
         peers: dict[str, tuple[str, int]],
         changes_fd: int | None,
+        changed_at: Callable[[], float] | None = None,
     ):
         self.udp = udp
         self.sample = sample
+        self.changed_at = changed_at
         self.peers = peers
         self.changes_fd = changes_fd
         self._pending: asyncio.Handle | None = None  # a send, waiting for SHARE_WAIT
@@ -350,10 +362,13 @@ class Sender:
         # CPU time: a send the VM or another process preempted took no more of this
         # loop (measured as wall time, one preempted for 37 ms held the next 150 ms).
         start = time.thread_time()
+        # The changes stamped before the sample is read are in it (taken, sent or not).
+        changed = self.changed_at() if self.changed_at is not None else 0.0
         seq, (loads, waiting) = self.sample()
         now = asyncio.get_running_loop().time()
         if seq == self._sent_seq and now - self._sent_at < KEEPALIVE:
             return
-        self.udp.send(Sample(seq, time.time(), loads, waiting), list(self.peers.values()))
+        sample = Sample(seq, time.time(), loads, waiting, changed)
+        self.udp.send(sample, list(self.peers.values()))
         self._sent_seq, self._sent_at = seq, now
         self._next = now + SHARE_WAIT * (time.thread_time() - start)

@@ -93,6 +93,7 @@ from .shared import (
     SharedDeadline,
     SharedLoadTracker,
     SharedTable,
+    stamp_cells,
 )
 
 __all__ = ["main", "report"]
@@ -353,7 +354,8 @@ async def _run(channel_fd: int, table_fd: int, changes_fd: int | None) -> None:
     table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
     if changes_fd is not None:  # UDP rows: the supervisor hears of each change at once
-        signal_change = ChangeSignal(changes_fd, asyncio.get_running_loop())
+        stamp = stamp_cells(table, init.index)  # the lag counted from the change itself
+        signal_change = ChangeSignal(changes_fd, asyncio.get_running_loop(), table.cells, stamp)
         for tracker in worker.trackers:
             tracker.on_change = signal_change
     stop = asyncio.Event()

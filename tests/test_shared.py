@@ -32,6 +32,7 @@ from router.shared import (
     SharedDeadline,
     SharedLoadTracker,
     SharedTable,
+    stamp_cells,
 )
 from router.udprows import UdpRows
 from tests.harness.routers import SAGEMAKER
@@ -798,14 +799,19 @@ async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a
         # What start() does for the signal, without its timers: nothing else sends.
         assert replicas.sender is not None
         loop.add_reader(fd, replicas.sender.on_change)
-        # One signal per pass of the worker's loop, however many cells it wrote.
-        zero.on_change = ChangeSignal(fd, loop)
+        # One signal per pass of the worker's loop, however many cells it wrote,
+        # stamped with the time of the pass's first change (what the lag counts from).
+        zero.on_change = ChangeSignal(fd, loop, table.cells, stamp_cells(table, 0))
+        before = time.time()
         leases = [zero.acquire("b1"), zero.acquire("b1"), zero.acquire("b2")]
         sample = await asyncio.wait_for(got.get(), 10)
         assert (sample.loads, me.sent) == ({"b1": 2, "b2": 1}, 1)
+        assert before - 1e-6 <= sample.changed <= sample.at <= time.time()
+        first = sample.changed
         leases.pop().release()
         sample = await asyncio.wait_for(got.get(), 10)
         assert (sample.loads, me.sent) == ({"b1": 2}, 2)
+        assert first < sample.changed <= sample.at  # the first stamp was taken: a new one
         # Untouched between signals: the eventfd holds nothing, no datagram goes.
         assert not ChangeSignal.take(fd)
         for lease in leases:
@@ -817,6 +823,44 @@ async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a
         zero.close()
         me.close()
         peer.close()
+        os.close(table.fd)
+
+
+async def test_a_stamp_stays_the_oldest_change_until_the_supervisor_takes_it() -> None:
+    """Two passes signal before the supervisor wakes: the lag counts from the first."""
+    fd = ChangeSignal.open()
+    table = router_table()
+    zero, one = worker(table, 0), worker(table, 1)
+    replicas = _Remote(table).replicas
+    try:
+        assert replicas.changed_at() == 0.0  # nothing signalled yet
+        zero.on_change = ChangeSignal(
+            fd, asyncio.get_running_loop(), table.cells, stamp_cells(table, 0)
+        )
+        one.on_change = ChangeSignal(
+            fd, asyncio.get_running_loop(), table.cells, stamp_cells(table, 1)
+        )
+        before = time.time()
+        held = [zero.acquire("b0")]
+        await asyncio.sleep(0)  # the pass ends: its signal goes
+        first = table.cells[stamp_cells(table, 0)[0]]
+        await asyncio.sleep(0.002)  # a later pass, the time apart measurable
+        held += [zero.acquire("b1"), one.acquire("b2")]
+        await asyncio.sleep(0)
+        assert table.cells[stamp_cells(table, 0)[0]] == first  # not taken: kept
+        later = table.cells[stamp_cells(table, 1)[0]]
+        assert before * 1e6 - 1 <= first < later
+        assert replicas.changed_at() == first / 1e6  # the oldest of both workers'
+        assert replicas.changed_at() == 0.0  # taken: nothing new since
+        held.pop().release()
+        await asyncio.sleep(0)
+        assert replicas.changed_at() * 1e6 >= later  # after the take, a new stamp
+        for lease in held:
+            lease.release()
+    finally:
+        zero.close()
+        one.close()
+        os.close(fd)
         os.close(table.fd)
 
 
