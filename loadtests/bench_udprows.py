@@ -1,6 +1,6 @@
 """Benchmark of UDP rows (router.udprows): what the supervisor spends on them.
 
-    python -m loadtests.bench_udprows [--repeats 2000] [--seconds 3]
+    python -m loadtests.bench_udprows [--repeats 2000] [--seconds 3] [--datagrams 400]
 
 Per sample, in one process on 127.0.0.1, a ``Replicas`` over a real shared table
 as ``serve`` makes it (4 worker rows and the remote one, ``SLOTS`` columns) and
@@ -17,6 +17,13 @@ as ``serve`` runs it (the workers signal their changes: a keep-alive every
 core (``time.process_time``), against the same process idle over the same time
 in the same run.  While counts change it adds one send per signalled change,
 at most a fifth of the loop.
+
+Last, the floor under the lag (``replicas.udp.lag_ms``): how long one
+process takes to wake on another's datagram on this host (UDP on 127.0.0.1,
+--datagrams of them 5 ms apart, the receiver on the sender's CPU and on the
+other one): a change reaches another replica's table through two such
+wake-ups (the worker's signal to its supervisor, the datagram to the other
+supervisor), each with the loop's work around it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -192,6 +200,62 @@ async def cpu_share(seconds: float) -> float:
     return (time.process_time() - start_cpu) / (time.perf_counter() - start)
 
 
+def wake_floor(datagrams: int) -> None:
+    """P50/P90/P99 of a datagram's trip from one process to another that waits on it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    print("\nThe floor: one process waking on another's datagram, microseconds")
+    print("| receiver | P50 | P90 | P99 | max |")
+    print("|---|---:|---:|---:|---:|")
+    for where, cpu in (("the sender's CPU", cpus[0]), ("the other CPU", cpus[-1])):
+        if where == "the other CPU" and len(cpus) < 2:
+            continue
+        trips = sorted(_trips(datagrams, cpus[0], cpu))
+        last = len(trips) - 1
+        p50, p90, p99 = (trips[min(last, int(q * len(trips)))] for q in (0.5, 0.9, 0.99))
+        print(f"| {where} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {trips[-1]:.0f} |")
+
+
+def _trips(datagrams: int, sender_cpu: int, receiver_cpu: int) -> list[float]:
+    """Each datagram carries its send time; a forked receiver pinned to ``receiver_cpu``
+    writes back how long each took (microseconds), through a pipe."""
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(10)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    read, write = os.pipe()
+    affinity = os.sched_getaffinity(0)
+    pid = os.fork()
+    if pid == 0:  # the receiver: blocking calls only, then out without cleanup
+        code = 1
+        try:
+            os.sched_setaffinity(0, {receiver_cpu})
+            trips = []
+            for _ in range(datagrams):
+                sent = int(receiver.recv(64))
+                trips.append((time.time_ns() - sent) / 1000)
+            os.write(write, " ".join(f"{trip:.1f}" for trip in trips).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        os.sched_setaffinity(0, {sender_cpu})
+        address = receiver.getsockname()
+        for _ in range(datagrams):
+            time.sleep(0.005)  # pacing: each datagram finds the receiver asleep
+            sender.sendto(str(time.time_ns()).encode(), address)
+        chunks = []
+        while chunk := os.read(read, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        os.waitpid(pid, 0)
+        os.close(read)
+        sender.close()
+        receiver.close()
+    return [float(trip) for trip in b"".join(chunks).split()]
+
+
 async def main(args: argparse.Namespace) -> None:
     print(f"# UDP rows: median of {args.repeats} samples; loop share over {args.seconds} s each")
     await per_sample(args.repeats)
@@ -202,6 +266,7 @@ def cli(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=2000)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--datagrams", type=int, default=400)
     args = p.parse_args(argv)
     try:
         import uvloop
@@ -210,6 +275,7 @@ def cli(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     asyncio.run(main(args))
+    wake_floor(args.datagrams)  # after the loop is gone: the fork copies no running loop
 
 
 if __name__ == "__main__":

@@ -140,10 +140,12 @@ async def test_a_send_held_up_by_another_process_does_not_hold_the_next_back() -
 def test_the_benchmark_runs_and_prints_its_table() -> None:
     """``python -m loadtests.bench_udprows``, tiny: it runs and prints (no timing)."""
     done = subprocess.run(
-        [sys.executable, "-m", "loadtests.bench_udprows", "--repeats", "3", "--seconds", "0.05"],
+        [sys.executable, "-m", "loadtests.bench_udprows", "--repeats", "3", "--seconds", "0.05",
+         "--datagrams", "5"],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 1,000 | 7 |" in done.stdout
     assert "of one core" in done.stdout
     assert "- workers signal their changes (serve): " in done.stdout
+    assert "| the sender's CPU |" in done.stdout  # the wake-up floor
