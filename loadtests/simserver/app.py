@@ -511,6 +511,11 @@ _SERVER_LOG = logging.getLogger("loadtests.simserver.http")
 _SERVER_LOG.addFilter(_OneLineForHTTP2Preface())
 
 
+# Passes of the loop from a connection's accept to its protocol's connection_made
+# (asyncio's _accept_connection2 task, then the transport's call_soon), and one more.
+_ACCEPT_PASSES = 3
+
+
 class SimServer:
     """One instance served on ``host:port`` in the running loop; ``url`` once started."""
 
@@ -525,6 +530,7 @@ class SimServer:
         self.host = host
         self.port = port
         self.url = ""
+        self._closing = False
         self._runner = web.AppRunner(
             make_app(self.instance),
             handler_cancellation=True,
@@ -539,6 +545,7 @@ class SimServer:
 
     async def start(self) -> str:
         await self._runner.setup()
+        self._close_late_connections()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
@@ -546,8 +553,29 @@ class SimServer:
         self.url = f"http://{host}:{port}"
         return self.url
 
+    def _close_late_connections(self) -> None:
+        """A connection the listening socket accepted just before ``close`` is made
+        a pass or two later (asyncio's accept is a task), after aiohttp's shutdown
+        looked at its connections: it would stay open, unowned, until garbage
+        collected (an "unclosed transport" warning in whatever test runs then).
+        Such a connection is closed as it is made."""
+        server = self._runner.server
+        assert server is not None
+        made = server.connection_made
+
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            if self._closing:
+                transport.close()
+            made(handler, transport)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+
     async def close(self) -> None:
+        self._closing = True
         await self._runner.cleanup()
+        # Accepts still in flight reach connection_made within two passes of the loop.
+        for _ in range(_ACCEPT_PASSES):
+            await asyncio.sleep(0)
 
     async def __aenter__(self) -> SimServer:
         await self.start()

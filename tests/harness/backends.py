@@ -155,6 +155,12 @@ class Backend:
     async def close(self) -> None:
         assert self._server is not None
         self._server.close()
+        # A connection accepted just before the close gets its handler a few passes
+        # later (asyncio's accept is a task, then the protocol's connection_made,
+        # then the handler's task): let those start, so they are cancelled and close
+        # their writer here, not left open until garbage collected.
+        for _ in range(4):
+            await asyncio.sleep(0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
