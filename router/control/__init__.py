@@ -208,9 +208,11 @@ class UdpView(msgspec.Struct, frozen=True):
     stale: int  # signed, but numbered before the last one taken (replays): dropped
     oversize: int  # samples too big for one datagram (the etcd row carried them)
     errors: int  # sends the OS reported failed (a replica that left)
-    # From a sample's time at its sender to its counts written in this replica's
-    # remote row, ms, over the last ``router.replicas.LAG_SAMPLES`` new samples
-    # (across hosts, their clocks' skew too); None before the first.
+    # From the oldest change a sample carries, on the sending replica's worker
+    # (from the sample itself where the workers do not signal), to its counts
+    # written in this replica's remote row, ms, over the last
+    # ``router.udprows.LAG_SAMPLES`` new samples (across hosts, their clocks' skew
+    # too); None before the first.
     lag_ms: LagView | None = None
 
 
