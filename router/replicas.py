@@ -85,7 +85,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import random
@@ -293,7 +292,7 @@ class Replicas:
         self._keys: dict[str, bytes] = {}
         self._heard: dict[str, float] = {}
         self._flushing: asyncio.Handle | None = None  # the remote row's write, pending
-        self._next_flush = 0.0  # not before (loop time): see _flush
+        self._next_flush = 0.0  # not before (time.monotonic): see _flush
         self.sender: Sender | None = None
         if udp is not None:
             udp.key_of = self._keys.get
@@ -323,9 +322,8 @@ class Replicas:
                 pass
             except Exception as exc:  # a loop that died: still let go of the rest
                 log.error("replica task failed", task=task.get_name(), reason=repr(exc))
-        if self._lease:
-            with contextlib.suppress(EtcdError):
-                await self.client.lease_revoke(self._lease)  # our key goes at once
+        # Nothing sent or written from here on: the sender lets go of the workers'
+        # eventfd before their owner (``Workers.stop``) closes it.
         if self.sender is not None:
             await self.sender.close()
         if self.udp is not None:
@@ -333,6 +331,13 @@ class Replicas:
         if self._flushing is not None:
             self._flushing.cancel()
             self._flushing = None
+        if self._lease:
+            try:
+                await self.client.lease_revoke(self._lease)  # our key goes at once
+            except EtcdError:
+                pass  # etcd away: the lease runs out in TTL
+            except Exception as exc:  # never let the shutdown stop here
+                log.error("lease revoke failed", reason=repr(exc))
 
     # -- what we publish ---------------------------------------------------------
 
@@ -517,7 +522,7 @@ class Replicas:
             self.udp.taken(sample.changed or sample.at)
         if self._flushing is None:  # one write for what came meanwhile
             loop = asyncio.get_running_loop()
-            wait = self._next_flush - loop.time()
+            wait = self._next_flush - time.monotonic()  # finer than uvloop's ms clock
             self._flushing = (
                 loop.call_later(wait, self._flush) if wait > 0 else loop.call_soon(self._flush)
             )
@@ -578,7 +583,7 @@ class Replicas:
         start = time.thread_time()  # CPU time: a preemption mid-write is not its cost
         self._write_remote()
         took = time.thread_time() - start
-        self._next_flush = asyncio.get_running_loop().time() + SHARE_WAIT * took
+        self._next_flush = time.monotonic() + SHARE_WAIT * took
         if self.udp is not None:
             self.udp.written()
 
@@ -640,6 +645,7 @@ class Replicas:
         sent = UdpView(
             udp.address,
             udp.sent,
+            self.sender.signals if self.sender is not None else 0,
             udp.received,
             udp.rejected,
             udp.stale,

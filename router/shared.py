@@ -41,7 +41,9 @@ Contract:
 - ``SharedLoadTracker`` is a ``LoadTracker`` (the balancer does not change):
   ``acquire``/``Lease.release`` change the worker's own count in its own
   cell; ``counts``/``total``/``get`` are fleet-wide: own count (at once) plus
-  the other rows as of the last ``fold()``.  ``fold`` runs on a timer
+  the other rows as of the last ``fold()``.  ``on_change`` (if set) is
+  called after each write of the worker's own cells (``acquire``, a release,
+  and an ``assign``/``forget`` that moves a count).  ``fold`` runs on a timer
   (``start(loop, period)``, default ``DEFAULT_PERIOD``, 10 ms): a worker does
   not see the others' decisions of the last period, and nothing else.  A fold
   skips the rows whose bytes are those it read last time (a copy and a
@@ -79,6 +81,16 @@ Contract:
   backends are in fact still serving until they notice the reset), never a
   negative count; the next fold sees the row's bytes differ from what it
   read and reads it again.  The same holds for any torn read.
+- ``ChangeSignal`` (for the UDP rows, ``router.udprows``) is a worker's
+  ``on_change``: its first call in a pass of the worker's loop schedules one
+  ``eventfd_write`` for the end of that pass (``call_soon``), however many
+  cells the pass wrote; the supervisor reads the eventfd (``take``) and sends
+  the host's counts to the other replicas.  With ``stamp`` it also writes the
+  time of the first change not yet taken into the worker's ``CHANGED_CELL``,
+  and the supervisor marks it taken in the remote row's ``TAKEN_CELL + row``
+  (one writer per cell still).  The supervisor writes the eventfd itself
+  after it zeroes a dead worker's row.  On the request path that is a flag
+  test per write and one syscall per pass.
 """
 
 from __future__ import annotations
@@ -427,7 +439,9 @@ class SharedLoadTracker(LoadTracker):
             # little-endian host, shifted lanes on a big-endian one (slot 0 is
             # the top lane there, so its position moves with the span).
             self._folded = int.from_bytes(array("q", self._others).tobytes(), sys.byteorder)
-        self._mine[slot] = self._own.pop(name, 0)
+        moved = self._mine[slot] = self._own.pop(name, 0)
+        if moved and self.on_change is not None:
+            self.on_change()  # leases held before the slot count in the row now
         self._slot[name] = slot
         self._columns[name] = self.table.column(self.plane, slot)
         self._names[slot] = name
@@ -446,6 +460,8 @@ class SharedLoadTracker(LoadTracker):
         self._mine[slot] = 0
         if own:
             self._own[name] = own
+            if self.on_change is not None:
+                self.on_change()  # its count left the row
         self.total -= self._others[slot]
         self._set(name, own)
 
@@ -654,7 +670,9 @@ class ChangeSignal:
 
     def _signal(self) -> None:
         self._pending = False
-        with contextlib.suppress(OSError):  # the supervisor gone: the channel says so
+        # The worker holds its own copy of the fd, so a dead supervisor does not make
+        # this fail; only a counter at its maximum could (EAGAIN): it is unread anyway.
+        with contextlib.suppress(OSError):
             os.eventfd_write(self.fd, 1)
 
 

@@ -7,7 +7,10 @@ Contract:
   port 0 resolves once and the port stays ours while workers come and go),
   creates the shared in-flight table (``router.shared``: one row per worker,
   one column per backend) and starts N ``python -m router.worker``
-  processes, each with its channel (``router.channel``) and the table.
+  processes, each with its channel (``router.channel``) and the table (and,
+  for UDP rows, the eventfd each worker signals its row's changes on:
+  ``changes_fd``, ``router.shared.ChangeSignal``; whoever reads it, the
+  replica's sender, lets go of it before ``stop`` closes it).
 - Changes: ``apply(op)`` is called in the same step (no await between) as
   the supervisor's own router takes the op (``router.control.ops.apply``, the
   same function every worker runs), so a worker starting at any moment gets
@@ -197,10 +200,13 @@ class Workers:
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
         self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
-        self.changes_fd = ChangeSignal.open() if signal_changes else None
         self.slots: dict[str, int] = {}
-        for name in router.fleet.backends:
-            self._take_slot(name)
+        try:
+            for name in router.fleet.backends:
+                self._take_slot(name)
+        except BaseException:
+            self.table.close()  # nobody else holds it yet
+            raise
         # The supervisor owns no row: its trackers read every row, folded on read.
         self._trackers = [SharedLoadTracker(self.table, plane, None) for plane in range(PLANES)]
         router.fleet.loads, router.fleet.waiting = self._trackers
@@ -225,6 +231,8 @@ class Workers:
         # Engine signals (router.signals): every round's figures to every worker.
         if router.signals is not None:
             router.signals.on_change = self._signals_changed
+        # Last: nothing above can fail with it open.
+        self.changes_fd = ChangeSignal.open() if signal_changes else None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -358,6 +366,9 @@ class Workers:
             worker.ready.set_result(False)
         worker.ready = None
         self.table.zero_row(worker.index)
+        if self.changes_fd is not None:  # its counts left the host's: the others hear of it
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self.changes_fd, 1)
         if self._stopping:
             return
         worker.restarts += 1

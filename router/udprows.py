@@ -18,7 +18,9 @@ Contract:
   next etcd row).  After each send the next waits four times as long as the
   send took in CPU time (not wall time: a send preempted by another process
   is not dear), so the sends take at most a fifth of the supervisor's loop
-  however fast the counts change.
+  however fast the counts change.  The keep-alive goes ``KEEPALIVE`` after
+  the last datagram, whatever sent it.  ``signals`` counts the workers'
+  signals taken (``/admin/stats``).
 - A datagram is taken only when it names a replica whose etcd row this
   replica holds, its MAC (HMAC-SHA256 over the id, the datagram's number and
   the payload, the first 16 bytes, under that row's key) checks, and it
@@ -34,7 +36,8 @@ Contract:
 - Lag: ``Replicas`` tells its ``UdpRows`` when a sample replaced a
   replica's counts (``taken``) and when those are in the remote row
   (``written``); ``lag()`` gives the quantiles of the last ``LAG_SAMPLES``
-  (``/admin/stats`` ``replicas.udp.lag_ms``): from the change on the other
+  written in the last ``LAG_WINDOW`` seconds (``/admin/stats``
+  ``replicas.udp.lag_ms``; None once none is that recent): from the change on the other
   replica's worker to the write here, across hosts plus their clocks' skew.
   The change's time comes in the sample (``changed``: each worker stamps the
   first change of a pass in its row, ``router.shared.ChangeSignal``, and the
@@ -49,7 +52,7 @@ Contract:
 - Cost: on the request path, a worker's eventfd write once per loop pass
   that changed its row (``ChangeSignal``).  The supervisor wakes on it,
   samples (the same read as the 10 ms estimate's) and sends one ``sendto``
-  per other replica, and otherwise every ``KEEPALIVE`` / 2; it decodes each
+  per other replica, and otherwise once a ``KEEPALIVE``; it decodes each
   other replica's datagrams, so the receiving side grows with R - 1 and the
   fleet's size (at 1,000 busy backends ~60 us a datagram: past ~8 replicas
   that is most of the supervisor's loop); measured in
@@ -62,6 +65,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import math
 import os
 import socket
 import time
@@ -93,6 +97,7 @@ MAC_BYTES = 16
 # times as long as it took: at most a fifth of the supervisor's loop.
 SHARE_WAIT = 4
 LAG_SAMPLES = 1000  # lags kept for /admin/stats (the last samples written)
+LAG_WINDOW = 60.0  # s: older lags are not reported (a replica that went quiet)
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):
@@ -185,7 +190,7 @@ class UdpRows(asyncio.DatagramProtocol):
         # The wall-clock times of the samples taken and not yet written into the
         # remote row, and how late the last LAG_SAMPLES were written (ms).
         self._unwritten: list[float] = []
-        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self._lags: deque[tuple[float, float]] = deque(maxlen=LAG_SAMPLES)  # (monotonic, ms)
 
     async def open(self, listen: str) -> str:
         host, port = parse_address(listen, "replica_listen")  # Config refused wildcards
@@ -250,13 +255,18 @@ class UdpRows(asyncio.DatagramProtocol):
 
     def written(self) -> None:
         """The counts taken since the last call are in the remote row now: their lags."""
-        now = time.time()
-        self._lags.extend(1000 * (now - at) for at in self._unwritten)
+        now, written = time.time(), time.monotonic()
+        self._lags.extend((written, 1000 * (now - at)) for at in self._unwritten)
         self._unwritten.clear()
 
     def lag(self) -> LagView | None:
-        """Quantiles of the lags kept, for /admin/stats; None before the first."""
-        return lag_view(self._lags)
+        """Quantiles of the lags kept and written in the last LAG_WINDOW seconds, for
+        /admin/stats; None if there are none."""
+        since = time.monotonic() - LAG_WINDOW
+        lags = self._lags
+        while lags and lags[0][0] < since:
+            lags.popleft()
+        return lag_view(lag for _, lag in lags)
 
     def error_received(self, exc: Exception) -> None:
         self.errors += 1  # e.g. ECONNREFUSED: a replica that left; its row goes with its lease
@@ -292,10 +302,12 @@ def lag_view(lags: Iterable[float]) -> LagView | None:
 
 class Sender:
     """When this replica's counts go out (the contract): on each worker's signal on
-    ``changes_fd`` (or, without one, every FAST_PERIOD) and at least every
-    KEEPALIVE, to ``peers`` (replica -> address: ``Replicas``' own dict, changed in place);
-    ``sample()`` gives the own counts' number and both planes, ``changed_at()``
-    when the oldest change since its last call was made (0.0: not known)."""
+    ``changes_fd`` (or, without one, every FAST_PERIOD) and KEEPALIVE after the last
+    datagram, to ``peers`` (replica -> address: ``Replicas``' own dict, changed in
+    place); ``sample()`` gives the own counts' number and both planes,
+    ``changed_at()`` when the oldest change since its last call was made (0.0: not
+    known).  Times are ``time.monotonic``: uvloop's loop clock has whole
+    milliseconds, coarser than the waits here."""
 
     def __init__(
         self,
@@ -310,19 +322,27 @@ class Sender:
         self.changed_at = changed_at
         self.peers = peers
         self.changes_fd = changes_fd
+        self.signals = 0  # the workers' signals taken (each one wakes a send)
         self._pending: asyncio.Handle | None = None  # a send, waiting for SHARE_WAIT
-        self._next = 0.0  # not before (loop time)
-        self._sent_seq, self._sent_at = -1, 0.0  # the last datagram's sample, when
+        self._next = 0.0  # no send before this
+        self._sent_seq, self._sent_at = -1, -math.inf  # the last datagram's sample, when
         self._task: asyncio.Task[None] | None = None
+        self._reading = False  # changes_fd is in the loop's readers
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="replica udp")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self.run(), name="replica udp")
         if self.changes_fd is not None:
-            asyncio.get_running_loop().add_reader(self.changes_fd, self.on_change)
+            loop.add_reader(self.changes_fd, self.on_change)
+            self._reading = True
 
     async def close(self) -> None:
-        if self.changes_fd is not None and self._task is not None:
+        """Stop sending: the reader off ``changes_fd`` (before its owner closes it),
+        a pending send cancelled, the timer stopped."""
+        if self._reading:
+            assert self.changes_fd is not None
             asyncio.get_running_loop().remove_reader(self.changes_fd)
+            self._reading = False
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
@@ -334,21 +354,26 @@ class Sender:
 
     async def run(self) -> None:
         """The timer: the keep-alive, or with no signal the sampling too."""
-        period = KEEPALIVE / 2 if self.changes_fd is not None else FAST_PERIOD
         while True:
-            await asyncio.sleep(period if self.peers else KEEPALIVE)
+            if self.changes_fd is None:
+                wait = FAST_PERIOD
+            else:  # KEEPALIVE after the last datagram, signalled or not
+                wait = max(self._sent_at + KEEPALIVE - time.monotonic(), FAST_PERIOD)
+            await asyncio.sleep(wait if self.peers else KEEPALIVE)
             if self._pending is None:
                 self.send()
 
     def on_change(self) -> None:
         """A worker's row changed: send now, or when the last send's wait is over."""
         assert self.changes_fd is not None
-        if not ChangeSignal.take(self.changes_fd) or not self.peers or self._pending:
+        if not ChangeSignal.take(self.changes_fd):
             return
-        loop = asyncio.get_running_loop()
-        wait = self._next - loop.time()
+        self.signals += 1
+        if not self.peers or self._pending:
+            return
+        wait = self._next - time.monotonic()
         if wait > 0:
-            self._pending = loop.call_later(wait, self.send)
+            self._pending = asyncio.get_running_loop().call_later(wait, self.send)
         else:
             self.send()
 
@@ -365,7 +390,7 @@ class Sender:
         # The changes stamped before the sample is read are in it (taken, sent or not).
         changed = self.changed_at() if self.changed_at is not None else 0.0
         seq, (loads, waiting) = self.sample()
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         if seq == self._sent_seq and now - self._sent_at < KEEPALIVE:
             return
         sample = Sample(seq, time.time(), loads, waiting, changed)

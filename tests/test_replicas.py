@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import time
 
@@ -330,6 +331,8 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
                 return (await stats(two))["totals"]["in_flight"] == n  # type: ignore[no-any-return]
 
             await until(lambda: two_counts(1))
+            # The worker's change reached one's sender as a signal (not only by a keep-alive).
+            assert (await stats(one))["replicas"]["udp"]["signals"] >= 1
             second = asyncio.create_task(post(http, two_port, "one prompt"))
             await other.wait_for(lambda: len(other.heads) == 1)  # the home is full: overflow
             assert len(held_by_one.heads) == 1
@@ -355,6 +358,21 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             b.release.set()
             assert await first == await second == 200
             await until(lambda: two_counts(0))
+            # A worker killed with a request in flight: its supervisor zeroes its row
+            # and signals that change as any other (not left to the next keep-alive).
+            a.release.clear()
+            b.release.clear()
+            third = asyncio.create_task(post(http, one_port, "a third prompt"))
+            await until(lambda: two_counts(1))
+            before = (await stats(one))["replicas"]["udp"]["signals"]
+            for worker in (await stats(one))["workers"]:
+                os.kill(worker["pid"], signal.SIGKILL)
+            await until(lambda: two_counts(0))
+            assert (await stats(one))["replicas"]["udp"]["signals"] > before
+            with contextlib.suppress(aiohttp.ClientError):
+                await third  # its connection was reset with the worker
+            a.release.set()
+            b.release.set()
             await etcd.start()
     finally:
         for proc, _ in routers:

@@ -778,10 +778,15 @@ async def test_udp_samples_replace_a_replicas_counts_when_newer_and_end_its_esti
     os.close(table.fd)
 
 
-async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a_timer() -> None:
+async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from router import udprows
     from router.replicas import Row
     from router.udprows import Sample
 
+    # No keep-alive in the test's time but the first: every later datagram is a signal's.
+    monkeypatch.setattr(udprows, "KEEPALIVE", 3600.0)
     loop = asyncio.get_running_loop()
     table = router_table()
     fd = ChangeSignal.open()
@@ -790,39 +795,81 @@ async def test_a_workers_signal_sends_its_change_to_the_other_replicas_without_a
     got: asyncio.Queue[Sample] = asyncio.Queue()
     peer.on_sample = lambda _, sample: got.put_nowait(sample)
     zero = worker(table, 0)
+    sender = None
     try:
         await me.open("127.0.0.1:0")
         address = await peer.open("127.0.0.1:0")
         estimate = _Remote(table, me, changes_fd=fd)
         replicas = estimate.replicas
         estimate.arrives("r1", Row(0, udp=address, udp_key=peer.key.hex()))
-        # What start() does for the signal, without its timers: nothing else sends.
-        assert replicas.sender is not None
-        loop.add_reader(fd, replicas.sender.on_change)
+        sender = replicas.sender
+        assert sender is not None
+        sender.start()  # the reader on the eventfd, and the keep-alive's timer
+        assert (await asyncio.wait_for(got.get(), 10)).loads == {}  # the first keep-alive
+        assert sender.signals == 0
         # One signal per pass of the worker's loop, however many cells it wrote,
         # stamped with the time of the pass's first change (what the lag counts from).
         zero.on_change = ChangeSignal(fd, loop, table.cells, stamp_cells(table, 0))
         before = time.time()
         leases = [zero.acquire("b1"), zero.acquire("b1"), zero.acquire("b2")]
         sample = await asyncio.wait_for(got.get(), 10)
-        assert (sample.loads, me.sent) == ({"b1": 2, "b2": 1}, 1)
+        assert (sample.loads, sender.signals, me.sent) == ({"b1": 2, "b2": 1}, 1, 2)
         assert before - 1e-6 <= sample.changed <= sample.at <= time.time()
         first = sample.changed
         leases.pop().release()
         sample = await asyncio.wait_for(got.get(), 10)
-        assert (sample.loads, me.sent) == ({"b1": 2}, 2)
+        assert (sample.loads, sender.signals) == ({"b1": 2}, 2)
         assert first < sample.changed <= sample.at  # the first stamp was taken: a new one
         # Untouched between signals: the eventfd holds nothing, no datagram goes.
         assert not ChangeSignal.take(fd)
         for lease in leases:
             lease.release()
         assert (await asyncio.wait_for(got.get(), 10)).loads == {}
+        assert sender.signals == 3
+        # Closed, it lets go of the eventfd (its owner closes it next) and sends nothing.
+        await sender.close()
+        assert sender._pending is None
+        assert not loop.remove_reader(fd)
+        zero.acquire("b0").release()
+        await asyncio.sleep(0)  # the pass's signal is written, and stays unread
+        assert ChangeSignal.take(fd)
+        assert sender.signals == 3
     finally:
-        loop.remove_reader(fd)
+        if sender is not None:
+            await sender.close()
         os.close(fd)
         zero.close()
         me.close()
         peer.close()
+        os.close(table.fd)
+
+
+async def test_a_count_moved_by_assign_or_forget_is_signalled() -> None:
+    """Leases held on a backend before its slot: ``assign`` moves their count into
+    the row, ``forget`` out of it; either is a change the other replicas must hear."""
+    fd = ChangeSignal.open()
+    table = router_table()
+    tracker = SharedLoadTracker(table, 0, 0)
+    try:
+        tracker.on_change = ChangeSignal(fd, asyncio.get_running_loop())
+        tracker.assign("b0", 0)  # nothing held: nothing moves, no signal
+        await asyncio.sleep(0)
+        assert not ChangeSignal.take(fd)
+        held = tracker.acquire("b1")  # no slot yet: counted in the dict, not signalled
+        await asyncio.sleep(0)
+        assert not ChangeSignal.take(fd)
+        tracker.assign("b1", 1)
+        await asyncio.sleep(0)
+        assert ChangeSignal.take(fd)
+        assert tracker.in_flight("b1") == 1
+        tracker.forget("b1")
+        await asyncio.sleep(0)
+        assert ChangeSignal.take(fd)
+        assert table.column_total(0, 1) == 0
+        held.release()
+    finally:
+        tracker.close()
+        os.close(fd)
         os.close(table.fd)
 
 

@@ -203,6 +203,9 @@ class UdpView(msgspec.Struct, frozen=True):
 
     address: str
     sent: int
+    # The workers' change signals the sender took (router.shared.ChangeSignal):
+    # each sends the counts at once if they changed (0: the workers do not signal).
+    signals: int
     received: int
     rejected: int  # not signed by a replica in etcd, or not decodable: dropped
     stale: int  # signed, but numbered before the last one taken (replays): dropped
@@ -211,8 +214,8 @@ class UdpView(msgspec.Struct, frozen=True):
     # From the oldest change a sample carries, on the sending replica's worker
     # (from the sample itself where the workers do not signal), to its counts
     # written in this replica's remote row, ms, over the last
-    # ``router.udprows.LAG_SAMPLES`` new samples (across hosts, their clocks' skew
-    # too); None before the first.
+    # ``router.udprows.LAG_SAMPLES`` new samples of the last LAG_WINDOW (60 s)
+    # (across hosts, their clocks' skew too); None if there are none.
     lag_ms: LagView | None = None
 
 
