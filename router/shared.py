@@ -668,12 +668,17 @@ class ChangeSignal:
                 cells[self._changed] = time.time_ns() // 1000
             self._loop.call_soon(self._signal)  # after this pass's other writes
 
+    @staticmethod
+    def notify(fd: int) -> None:
+        """Add 1 to the eventfd.  The writer holds its own copy of the fd, so a dead
+        reader does not make this fail; only a counter at its maximum could (EAGAIN):
+        it is unread anyway."""
+        with contextlib.suppress(OSError):
+            os.eventfd_write(fd, 1)
+
     def _signal(self) -> None:
         self._pending = False
-        # The worker holds its own copy of the fd, so a dead supervisor does not make
-        # this fail; only a counter at its maximum could (EAGAIN): it is unread anyway.
-        with contextlib.suppress(OSError):
-            os.eventfd_write(self.fd, 1)
+        self.notify(self.fd)
 
 
 def stamp_cells(table: SharedTable, row: int) -> tuple[int, int] | None:

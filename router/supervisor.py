@@ -367,8 +367,7 @@ class Workers:
         worker.ready = None
         self.table.zero_row(worker.index)
         if self.changes_fd is not None:  # its counts left the host's: the others hear of it
-            with contextlib.suppress(OSError):
-                os.eventfd_write(self.changes_fd, 1)
+            ChangeSignal.notify(self.changes_fd)
         if self._stopping:
             return
         worker.restarts += 1

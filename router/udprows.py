@@ -37,8 +37,9 @@ Contract:
   replica's counts (``taken``) and when those are in the remote row
   (``written``); ``lag()`` gives the quantiles of the last ``LAG_SAMPLES``
   written in the last ``LAG_WINDOW`` seconds (``/admin/stats``
-  ``replicas.udp.lag_ms``; None once none is that recent): from the change on the other
-  replica's worker to the write here, across hosts plus their clocks' skew.
+  ``replicas.udp.lag_ms``; None once none is that recent): from the change
+  on the other replica's worker to the write here, across hosts plus their
+  clocks' skew.
   The change's time comes in the sample (``changed``: each worker stamps the
   first change of a pass in its row, ``router.shared.ChangeSignal``, and the
   sender takes the oldest); a sample without it (no signal: sampled every
