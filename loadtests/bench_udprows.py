@@ -15,8 +15,10 @@ other replicas; microseconds, median of --repeats.  Then the loop itself:
 as ``serve`` runs it (the workers signal their changes: a keep-alive every
 0.1 s) and without the signal (a sample every ms), as the CPU share of one
 core (``time.process_time``), against the same process idle over the same time
-in the same run.  While counts change it adds one send per signalled change,
-at most a fifth of the loop.
+in the same run.  Then the counts changing: a worker process flips a cell of
+its row and signals every 0.1 ms for --seconds, and the supervisor's loop's
+share and sends per second are printed at 7 and 1,000 backends (the sends'
+pace holds them to a fifth of the loop, ``router.udprows.Pace``).
 
 Last, the floor under the lag (``replicas.udp.lag_ms``): how long one
 process takes to wake on another's datagram on this host (UDP on 127.0.0.1,
@@ -34,6 +36,7 @@ import contextlib
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -165,7 +168,14 @@ async def loop_share(seconds: float) -> None:
     print("idle over the same time in brackets):")
     print(f"- workers signal their changes (serve): {_shares(signalled)}, a keep-alive every 0.1 s")
     print(f"- sampled every ms (no signal): {_shares(sampled)}")
-    print("While counts change, add one send per signalled change, at most a fifth of the loop.")
+    print("\nA worker process changing its row and signalling every 0.1 ms (as a loaded worker's")
+    print("loop passes would), 3 other replicas: the supervisor's share of one core, its sends")
+    print("per second (at most a fifth of the loop goes to the sends, router.udprows.Pace):")
+    print("| backends | loop % of one core | sends per s | CPU per send, us |")
+    print("|---:|---:|---:|---:|")
+    for backends in FLEETS:
+        share, rate = await signalled_loop(seconds, backends)
+        print(f"| {backends:,} | {100 * share:.1f} | {rate:,.0f} | {1e6 * share / rate:.0f} |")
 
 
 def _shares(shares: tuple[float, float]) -> str:
@@ -192,6 +202,47 @@ async def one_loop(seconds: float, *, signalled: bool) -> tuple[float, float]:
     if changes_fd is not None:
         os.close(changes_fd)
     return idle, busy
+
+
+# A worker: its row's cell for backend 1 goes up and down, the eventfd written after each.
+_WORKER = """
+import os, sys, time
+from router.shared import ChangeSignal, SharedTable
+table_fd, rows, slots, planes, changes_fd, seconds = map(float, sys.argv[1:])
+table = SharedTable.attach(int(table_fd), int(rows), int(slots), int(planes))
+cell = table.index(0, 0, 1)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    table.cells[cell] ^= 1
+    ChangeSignal.notify(int(changes_fd))
+    time.sleep(0.0001)
+"""
+
+
+async def signalled_loop(seconds: float, backends: int) -> tuple[float, float]:
+    """(the loop's CPU share, sends per second) while a worker process signals."""
+    changes_fd = ChangeSignal.open()
+    replicas, table, udp = await replica(backends, changes_fd=changes_fd)
+    transports, addresses = await sinks(3)
+    replicas._peers.update((f"p{i}", address) for i, address in enumerate(addresses))
+    assert replicas.sender is not None
+    replicas.sender.start()
+    args = (table.fd, table.rows, table.slots, TABLE_PLANES, changes_fd, seconds)
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _WORKER, *map(str, args), pass_fds=(table.fd, changes_fd)
+    )
+    sent = udp.sent
+    start_cpu, start = time.process_time(), time.perf_counter()
+    await worker.wait()
+    share = (time.process_time() - start_cpu) / (time.perf_counter() - start)
+    rate = (udp.sent - sent) / (time.perf_counter() - start)
+    await replicas.sender.close()
+    for transport in transports:
+        transport.close()
+    udp.close()
+    table.close()
+    os.close(changes_fd)
+    return share, rate
 
 
 async def cpu_share(seconds: float) -> float:

@@ -17,8 +17,10 @@ Contract:
   (not as changes: a lost datagram is made good by the next one, or by the
   next etcd row).  After each send the next waits four times as long as the
   send took in CPU time (not wall time: a send preempted by another process
-  is not dear), so the sends take at most a fifth of the supervisor's loop
-  however fast the counts change.  The keep-alive goes ``KEEPALIVE`` after
+  is not dear), counted from when it was due (``Pace``: uvloop runs a delay
+  under half a millisecond on the next pass, and what a send came early is
+  owed by the next), so the sends take at most a fifth of the supervisor's
+  loop however fast the counts change.  The keep-alive goes ``KEEPALIVE`` after
   the last datagram, whatever sent it.  ``signals`` counts the workers'
   signals taken (``/admin/stats``).
 - A datagram is taken only when it names a replica whose etcd row this
@@ -80,7 +82,7 @@ from .config import parse_address
 from .control import LagView
 from .shared import ChangeSignal
 
-__all__ = ["FAST_PERIOD", "KEEPALIVE", "SHARE_WAIT", "Sample", "Sender", "UdpRows"]
+__all__ = ["FAST_PERIOD", "KEEPALIVE", "SHARE_WAIT", "Pace", "Sample", "Sender", "UdpRows"]
 
 # How often the counts are sampled for the datagram where the workers do not
 # signal their changes: offline, a BalanceFactor on requests not yet answered
@@ -99,6 +101,36 @@ MAC_BYTES = 16
 SHARE_WAIT = 4
 LAG_SAMPLES = 1000  # lags kept for /admin/stats (the last samples written)
 LAG_WINDOW = 60.0  # s: older lags are not reported (a replica that went quiet)
+
+
+class Pace:
+    """A repeated job's share of the loop held to 1/(1 + SHARE_WAIT): after a run that
+    took ``took`` seconds of CPU, the next is ``due`` SHARE_WAIT times that later.
+
+    uvloop's timers count whole milliseconds and run a delay under half of one on
+    the next pass, so a run can start before it is due; the time it came early is
+    owed, not forgiven: the next wait counts from when this run was due, not from
+    when it ran.  Over many runs the share holds within half a millisecond."""
+
+    __slots__ = ("due",)
+
+    def __init__(self) -> None:
+        self.due = 0.0  # time.monotonic: uvloop's loop clock is coarser than the waits
+
+    def wait(self) -> float:
+        """Seconds until the next run is due (not positive: now)."""
+        return self.due - time.monotonic()
+
+    def later(self, callback: Callable[[], object]) -> asyncio.Handle:
+        """``callback`` on the running loop when it is due (on the next pass if it is)."""
+        loop = asyncio.get_running_loop()
+        wait = self.wait()
+        return loop.call_later(wait, callback) if wait > 0 else loop.call_soon(callback)
+
+    def ran(self, took: float) -> None:
+        """A run just ended; it took ``took`` seconds of CPU (``time.thread_time``:
+        a run preempted by another process did not cost this loop the wall time)."""
+        self.due = max(self.due, time.monotonic()) + SHARE_WAIT * took
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):
@@ -324,8 +356,8 @@ class Sender:
         self.peers = peers
         self.changes_fd = changes_fd
         self.signals = 0  # the workers' signals taken (each one wakes a send)
-        self._pending: asyncio.Handle | None = None  # a send, waiting for SHARE_WAIT
-        self._next = 0.0  # no send before this
+        self._pending: asyncio.Handle | None = None  # a send, waiting for its pace
+        self.pace = Pace()
         self._sent_seq, self._sent_at = -1, -math.inf  # the last datagram's sample, when
         self._task: asyncio.Task[None] | None = None
         self._reading = False  # changes_fd is in the loop's readers
@@ -372,9 +404,8 @@ class Sender:
         self.signals += 1
         if not self.peers or self._pending:
             return
-        wait = self._next - time.monotonic()
-        if wait > 0:
-            self._pending = asyncio.get_running_loop().call_later(wait, self.send)
+        if self.pace.wait() > 0:
+            self._pending = self.pace.later(self.send)
         else:
             self.send()
 
@@ -397,4 +428,4 @@ class Sender:
         sample = Sample(seq, time.time(), loads, waiting, changed)
         self.udp.send(sample, list(self.peers.values()))
         self._sent_seq, self._sent_at = seq, now
-        self._next = now + SHARE_WAIT * (time.thread_time() - start)
+        self.pace.ran(time.thread_time() - start)

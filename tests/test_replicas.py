@@ -365,14 +365,23 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             third = asyncio.create_task(post(http, one_port, "a third prompt"))
             await until(lambda: two_counts(1))
             before = (await stats(one))["replicas"]["udp"]["signals"]
-            for worker in (await stats(one))["workers"]:
-                os.kill(worker["pid"], signal.SIGKILL)
+            killed = {worker["pid"] for worker in (await stats(one))["workers"]}
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
             await until(lambda: two_counts(0))
             assert (await stats(one))["replicas"]["udp"]["signals"] > before
             with contextlib.suppress(aiohttp.ClientError):
                 await third  # its connection was reset with the worker
             a.release.set()
             b.release.set()
+
+            async def respawned() -> bool:
+                workers = (await stats(one))["workers"]
+                pids = {worker["pid"] for worker in workers}
+                return all(worker["up"] for worker in workers) and not pids & killed
+
+            await until(respawned)  # both slots filled again, by new processes
+            assert await post(http, one_port, "a fourth prompt") == 200
             await etcd.start()
     finally:
         for proc, _ in routers:

@@ -130,11 +130,84 @@ async def test_a_send_held_up_by_another_process_does_not_hold_the_next_back() -
     try:
         sender.send()
         assert udp.sent == 1
-        held = sender._next - time.monotonic()
+        held = sender.pace.wait()
         assert held < 0.02, held  # wall time would have held it 4 x 50 ms
     finally:
         await sender.close()
         udp.close()
+
+
+def test_a_run_that_came_early_is_owed_by_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Pace``: a run that starts before it is due (uvloop runs a delay under half a
+    millisecond on the next pass) pushes the next one further out by what it took,
+    so runs back to back cannot take more than their share of the loop."""
+    from router import udprows
+
+    now = [100.0]
+    monkeypatch.setattr(udprows.time, "monotonic", lambda: now[0])
+    pace = udprows.Pace()
+    assert pace.wait() < 0  # the first run: at once
+    pace.ran(0.0001)  # 0.1 ms of CPU: due 0.4 ms later
+    assert pace.wait() == pytest.approx(udprows.SHARE_WAIT * 0.0001)
+    # Five more runs, each on the next pass (no time passes): the debt adds up,
+    # where a wait counted from each run's end would stay at 0.4 ms, under the
+    # half millisecond the timers round away.
+    for _ in range(5):
+        pace.ran(0.0001)
+    assert pace.wait() == pytest.approx(6 * udprows.SHARE_WAIT * 0.0001)
+    now[0] += 1.0  # idle a second: nothing is owed then
+    pace.ran(0.0001)
+    assert pace.wait() == pytest.approx(udprows.SHARE_WAIT * 0.0001)
+
+
+def test_signals_faster_than_the_pace_are_sent_at_the_pace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker signalling on every pass: the sends still keep to their share, on
+    uvloop (the supervisor's loop, whose timers round a delay under half a
+    millisecond to the next pass).  Each send is made to cost 0.1 ms of CPU (a fake
+    ``thread_time``), so at most one send per SHARE_WAIT x 0.1 ms of wall time may
+    go, plus the first, and what the timers may fire early: the delay rounded to
+    whole ms (0.5) on a loop clock of whole ms read at the pass's start (1 more).
+    Counted from each run's end instead, the sends went on every pass (399 of 400)."""
+    import uvloop
+
+    from router import udprows
+    from router.shared import ChangeSignal
+    from router.udprows import Sender
+
+    cpu = [0.0]
+    monkeypatch.setattr(udprows.time, "thread_time", lambda: cpu[0])
+    monkeypatch.setattr(udprows, "KEEPALIVE", 3600.0)  # every datagram a signal's
+    seq = iter(range(10**6))
+
+    def sample() -> tuple[int, list[dict[str, int]]]:
+        cpu[0] += 0.0001
+        return next(seq), [{"gpu-0": 1}, {}]
+
+    async def signal_every_pass() -> tuple[int, float]:
+        udp = UdpRows("r0", {}.get)
+        await udp.open("127.0.0.1:0")
+        fd = ChangeSignal.open()
+        sender = Sender(udp, sample, {"r1": ("127.0.0.1", 9)}, fd)
+        sender.start()
+        try:
+            start = time.monotonic()
+            for _ in range(400):
+                ChangeSignal.notify(fd)
+                await asyncio.sleep(0)
+            elapsed = time.monotonic() - start
+            assert sender.signals >= 1
+            return udp.sent, elapsed
+        finally:
+            await sender.close()
+            udp.close()
+            os.close(fd)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        sent, elapsed = runner.run(signal_every_pass())
+    allowed = 2 + (elapsed + 0.002) / (udprows.SHARE_WAIT * 0.0001)
+    assert sent <= allowed, (sent, elapsed)
 
 
 def test_the_benchmark_runs_and_prints_its_table() -> None:
@@ -148,6 +221,7 @@ def test_the_benchmark_runs_and_prints_its_table() -> None:
     assert "| 1,000 | 7 |" in done.stdout
     assert "of one core" in done.stdout
     assert "- workers signal their changes (serve): " in done.stdout
+    assert "| backends | loop % of one core | sends per s |" in done.stdout  # a worker signals
     assert "| the sender's CPU |" in done.stdout  # the wake-up floor
 
 
