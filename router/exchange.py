@@ -9,7 +9,9 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   when a socket cannot take a write at once.
 - ``Balancer.choose`` takes the lease in the same step as the pick; the
   lease is released exactly once, in ``_finish``, which every ending path
-  (complete, error, timeout, client gone) goes through once.
+  (complete, error, timeout, client gone) goes through once, before the
+  response's last bytes are written: a client that has its whole answer
+  finds its place free.
 - Responses API follow-ups (``router.responses``): a request naming a
   response id (``previous_response_id`` of ``POST /v1/responses``, from the
   same decode as the key; or ``/v1/responses/{id}[/...]``, then routed by the
@@ -1054,6 +1056,11 @@ class Exchange(LazyDeadline):
     def _finish(self, upstream_reusable: bool) -> None:
         if self.done:
             return
+        # The lease first, then the response's last bytes: a client that has its
+        # answer finds its place free (in this worker's cells, which every other
+        # process reads), whichever process it asks next.
+        if self.choice is not None:
+            self.choice.release()
         self.flush()
         self.done = True
         router = self._router
@@ -1065,8 +1072,6 @@ class Exchange(LazyDeadline):
             self._stop_queue_timer()
             assert router.queue is not None
             router.queue.leave(self)
-        if self.choice is not None:
-            self.choice.release()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             if upstream_reusable:
