@@ -17,12 +17,12 @@ Contract:
   (not as changes: a lost datagram is made good by the next one, or by the
   next etcd row).  After each send the next waits four times as long as the
   send took in CPU time (not wall time: a send preempted by another process
-  is not dear), counted from when it was due (``Pace``: uvloop runs a delay
-  under half a millisecond on the next pass, and what a send came early is
-  owed by the next), so the sends take at most a fifth of the supervisor's
-  loop however fast the counts change.  The keep-alive goes ``KEEPALIVE`` after
-  the last datagram, whatever sent it.  ``signals`` counts the workers'
-  signals taken (``/admin/stats``).
+  is not dear), counted as if the send had started when it was due
+  (``Pace``: uvloop runs a delay under half a millisecond on the next pass,
+  and what a send came early is owed by the next), so the sends take at most
+  a fifth of the supervisor's loop however fast the counts change.  The
+  keep-alive goes ``KEEPALIVE`` after the last datagram, whatever sent it.
+  ``signals`` counts the workers' signals taken (``/admin/stats``).
 - A datagram is taken only when it names a replica whose etcd row this
   replica holds, its MAC (HMAC-SHA256 over the id, the datagram's number and
   the payload, the first 16 bytes, under that row's key) checks, and it
@@ -97,7 +97,7 @@ MAX_DATAGRAM = 60_000
 MAGIC = b"PRu2"
 MAC_BYTES = 16
 # After each send (and each remote-row write, router.replicas), wait this many
-# times as long as it took: at most a fifth of the supervisor's loop.
+# times as long as it took: at most 1/(1 + SHARE_WAIT), a fifth, of the supervisor's loop.
 SHARE_WAIT = 4
 LAG_SAMPLES = 1000  # lags kept for /admin/stats (the last samples written)
 LAG_WINDOW = 60.0  # s: older lags are not reported (a replica that went quiet)
@@ -105,12 +105,14 @@ LAG_WINDOW = 60.0  # s: older lags are not reported (a replica that went quiet)
 
 class Pace:
     """A repeated job's share of the loop held to 1/(1 + SHARE_WAIT): after a run that
-    took ``took`` seconds of CPU, the next is ``due`` SHARE_WAIT times that later.
+    took ``took`` seconds of CPU, the next is due SHARE_WAIT times that after it
+    ended, each run's CPU and wait together (1 + SHARE_WAIT) x ``took``.
 
     uvloop's timers count whole milliseconds and run a delay under half of one on
     the next pass, so a run can start before it is due; the time it came early is
-    owed, not forgiven: the next wait counts from when this run was due, not from
-    when it ran.  Over many runs the share holds within half a millisecond."""
+    owed, not forgiven: the run is taken to have started when it was due (or when
+    it did, if later), so it ends ``took`` after that and the wait counts from
+    there.  Over many runs the share holds within half a millisecond."""
 
     __slots__ = ("due",)
 
@@ -130,7 +132,7 @@ class Pace:
     def ran(self, took: float) -> None:
         """A run just ended; it took ``took`` seconds of CPU (``time.thread_time``:
         a run preempted by another process did not cost this loop the wall time)."""
-        self.due = max(self.due, time.monotonic()) + SHARE_WAIT * took
+        self.due = max(self.due + took, time.monotonic()) + SHARE_WAIT * took
 
 
 class Sample(msgspec.Struct, array_like=True, frozen=True):

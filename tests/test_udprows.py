@@ -149,12 +149,14 @@ def test_a_run_that_came_early_is_owed_by_the_next(monkeypatch: pytest.MonkeyPat
     assert pace.wait() < 0  # the first run: at once
     pace.ran(0.0001)  # 0.1 ms of CPU: due 0.4 ms later
     assert pace.wait() == pytest.approx(udprows.SHARE_WAIT * 0.0001)
-    # Five more runs, each on the next pass (no time passes): the debt adds up,
-    # where a wait counted from each run's end would stay at 0.4 ms, under the
-    # half millisecond the timers round away.
+    # Five more runs, each on the next pass (no time passes): each is owed as if
+    # it had started when due, its 0.1 ms and its wait, 0.5 ms a run, where a
+    # wait counted from each run's end would stay at 0.4 ms, under the half
+    # millisecond the timers round away.
     for _ in range(5):
         pace.ran(0.0001)
-    assert pace.wait() == pytest.approx(6 * udprows.SHARE_WAIT * 0.0001)
+    step = (1 + udprows.SHARE_WAIT) * 0.0001
+    assert pace.wait() == pytest.approx(udprows.SHARE_WAIT * 0.0001 + 5 * step)
     now[0] += 1.0  # idle a second: nothing is owed then
     pace.ran(0.0001)
     assert pace.wait() == pytest.approx(udprows.SHARE_WAIT * 0.0001)
@@ -166,7 +168,7 @@ def test_signals_faster_than_the_pace_are_sent_at_the_pace(
     """A worker signalling on every pass: the sends still keep to their share, on
     uvloop (the supervisor's loop, whose timers round a delay under half a
     millisecond to the next pass).  Each send is made to cost 0.1 ms of CPU (a fake
-    ``thread_time``), so at most one send per SHARE_WAIT x 0.1 ms of wall time may
+    ``thread_time``), so at most one send per (1 + SHARE_WAIT) x 0.1 ms of wall time may
     go, plus the first, and what the timers may fire early: the delay rounded to
     whole ms (0.5) on a loop clock of whole ms read at the pass's start (1 more).
     Counted from each run's end instead, the sends went on every pass (399 of 400)."""
@@ -206,7 +208,7 @@ def test_signals_faster_than_the_pace_are_sent_at_the_pace(
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         sent, elapsed = runner.run(signal_every_pass())
-    allowed = 2 + (elapsed + 0.002) / (udprows.SHARE_WAIT * 0.0001)
+    allowed = 2 + (elapsed + 0.002) / ((1 + udprows.SHARE_WAIT) * 0.0001)
     assert sent <= allowed, (sent, elapsed)
 
 
