@@ -23,7 +23,7 @@ from router.udprows import Sample, encode
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
 from tests.harness.http import WAIT
-from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, RESTART_WAIT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
 BINARY = etcd_binary()
@@ -380,7 +380,7 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
                 pids = {worker["pid"] for worker in workers}
                 return all(worker["up"] for worker in workers) and not pids & killed
 
-            await until(respawned)  # both slots filled again, by new processes
+            await until(respawned, RESTART_WAIT)  # both slots filled again, by new processes
             assert await post(http, one_port, "a fourth prompt") == 200
             await etcd.start()
     finally:

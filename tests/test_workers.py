@@ -20,7 +20,7 @@ import pytest
 from hashring import Ring, hash_key
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.http import WAIT
-from tests.harness.processes import admin_call, spawn_router, stop
+from tests.harness.processes import RESTART_WAIT, admin_call, spawn_router, stop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,11 +46,6 @@ async def stats(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -
     status, body = await admin_call(http, proc, "GET", "/admin/stats")
     assert status == 200, body
     return body
-
-
-# A worker restart is a new Python process importing the router: ~1 s on a quiet
-# machine, several beside a parallel test suite on 2 cores (5 s was seen to run out).
-RESTART_WAIT = 30.0
 
 
 async def wait_stats(http, proc, predicate, bound: float = WAIT) -> dict:  # type: ignore[no-untyped-def]

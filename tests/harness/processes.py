@@ -17,9 +17,12 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["ROOT", "admin_call", "spawn_router", "stop"]
+__all__ = ["RESTART_WAIT", "ROOT", "admin_call", "spawn_router", "stop"]
 
 ROOT = Path(__file__).resolve().parents[2]
+# A worker restart is a new Python process importing the router: ~1 s on a quiet
+# machine, several beside a parallel test suite on 2 cores (5 s was seen to run out).
+RESTART_WAIT = 30.0
 ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
 
 
