@@ -973,7 +973,7 @@ class Exchange(LazyDeadline):
         keep_alive = self.client_keep_alive and self.request_complete
         self.client_keep_alive = keep_alive
         router = self._router
-        self._conn.write(
+        self._out.append(  # written by _finish, after the lease is released
             json_response(
                 200,
                 body,
@@ -1001,7 +1001,7 @@ class Exchange(LazyDeadline):
             self.span.error = message
         keep_alive = self.client_keep_alive and self.request_complete and status < 500
         self.client_keep_alive = keep_alive
-        self._conn.write(
+        self._out.append(  # written by _finish, after the lease is released
             error_response(
                 status,
                 message,
