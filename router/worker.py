@@ -274,7 +274,10 @@ class _Worker:
     def _idle(self, name: str) -> None:
         backend = self.router.fleet.backends.get(name)
         if backend is not None and backend.state is AdminState.DRAINING:
-            self.channel.send(Idle(name))
+            # Called from a lease's release, mid-way through an exchange's end: the
+            # supervisor gone is _receive's to act on, not a reason to stop that end.
+            with contextlib.suppress(ChannelClosed):
+                self.channel.send(Idle(name))
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Answer the supervisor until the channel closes or ``stop`` is set."""

@@ -256,3 +256,25 @@ async def test_sigterm_drains_every_worker_and_exits_zero(backends: StartBackend
     async with asyncio.timeout(WAIT):
         await proc.stderr.read()
         assert await proc.wait() == 0
+
+
+async def test_a_draining_backends_last_release_outlives_a_closed_channel() -> None:
+    """A worker tells its supervisor when a draining backend goes idle, from inside
+    the lease's release at an exchange's end; with the supervisor gone (the channel
+    closed) that end still runs to the end (``_receive`` is what stops the worker)."""
+    import socket
+    from types import SimpleNamespace
+
+    from router.channel import Channel
+    from router.fleet import AdminState
+    from router.worker import _Worker
+
+    ours, theirs = socket.socketpair()
+    channel = await Channel.open(ours)
+    theirs.close()
+    channel._writer.close()  # what the channel is once the supervisor is gone
+    draining = SimpleNamespace(state=AdminState.DRAINING)
+    worker = SimpleNamespace(
+        channel=channel, router=SimpleNamespace(fleet=SimpleNamespace(backends={"a": draining}))
+    )
+    _Worker._idle(worker, "a")  # type: ignore[arg-type]
