@@ -112,8 +112,8 @@ class Salter:
 
 
 def salted_body(
-    pieces: Sequence[bytes | memoryview], member: bytes
-) -> tuple[list[bytes | memoryview], int]:
+    pieces: Sequence[bytes | bytearray | memoryview], member: bytes
+) -> tuple[list[bytes | bytearray | memoryview], int]:
     """The body with ``member`` inserted before its closing brace (no body byte
     copied), and the bytes that adds.
 

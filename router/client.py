@@ -8,13 +8,21 @@ Contract:
   queue and started only once ``feed_data`` has returned without error:
   llhttp checks some framing (an invalid Transfer-Encoding, say) only after
   the head callbacks, and nothing may reach a backend before that.
-  Pipelined requests wait in the queue (reading paused, so it holds at most
-  what one read delivered) and start in order, each when the one before has
+  Pipelined requests wait in the queue and start in order, each when the one before has
   finished and the client has read enough of its answer (the write buffer
   is under its high-water mark): responses go out in request order, and a
   client that reads nothing holds at most the high-water mark plus one
   backend read in our buffer.  The next request never starts inside a
   parser callback of the one before (it is scheduled with ``call_soon``).
+- A read is parsed ``FEED_SLICE`` bytes at a time.  Once requests are
+  pipelined (one waits behind another), the rest of the read waits unparsed,
+  reading paused, until the queue is empty: a read of thousands of tiny
+  pipelined requests costs the loop one slice at a time, never one 256 KiB
+  parse, and the queue holds at most what one slice delivered.
+- The body bytes of one read reach the exchange in one piece (joined when
+  llhttp hands over several, as it does for each chunk of a chunked body):
+  a body sent in 2-byte chunks costs one upstream write and one buffered
+  piece per read, not one per chunk.
 - What a request head may hold is counted as its bytes arrive, including a
   header line not yet ended; so are trailers and chunk framing (bytes that
   arrive with no body byte, after the head), against ``max_header_bytes``.
@@ -66,11 +74,17 @@ __all__ = ["ClientConnection"]
 log = get_logger("client")
 
 WRITE_HIGH_WATER = 64 * 1024
+# A read is parsed this much at a time, and one callback stops after the slice
+# that took FEED_EVENTS parser events (body pieces, requests): a few ms at most,
+# however the read is cut (2-byte chunks: 1,170 pieces a slice).
+FEED_SLICE = 8 * 1024
+FEED_EVENTS = 4096
 LINGER_SECONDS = 2.0
 
 # Reasons to stop reading from the client (bits).
 UPSTREAM_BUSY = 1
 PIPELINE = 2
+UNFED = 4  # the rest of a read waits unparsed (FEED_SLICE)
 
 # What the connection's timer is watching on the request side.
 IDLE, HEAD, BODY, NOTHING = 0, 1, 2, 3
@@ -87,6 +101,17 @@ class _Rejected(Exception):
         self.status = status
 
 
+class _Stopped(Exception):
+    """Raised inside a parser callback to stop parsing: the request was answered already."""
+
+
+def _failed(exchange: Exchange) -> None:
+    """A fault of ours in a request no longer being parsed: answer it here (a
+    refusal would leave it waiting forever, counted in flight)."""
+    log.exception("request handling failed")
+    exchange.abort_request(500, "internal error")
+
+
 class _Queued:
     __slots__ = ("body", "complete", "exchange")
 
@@ -99,7 +124,9 @@ class _Queued:
 class ClientConnection(asyncio.Protocol, LazyDeadline):
     __slots__ = (
         "_body_in_read",
+        "_body_pieces",
         "_closing",
+        "_events",
         "_feeding",
         "_framing_fed",
         "_head_began",
@@ -116,6 +143,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_queue",
         "_refusal",
         "_send_since",
+        "_unfed",
+        "_unfed_scheduled",
         "_url",
         "_watch",
         "_watch_since",
@@ -147,6 +176,10 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._refusal: tuple[int, str] | None = None
         self._feeding = False  # inside parser.feed_data: heads not yet fully checked
         self._next_scheduled = False  # _start_next is due (call_soon)
+        self._body_pieces: list[bytes] = []  # body bytes of the read being fed, not yet handed on
+        self._unfed: memoryview | None = None  # the rest of a read, not parsed yet
+        self._unfed_scheduled = False  # _feed_unfed is due (call_soon)
+        self._events = 0  # parser events in the current _feed
         self._in_head = False  # a request head has begun and not ended
         self._last_request = False  # the last head closes the connection (no keep-alive)
         self._head_began = False  # ... and it began in the read being fed
@@ -179,9 +212,45 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
     def data_received(self, data: bytes) -> None:
         if self._closing or self._refusal is not None:
             return  # lingering close, or past a refused request: read and drop
-        if self._last_request and self._parsing is None and not self._in_head:
-            return  # after a request that closes the connection: never parsed
         self._last_data = self.router.loop.time()
+        if self._unfed is not None:  # reading is paused: only a stray read lands here
+            self._unfed = memoryview(bytes(self._unfed) + data)
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        """Parse ``data`` a slice at a time; keep the rest behind pipelined
+        requests or past the parser events one callback may take."""
+        size = len(data)
+        start = 0
+        self._events = 0
+        while start < size:
+            end = start + FEED_SLICE
+            piece = data if start == 0 and end >= size else memoryview(data)[start:end]
+            consumed = self._feed_slice(piece)
+            if consumed is None:
+                break
+            start += consumed
+            if start < size and (
+                self._events >= FEED_EVENTS
+                or len(self._queue) > 1
+                or (self._queue and self.current is not None)
+            ):
+                self._unfed = memoryview(data)[start:]
+                self._pause(UNFED)
+                break
+        if self._closing or self._refusal is not None or not self._hand_body():
+            self._body_pieces.clear()  # their request was refused or failed
+            return
+        if self.current is None and self._queue:
+            self._start_next()  # not inside a callback: at once
+        if self._unfed is not None and not self._queue:
+            self._schedule_unfed()
+
+    def _feed_slice(self, data: bytes | memoryview) -> int | None:
+        """Parse one slice: the bytes it consumed, or None when parsing stopped."""
+        if self._last_request and self._parsing is None and not self._in_head:
+            return None  # after a request that closes the connection: never parsed
         self._head_began = False
         self._body_in_read = 0
         self._feeding = True
@@ -192,21 +261,16 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             cause = exc.__context__
             if isinstance(cause, _Rejected):
                 self._refuse(cause.status, str(cause))
-            else:
+            elif not isinstance(cause, _Stopped):  # _Stopped: answered already
                 log.error("request handling failed", exc_info=cause)
                 self._refuse(500, "internal error")
-            return
+            return None
         except httptools.HttpParserUpgrade as exc:
             # An ignored upgrade offer: llhttp stops after the head; carry on
             # with a fresh parser from where it stopped.
             self._feeding = False
             self.parser = httptools.HttpRequestParser(self)
-            rest = data[exc.args[0] :]
-            if rest:
-                self.data_received(rest)
-            else:
-                self._schedule_next()
-            return
+            return cast(int, exc.args[0])
         except httptools.HttpParserError as exc:
             self._feeding = False
             if self._last_request and self._parsing is None:
@@ -214,18 +278,51 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
                 # request (RFC 9112 9.6), so not refused either; the close
                 # after its answer drops them.
                 self._pause(PIPELINE)
-                if self.current is None and self._queue:
-                    self._start_next()
-                return
+                return None
             self._refuse(400, f"malformed request: {exc}")
-            return
+            return None
         self._feeding = False
         if self._in_head or self._parsing is not None:
             self._count_unparsed(data)
-        if self.current is None and self._queue:
-            self._start_next()  # not inside a callback: at once
+        return None if self._closing or self._refusal is not None else len(data)
 
-    def _count_unparsed(self, data: bytes) -> None:
+    def _hand_body(self) -> bool:
+        """Hand the body bytes of the read just parsed to their request, as one piece."""
+        pieces = self._body_pieces
+        if not pieces:
+            return True
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        parsing = self._parsing
+        if isinstance(parsing, _Queued):
+            parsing.body.append(data)
+        elif parsing is not None:
+            try:
+                parsing.request_body(data)
+            except Exception:
+                log.exception("request handling failed")
+                self._refuse(500, "internal error")
+                return False
+        return True
+
+    def _schedule_unfed(self) -> None:
+        if not self._unfed_scheduled and not self._closing:
+            self._unfed_scheduled = True
+            self.router.loop.call_soon(self._feed_unfed)
+
+    def _feed_unfed(self) -> None:
+        """Parse the rest of a read that waited (the queue is empty, or the loop had a turn)."""
+        self._unfed_scheduled = False
+        if self._queue:
+            return  # scheduled again when the queue empties
+        data, self._unfed = self._unfed, None
+        if data is None or self._closing or self._refusal is not None:
+            return
+        self._feed(data)
+        if self._unfed is None:
+            self._resume(UNFED)
+
+    def _count_unparsed(self, data: bytes | memoryview) -> None:
         """Count what llhttp holds or skips unseen: a head not yet ended, trailers.
 
         httptools hands a header line over only once it ends, so a line that
@@ -237,7 +334,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         limit = self.router.config.limits.max_header_bytes
         if self._in_head:
             if self._head_began:
-                start = data.rfind(_CRLF2)
+                start = bytes(data).rfind(_CRLF2)
                 start = start + 4 + self._body_in_read if start >= 0 else self._body_in_read
                 self._head_fed += max(len(data) - start, 0)
             else:
@@ -253,6 +350,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._unfed = None
         self.router.connections.discard(self)
         self._disarm()
         self._queue.clear()
@@ -333,21 +431,24 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             self._pause(PIPELINE)
 
     def on_body(self, body: bytes) -> None:
+        self._events += 1
         self._body_in_read += len(body)
-        parsing = self._parsing
-        if isinstance(parsing, _Queued):
-            parsing.body.append(body)
-        elif parsing is not None:
-            parsing.request_body(body)
+        self._body_pieces.append(body)  # handed on once per read: _hand_body
 
     def on_message_complete(self) -> None:
+        self._events += 8  # a request costs more than a body piece
+        if not self._hand_body():
+            raise _Stopped
         parsing, self._parsing = self._parsing, None
         if self._watch == BODY:
             self._watch = NOTHING  # the response side has its own deadlines
         if isinstance(parsing, _Queued):
             parsing.complete = True
         elif parsing is not None:
-            parsing.request_end()
+            try:
+                parsing.request_end()
+            except Exception:
+                _failed(parsing)
 
     # -- used by Exchange --------------------------------------------------------
 
@@ -411,6 +512,9 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
 
     def _go_idle(self) -> None:
         self._resume(PIPELINE)
+        if self._unfed is not None:
+            self._schedule_unfed()  # the rest of a read waits: parse it before reading more
+            return
         if self._parsing is None and not self._in_head:
             self._watch_from(IDLE, self.router.config.timeouts.keepalive)
 
@@ -420,12 +524,19 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self.current = exchange
         if self._parsing is queued:
             self._parsing = exchange  # the rest of its body goes straight to it
-        exchange.start()
-        for piece in queued.body:
-            exchange.request_body(piece)
-        if queued.complete:
-            exchange.request_end()
-        if not self._queue and self._refusal is None:
+        try:
+            exchange.start()
+            for piece in queued.body:
+                exchange.request_body(piece)
+            if queued.complete:
+                exchange.request_end()
+        except Exception:
+            _failed(exchange)
+        if self._queue:
+            return
+        if self._unfed is not None:
+            self._schedule_unfed()
+        if self._refusal is None:
             self._resume(PIPELINE)
 
     # -- flow control ----------------------------------------------------------

@@ -135,6 +135,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Exchange"]
 
+# Body reads smaller than this, one after another, are kept in one buffer: a
+# body that arrives in tiny reads holds a bounded number of pieces (what the
+# key worker's pipe and a backend's writelines take), not one per read.
+SMALL_READ = 64 * 1024
 MODELS_PATH = b"/v1/models"
 OWNED_BY = "prefix-router"
 
@@ -259,7 +263,7 @@ class Exchange(LazyDeadline):
         self.reset_client = False  # cut short where the framing cannot show it: reset
         self.span: Span | None = None  # tracing on: this request's trace context
         # body pieces held: not yet sent, or kept to resend
-        self._body: list[bytes | memoryview] = []
+        self._body: list[bytes | bytearray | memoryview] = []
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
@@ -348,7 +352,14 @@ class Exchange(LazyDeadline):
             if self.bytes_in > limit:
                 self._fail(413, f"request body is larger than {limit} bytes")
                 return
-        self._body.append(data)
+        body = self._body
+        if body and len(data) < SMALL_READ and len(body[-1]) < SMALL_READ:
+            last = body[-1]
+            if type(last) is not bytearray:
+                last = body[-1] = bytearray(last)  # a copy of one small read, once
+            last += data
+        else:
+            body.append(data)
         hasher = self._hasher
         if (
             hasher is not None
@@ -422,9 +433,9 @@ class Exchange(LazyDeadline):
 
     def _keyed(self, future: asyncio.Future[Keyed]) -> None:
         """The key worker's answer for a large body."""
+        exc = None if future.cancelled() else future.exception()  # retrieved either way
         if self.done:  # the client left meanwhile
             return
-        exc = None if future.cancelled() else future.exception()
         if isinstance(exc, BadRequest):
             self._fail(400, str(exc), param=exc.param)
         elif exc is not None or future.cancelled():
@@ -738,7 +749,7 @@ class Exchange(LazyDeadline):
             upstream.transport.pause_reading()
         self._upstream_bytes = False
         span = self.span
-        pieces: list[bytes | memoryview] = [
+        pieces: list[bytes | bytearray | memoryview] = [
             upstream_head(
                 self._request,
                 host=upstream.pool.authority,

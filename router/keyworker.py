@@ -20,7 +20,12 @@ Contract:
   ``prompt_key`` give on the loop (the same module does the work).
 - The loop never copies or joins the body: its pieces are written to the
   pipe as they are (uvloop keeps references, no copy), and reading the
-  small answers is all the loop does.
+  small answers is all the loop does.  The exchange keeps small reads in one
+  buffer, so a body holds a bounded number of pieces (uvloop's pipe refuses
+  a ``writelines`` of about a million).
+- A write the pipe refuses (closed, or an error) ends that child: what
+  waited on it fails with ``WorkerLost``, and the next body starts another.
+  A replaced child's late answers and exit are ignored.
 - ``key(pieces, size, limit)`` returns a future: a ``Keyed``
   ``(key, prompt_cache_key, previous_response_id, model, conversation,
   salted)`` or ``BadRequest``;
@@ -54,6 +59,8 @@ log = get_logger("keyworker")
 # ``model`` as raw JSON (read only where the fleet declares models), its
 # conversation id (router.sessions), and whether it has a cache_salt.
 Keyed = tuple[bytes, str | None, str | None, bytes, str | None, bool]
+
+Frame = list[bytes | bytearray | memoryview]  # what one writelines sends
 
 _REQUEST = struct.Struct("<II")
 _ANSWER = struct.Struct("<I")
@@ -119,12 +126,13 @@ class _Pipe(asyncio.SubprocessProtocol):
         self.buffer = bytearray()
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
-        if fd == 1:
+        if fd == 1 and self.worker._pipe is self:  # a replaced child's answers are void
             self.buffer += data
             self.worker._answers(self.buffer)
 
     def process_exited(self) -> None:
-        self.worker._lost()
+        if self.worker._pipe is self:
+            self.worker._lost()
 
 
 class KeyWorker:
@@ -133,6 +141,7 @@ class KeyWorker:
         "_loop",
         "_pending",
         "_pending_bytes",
+        "_pipe",
         "_starting",
         "_transport",
         "_waiting",
@@ -141,14 +150,15 @@ class KeyWorker:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._transport: asyncio.SubprocessTransport | None = None
+        self._pipe: _Pipe | None = None  # the current child's protocol
         self._starting: asyncio.Task[None] | None = None
-        self._waiting: list[list[bytes | memoryview]] = []  # frames written once the child is up
+        self._waiting: list[Frame] = []  # frames written once the child is up
         self._exited = asyncio.Event()
         # (future, body size) per frame written, in order
         self._pending: deque[tuple[asyncio.Future[Keyed], int]] = deque()
         self._pending_bytes = 0
 
-    def key(self, pieces: list[bytes | memoryview], size: int, limit: int) -> asyncio.Future[Keyed]:
+    def key(self, pieces: Frame, size: int, limit: int) -> asyncio.Future[Keyed]:
         future: asyncio.Future[Keyed] = self._loop.create_future()
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             future.set_exception(WorkerBusy())
@@ -157,23 +167,40 @@ class KeyWorker:
         self._pending_bytes += size
         frame = [_REQUEST.pack(limit, size), *pieces]
         if self._transport is not None:
-            self._write(frame)
+            self._write_or_replace(frame)
         else:
             self._waiting.append(frame)
             if self._starting is None:
                 self._starting = self._loop.create_task(self._spawn())
         return future
 
-    def _write(self, frame: list[bytes | memoryview]) -> None:
+    def _write(self, frame: Frame) -> None:
         assert self._transport is not None
         # uvloop's pipe transports implement WriteTransport without subclassing it.
-        stdin = cast(asyncio.WriteTransport, self._transport.get_pipe_transport(0))
+        stdin = cast(asyncio.WriteTransport | None, self._transport.get_pipe_transport(0))
+        if stdin is None or stdin.is_closing():
+            raise WorkerLost("the key worker's pipe is closed")
         stdin.writelines(frame)
+
+    def _write_or_replace(self, frame: Frame) -> None:
+        """Write a frame; a pipe that fails ends the child (the next body starts another)."""
+        transport = self._transport
+        assert transport is not None
+        try:
+            self._write(frame)
+        except Exception as exc:
+            # What waits, this frame's future included, fails as the child is
+            # gone; the transport is dropped now so the next body spawns anew.
+            log.error("key worker pipe failed", error=repr(exc))
+            self._transport = self._pipe = None
+            transport.kill()
+            transport.close()
+            self._fail_all()
 
     async def _spawn(self) -> None:
         self._exited.clear()
         try:
-            transport, _ = await self._loop.subprocess_exec(
+            transport, pipe = await self._loop.subprocess_exec(
                 lambda: _Pipe(self),
                 sys.executable,
                 "-m",
@@ -186,16 +213,13 @@ class KeyWorker:
             return
         finally:
             self._starting = None
-        self._transport = transport
+        self._transport, self._pipe = transport, pipe
         log.info("key worker started", pid=transport.get_pid())
         waiting, self._waiting = self._waiting, []
-        try:
-            for frame in waiting:
-                self._write(frame)
-        except Exception:
-            log.exception("key worker pipe failed")
-            transport.kill()  # process_exited fails what waits
-            raise
+        for frame in waiting:
+            self._write_or_replace(frame)
+            if self._transport is None:
+                return
 
     def _answers(self, buffer: bytearray) -> None:
         while len(buffer) >= _ANSWER.size:
@@ -218,7 +242,7 @@ class KeyWorker:
 
     def _lost(self) -> None:
         self._exited.set()
-        transport, self._transport = self._transport, None
+        transport, self._transport, self._pipe = self._transport, None, None
         if transport is not None:
             log.warning("key worker exited", returncode=transport.get_returncode())
             transport.close()
@@ -254,7 +278,7 @@ class KeyWorker:
         except TimeoutError:
             transport.kill()
         transport.close()
-        self._transport = None
+        self._transport = self._pipe = None
         self._fail_all()
 
 

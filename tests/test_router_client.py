@@ -20,8 +20,9 @@ from collections.abc import Callable
 import pytest
 
 from router.app import Router
-from router.client import WRITE_HIGH_WATER, ClientConnection
-from tests.harness.backends import Backend, Seen, StartBackend, echo
+from router.client import FEED_SLICE, WRITE_HIGH_WATER, ClientConnection
+from router.keyworker import KeyWorker
+from tests.harness.backends import Backend, Seen, StartBackend, echo, hold
 from tests.harness.http import (
     COMPLETION,
     NATIVE_BODY,
@@ -257,6 +258,92 @@ async def test_requests_pipelined_before_a_refused_one_are_answered_then_the_ref
         await client.closed()
     assert [s.target for s in backend.requests] == [b"/a", b"/b", b"/c"]
     assert router.recorder.refused == {400: 1}
+
+
+async def test_a_read_of_thousands_of_pipelined_requests_is_parsed_a_slice_at_a_time(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # Parsing one 256 KiB read of tiny requests held the loop for 50-80 ms
+    # and queued them all; the rest of the read now waits behind the queue.
+    backend = await backends(hold)
+    router = await start_router([backend.spec])
+    count = 3000  # ~110 kB in one write
+    one = req(b"GET", b"/x")
+    async with connect(router) as client:
+        await client.send(one * count)
+        await backend.wait_for(lambda: len(backend.heads) == 1)  # the first is held
+        conn = only_the_connection(router)
+        assert 0 < len(conn._queue) <= FEED_SLICE // len(one) + 1
+        backend.release.set()
+        await read_answers(client, count)
+    assert len(backend.requests) == count
+    assert router.active == 0
+
+
+# -- bodies -------------------------------------------------------------------------
+
+
+async def test_a_body_in_tiny_chunks_goes_upstream_a_read_at_a_time(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # One upstream write per 2-byte chunk held the loop for seconds on a few MB.
+    backend = await backends()
+    router = await start_router([backend.spec])
+    body = NATIVE_BODY * 3  # 45 kB, past the PrefixLength: most of it streams through
+    pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+    async with connect(router) as client:
+        await client.send(req(b"POST", b"/invocations", chunks=pieces))
+        assert (await client.response()).status == 200
+    (seen,) = backend.requests
+    assert seen.body == body
+    # one chunk per router read (a read holds kilobytes), not per client chunk
+    assert seen.body_pieces < len(pieces) // 20
+
+
+async def test_a_body_held_for_its_key_keeps_tiny_reads_in_one_buffer(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # An OpenAI body is held until its end; a piece per read made a body in
+    # tiny reads a million objects (1.5 GB for 33 MB) and a writelines the key
+    # worker's pipe refused.
+    backend = await backends()
+    router = await start_router([backend.spec])
+    body = COMPLETION
+    async with connect(router) as client:
+        await client.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router.test\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        await until(lambda: only_the_connection(router).current is not None)
+        exchange = only_the_connection(router).current
+        assert exchange is not None
+        for i in range(0, len(body), 2):
+            await client.send(chunked(body[i : i + 2])[:-5])  # the chunk, not the end
+            await until(lambda: exchange.bytes_in == min(i + 2, len(body)))  # noqa: B023
+        assert len(exchange._body) == 1
+        await client.send(b"0\r\n\r\n")
+        assert (await client.response()).status == 200
+    assert backend.requests[0].body == body
+
+
+async def test_a_failure_at_a_requests_end_answers_500_and_frees_its_place(
+    backends: StartBackend, start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fault of ours where the request ends (here: the key worker raising as
+    # uvloop does on a closed pipe) left the client waiting forever and the
+    # request counted in flight.
+    def broken(*args: object) -> None:
+        raise RuntimeError("unable to perform operation: the handler is closed")
+
+    monkeypatch.setattr(KeyWorker, "key", broken)
+    backend = await backends()
+    router = await start_router([backend.spec], limits={"key_offload_bytes": 64})
+    async with connect(router) as client:
+        await client.send(req(b"POST", b"/v1/completions", body=COMPLETION))
+        assert_error(await client.response(), 500)
+        await client.closed()
+    await quiet(router)
+    await still_serves(router, backend)
 
 
 # -- limits -------------------------------------------------------------------------

@@ -130,3 +130,31 @@ def test_the_worker_answers_what_the_loop_computes() -> None:
     assert (conversation, salted) == ("conv_1", True)
     plain = msgspec.msgpack.decode(answer(chat("z" * 10_000, "q"), 4096))
     assert plain[5:] == [None, False]
+
+
+async def test_a_key_worker_whose_pipe_failed_is_replaced_and_costs_only_its_requests(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # uvloop refuses a write to a closed pipe (RuntimeError), and a writelines
+    # of a million pieces (EINVAL, then the pipe closes): either must fail the
+    # requests that wait on that child with a 503, never escape into the
+    # client's connection, and the next large body must get a new child.
+    backend = await backends()
+    router = await start_router([backend.spec], limits={"key_offload_bytes": 1024})
+    body = chat("y" * 5000, "q")
+    async with connect(router) as client:
+        await client.send(req(b"POST", b"/v1/chat/completions", body=body))
+        assert (await client.response()).status == 200
+    first = router.keyworker.pid
+    assert first is not None
+    router.keyworker._transport.get_pipe_transport(0).close()  # type: ignore[union-attr]
+    async with connect(router) as client:
+        await client.send(req(b"POST", b"/v1/chat/completions", body=body))
+        assert_error(await client.response(), 503)
+    assert router.keyworker.pid is None  # dropped at once, not when it exits
+    async with connect(router) as client:
+        await client.send(req(b"POST", b"/v1/chat/completions", body=body))
+        assert (await client.response()).status == 200
+    assert router.keyworker.pid not in (None, first)
+    assert len(backend.requests) == 2
+    assert router.active == 0

@@ -36,6 +36,7 @@ class Seen:
     number: int  # which request on that connection (1-based)
     body: bytes = b""
     complete: bool = False
+    body_pieces: int = 0  # how many pieces the parser handed over: one per chunk at least
 
     def values(self, name: str) -> list[bytes]:
         return header_values(self.headers, name)
@@ -109,6 +110,7 @@ class _Parse:
         seen = self.current
         assert seen is not None
         seen.body = b"".join(self._body)
+        seen.body_pieces = len(self._body)
         seen.complete = True
         self.ready.append(seen)
         self.backend.requests.append(seen)
