@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import os
 import signal
@@ -133,6 +134,7 @@ async def serve(
             admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
         if workers is None:
             await router.start()
+            gc.freeze()  # see router.worker._Worker.serve
         else:
             await workers.start()
             if replicas is not None:

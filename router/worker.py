@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -286,6 +287,10 @@ class _Worker:
         for tracker in self.trackers:
             tracker.start(loop, FOLD_SECONDS)
         await router.start(port=self.port, reuse_port=True)
+        # What start built lives as long as the process: kept out of the
+        # collector's sight, a full collection walks only what requests made
+        # (with ~55,000 objects from start, one took 14-21 ms of the loop).
+        gc.freeze()
         self._publish()
         self._exchange_spread()
         self.channel.send(Ready(os.getpid()))
