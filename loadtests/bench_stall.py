@@ -17,6 +17,9 @@ runs, each shape is sent on a connection of its own:
   tools, 2.7 M content parts, 1 M messages, 11 M empty messages, 6 M token
   ids flat and nested, 5 M prompt strings, 32 MiB strings plain and escaped)
   and random large bodies of three kinds (chat, tools, an unread field);
+- the wire (a review of the request path): a native and a chat body of
+  ``--chunked-mib`` sent in 2-byte chunks, and 6,000 pipelined
+  ``GET /health`` in one write;
 - admin API (item 5): ``PATCH weight=1000`` and back to 1, ``--adds``
   backends added one by one, ``GET /admin/stats`` on a second router started
   with ``--stats-backends`` backends.
@@ -240,6 +243,48 @@ def data_shapes(size: int) -> list[tuple[str, str, Callable[[], bytes]]]:
     ]  # fmt: skip
 
 
+def tiny_chunks(data: bytes, size: int = 2) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(data[i : i + size]), data[i : i + size])
+                    for i in range(0, len(data), size)) + b"0\r\n\r\n"  # fmt: skip
+
+
+def wire_shapes(size: int) -> list[tuple[str, int, Callable[[], bytes]]]:
+    """Requests framed to cost the parser most: (name, answers expected, raw bytes)."""
+    chunked = b"Host: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    text = b"a" * (size - 64)
+    tiny = 6000
+    return [
+        ("native body in 2-byte chunks", 1,
+         lambda: b"POST /invocations HTTP/1.1\r\n" + chunked + tiny_chunks(text)),
+        ("chat body in 2-byte chunks", 1,
+         lambda: b"POST /v1/chat/completions HTTP/1.1\r\n" + chunked + tiny_chunks(
+             b'{"messages":[{"role":"user","content":"' + text + b'"}]}')),
+        (f"{tiny:,} pipelined GET /health", tiny,
+         lambda: b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * tiny),
+    ]  # fmt: skip
+
+
+def posted(url: str, path: str, body: bytes) -> str:
+    return f"HTTP {blocking_post(url, path, body)}"
+
+
+def blocking_raw(url: str, raw: bytes, answers: int) -> str:
+    """Send ``raw`` on a new connection; read until ``answers`` status lines or the close."""
+    # Counted a read at a time (this thread holds the GIL the probe needs).
+    status_line = b"HTTP/1.1 "
+    with socket.create_connection(host_port(url), timeout=SHAPE_TIMEOUT_S) as sock:
+        sock.sendall(raw)
+        seen, tail, statuses = 0, b"", set[str]()
+        while seen < answers and (chunk := sock.recv(1 << 16)):
+            window = tail + chunk
+            seen += window.count(status_line)
+            at = window.find(status_line)
+            if at >= 0 and len(statuses) < 4:
+                statuses.add(window[at + 9 : at + 12].decode())
+            tail = window[-(len(status_line) - 1) :]
+    return f"{seen} answers, HTTP {'/'.join(sorted(statuses)) or '-'}"
+
+
 # -- the run -------------------------------------------------------------------------
 
 
@@ -274,6 +319,27 @@ async def timed(probe: Probe, action: Callable[[], Awaitable[str]]) -> tuple[flo
     return probe.worst(start, end), note
 
 
+async def worst_of(
+    probe: Probe, name: str, repeats: int, blocking: Callable[[], str]
+) -> tuple[float, str]:
+    """The worst probe latency over ``repeats`` runs of ``blocking`` (in a thread:
+    buffering 32 MiB in this process's own loop would stall the probe here, not
+    in the router), and the last run's note."""
+    worst, notes = 0.0, list[str]()
+    for _ in range(repeats):
+
+        async def send() -> str:
+            sent = time.perf_counter()
+            note = await asyncio.to_thread(blocking)
+            return f"{note} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
+
+        stall, note = await timed(probe, send)
+        worst = max(worst, stall)
+        notes.append(note)
+    fleet.say(f"  {name}: worst probe {worst * 1e3:,.1f} ms ({'; '.join(notes)})")
+    return worst, notes[-1]
+
+
 async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     size = int(args.body_mib * MiB)
@@ -281,22 +347,17 @@ async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Ro
         if args.only and args.only not in name:
             continue
         body = make()
-        worst, notes = 0.0, list[str]()
-        for _ in range(args.repeats):
-
-            async def send(path: str = path, body: bytes = body) -> str:
-                # From a thread with a blocking socket: buffering 32 MiB in this
-                # process's own loop would stall the probe here, not in the router.
-                sent = time.perf_counter()
-                status = await asyncio.to_thread(blocking_post, url, path, body)
-                return f"HTTP {status} in {(time.perf_counter() - sent) * 1e3:,.0f} ms"
-
-            stall, note = await timed(probe, send)
-            worst = max(worst, stall)
-            notes.append(note)
-        fleet.say(f"  {name}: worst probe {worst * 1e3:,.1f} ms ({'; '.join(notes)})")
-        rows.append((name, f"{len(body) / MiB:.1f} MiB", worst, extract_ms(path, body), notes[-1]))
+        worst, note = await worst_of(probe, name, args.repeats, partial(posted, url, path, body))
+        rows.append((name, f"{len(body) / MiB:.1f} MiB", worst, extract_ms(path, body), note))
         del body
+    for name, answers, build in wire_shapes(int(args.chunked_mib * MiB)):
+        if args.only and args.only not in name:
+            continue
+        raw = build()
+        worst, note = await worst_of(
+            probe, name, args.repeats, partial(blocking_raw, url, raw, answers)
+        )
+        rows.append((name, f"{len(raw) / MiB:.1f} MiB on the wire", worst, "-", note))
     return rows
 
 
@@ -437,6 +498,9 @@ def main() -> None:
     parser.add_argument("--probe-ms", type=float, default=1.0)
     parser.add_argument(
         "--probe-backend", action="store_true", help="probe through the backend, not a local 400"
+    )
+    parser.add_argument(
+        "--chunked-mib", type=float, default=3.0, help="bodies sent in 2-byte chunks"
     )
     parser.add_argument("--baseline-s", type=float, default=2.0)
     parser.add_argument("--adds", type=int, default=200, help="backends added one by one")
