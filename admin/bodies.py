@@ -7,8 +7,9 @@ Contract:
   else could be meant).  Any other type is 415.
 - Bodies are capped at ``MAX_BODY`` bytes (413): the largest legitimate one, a
   routing document, is a few hundred bytes.
-- Malformed JSON, including an empty body, is 400; JSON whose values are wrong for
-  the target type is 422 with the offending field's path (see ``errors``).
+- Malformed JSON, including an empty body and JSON nested too deep, is 400;
+  JSON whose values are wrong for the target type is 422 with the offending
+  field's path (see ``errors``).
 - Query parameters are strict: a bad or repeated value is 422 with path ``?name``;
   unknown parameters are ignored, as HTTP APIs customarily do.
 """
@@ -42,6 +43,10 @@ __all__ = [
 ]
 
 MAX_BODY = 64 * 1024
+# Untyped, msgspec raises RecursionError (not a DecodeError) for JSON nested past
+# Python's recursion limit: well under MAX_BODY, ``[`` * 1,000 does it.  (A typed
+# decode refuses the first value of the wrong type long before.)
+_TOO_DEEP = "request body is not valid JSON: nesting too deep"
 
 T = TypeVar("T")
 
@@ -84,6 +89,8 @@ def parse(body: bytes) -> Any:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
 
 
 def convert(data: Any, type: type[T], *, root_field: str | None = None) -> T:

@@ -487,6 +487,21 @@ async def test_unreadable_json_is_400(api: Api, body: bytes) -> None:
 
 
 @pytest.mark.parametrize(
+    "nested", [b"[" * 1000 + b"]" * 1000, b'{"a":' * 1000 + b"1" + b"}" * 1000]
+)
+async def test_json_nested_too_deep_is_400(api: Api, nested: bytes) -> None:
+    # Well under MAX_BODY; the untyped decode of a routing document raised
+    # RecursionError (a 500) where a malformed body is a 400.
+    before = api.control.routing()
+    reply = await api.call(
+        "PUT", "/admin/routing", data=nested, headers={"Content-Type": "application/json"}
+    )
+    detail = reply.error(400, "bad_request")
+    assert "nesting too deep" in detail["message"]
+    assert api.control.routing() == before
+
+
+@pytest.mark.parametrize(
     "content_type",
     ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"],
 )
