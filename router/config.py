@@ -670,6 +670,8 @@ def parse_routing(document: bytes | str | dict[str, Any]) -> RoutingConfig:
         data = msgspec.json.decode(document) if isinstance(document, bytes | str) else document
     except msgspec.DecodeError as exc:
         raise ConfigError(f"routing config is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's depth bound: a value nested past Python's limit
+        raise ConfigError("routing config is not valid JSON: nesting too deep") from None
     if isinstance(data, dict) and set(data) == {"RoutingConfig"}:
         data = data["RoutingConfig"]
     try:

@@ -144,9 +144,22 @@ class _WatchResult(msgspec.Struct):
     events: list[_WireEvent] = msgspec.field(default_factory=list)
 
 
+class _StreamError(msgspec.Struct):
+    """The error of a streamed answer (a watch line, a keepalive): the gateway's
+    ``{"grpc_code", "http_code", "message", "http_status"}``; ``code`` in older ones."""
+
+    grpc_code: int = 0
+    code: int = 0
+    message: str = ""
+
+    def rejected(self) -> EtcdError:
+        code = self.grpc_code or self.code
+        return _rejected(code, self.message or f"error (code {code})")
+
+
 class _WatchLine(msgspec.Struct):
     result: _WatchResult | None = None
-    error: dict[str, Any] | None = None
+    error: _StreamError | None = None
 
 
 class _Lease(msgspec.Struct):
@@ -157,7 +170,7 @@ class _Lease(msgspec.Struct):
 
 class _KeepAlive(msgspec.Struct):
     result: _Lease | None = None
-    error: dict[str, Any] | None = None
+    error: _StreamError | None = None
 
 
 class _Error(msgspec.Struct):
@@ -179,6 +192,8 @@ def _decode(raw: bytes, kind: type[_T]) -> _T:
         return decoder.decode(raw)  # type: ignore[no-any-return]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise Rejected(0, f"unreadable answer ({exc})") from None
+    except RecursionError:  # msgspec's depth bound, even in a field it skips
+        raise Rejected(0, "unreadable answer (nested too deep)") from None
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -268,7 +283,7 @@ def _key_range(key: bytes, prefix: bool) -> dict[str, str]:
 def _error(raw: bytes, status: int) -> EtcdError:
     try:
         err = msgspec.json.decode(raw, type=_Error, strict=False)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         err = _Error(0, raw[:200].decode("utf-8", "replace") or f"HTTP {status}")
     return _rejected(err.code, err.message or err.error)
 
@@ -413,7 +428,7 @@ class EtcdClient:
         """Renew ``lease`` once; its TTL now.  ``LeaseNotFound`` once it expired."""
         answer = _decode(await self._call("/v3/lease/keepalive", {"ID": lease}), _KeepAlive)
         if answer.error is not None:
-            raise _rejected(int(answer.error.get("code", 0)), str(answer.error.get("message")))
+            raise answer.error.rejected()
         if answer.result is None or answer.result.TTL <= 0:
             raise LeaseNotFound(_NOT_FOUND, f"lease {lease} not found (expired)")
         return answer.result.TTL
@@ -524,8 +539,7 @@ class Watch:
                     continue
                 parsed = _decode(line, _WatchLine)
                 if parsed.error is not None:
-                    code = int(parsed.error.get("grpc_code", parsed.error.get("code", 0)))
-                    raise _rejected(code, str(parsed.error.get("message", parsed.error)))
+                    raise parsed.error.rejected()
                 if parsed.result is None:
                     raise Rejected(0, f"unreadable watch answer {line[:200]!r}")
                 return parsed.result

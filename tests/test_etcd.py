@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiohttp import web
 
 from loadtests.etcd import quiet_port
 from router.config import PrefixAwareRoutingConfig, RoutingConfig, Strategy
@@ -232,6 +233,112 @@ async def test_a_value_that_does_not_decode_is_skipped(etcd: EtcdServer) -> None
         assert listener.calls == [("backend", ("a", backend("a")))]
     finally:
         await shut(store)
+
+
+async def test_a_routing_value_nested_too_deep_is_skipped_and_the_watch_goes_on(
+    etcd: EtcdServer,
+) -> None:
+    # msgspec refuses JSON nested past Python's recursion limit with a RecursionError,
+    # which escaped the routing value's check: the watch task died, every later
+    # applied() waited for ever, and a store opened on the value crashed in its list.
+    deep = b"[" * 2000 + b"]" * 2000
+    listener = Recorder()
+    store = store_for(etcd.url, listener)
+    await store.open()
+    try:
+        async with EtcdClient([etcd.url]) as direct:
+            await direct.put(P + "routing", deep)
+        added = await store.add_backend(backend("a"))
+        await applied(store, added)  # the watch went on past the value
+        assert store.routing == RoutingConfig()  # skipped: the last good one stays
+        assert listener.calls == [("backend", ("a", backend("a")))]
+
+        later = store_for(etcd.url, Recorder())  # a replica starting with it in etcd
+        try:
+            state = await later.open()
+            assert state == State(VERSION, [backend("a")], RoutingConfig())
+        finally:
+            await shut(later)
+    finally:
+        await shut(store)
+
+
+async def test_a_wait_for_a_revision_is_bounded_by_the_caller_and_leaves_nothing(
+    etcd: EtcdServer,
+) -> None:
+    store = store_for(etcd.url, Recorder())
+    await store.open()
+    try:
+        never = store.revision + 1000  # no write is made: it cannot arrive
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await store.applied(never)
+        assert store._waiters == []  # the timed-out waiter is not kept for ever
+        await applied(store, await store.add_backend(backend("a")))
+    finally:
+        await shut(store)
+
+
+class OddEtcd:
+    """An etcd gateway faked at the socket: an empty prefix at revision 1; its first
+    watch, once created, sends ``line``; every later watch is created and stays quiet."""
+
+    def __init__(self, line: bytes) -> None:
+        self.line = line
+        self.watches = 0
+        self.rewatched = asyncio.Event()
+        self.done = asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/v3/kv/range", self.range)
+        app.router.add_post("/v3/watch", self.watch)
+        self.runner = web.AppRunner(app)
+        self.url = ""
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def close(self) -> None:
+        self.done.set()
+        await self.runner.cleanup()
+
+    async def range(self, request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"header": {"revision": "1"}})
+
+    async def watch(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.watches += 1
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b'{"result": {"header": {"revision": "1"}, "created": true}}\n')
+        if self.watches == 1:
+            await resp.write(self.line + b"\n")
+        else:
+            self.rewatched.set()
+        await self.done.wait()
+        return resp
+
+
+async def test_the_watch_goes_on_after_an_answer_it_cannot_read() -> None:
+    # Nested past the recursion limit, even in a field nothing reads, msgspec raises
+    # RecursionError: it escaped the client as no EtcdError, and ended the watch task.
+    deep = b"[" * 5000 + b"]" * 5000
+    fake = OddEtcd(b'{"error": {"grpc_code": 2, "message": "odd", "details": ' + deep + b"}}")
+    await fake.start()
+    store = store_for(fake.url, Recorder())
+    try:
+        await store.open()
+        async with asyncio.timeout(WAIT):
+            await fake.rewatched.wait()  # a new watch: the loop went on
+            await store.wait_health(True)
+        assert store._task is not None
+        assert not store._task.done()
+    finally:
+        await shut(store)
+        await fake.close()
 
 
 async def test_two_stores_on_one_prefix_see_the_same_sequence(etcd: EtcdServer) -> None:

@@ -407,6 +407,38 @@ async def test_without_udp_rows_a_routing_config_that_pays_for_late_counts_is_wa
             await stop(proc)
 
 
+async def test_a_routing_value_nested_too_deep_leaves_the_replicas_following_etcd(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # Such a value (RecursionError in msgspec) ended the replica's watch task: every
+    # admin write then waited for ever for its change to come back, and a replica
+    # started with the value in etcd exited.  It is skipped, as any unreadable one.
+    a, b = await backends(echo), await backends(echo)
+    routers = await replicas(1, etcd, a)
+    try:
+        async with EtcdClient([etcd.url]) as client:
+            await client.put(b"/test/routing", b"[" * 2000 + b"]" * 2000)
+        async with aiohttp.ClientSession() as http, asyncio.timeout(WAIT):
+            first = routers[0][0]
+            # Made after the value: its answer means the watch went past it.
+            status, body = await admin_call(
+                http, first, "POST", "/admin/backends", {"name": b.name, "url": b.url}
+            )
+            assert status == 201, body
+            flags = ("--etcd", etcd.url, "--etcd-prefix", "/test/", "--replica-id", "r1")
+            routers.append(await spawn_router(*flags, "--no-health-checks"))
+            for proc, port in routers:
+                _, routing = await admin_call(http, proc, "GET", "/admin/routing")
+                assert routing["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE"
+                _, fleet = await admin_call(http, proc, "GET", "/admin/backends")
+                assert isinstance(fleet, list)
+                assert sorted(v["name"] for v in fleet) == sorted([a.name, b.name])
+                assert await post(http, port, "a prompt") == 200
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
 async def test_with_discovery_etcd_carries_the_shared_state_and_not_the_membership(
     etcd: EtcdServer, backends: StartBackend
 ) -> None:

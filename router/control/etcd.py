@@ -14,13 +14,14 @@ Contract:
   replica calls its ``Listener`` with the same changes in the same revision
   order.  ``await applied(revision)`` returns once the watch has delivered that
   revision and the listener has returned: an admin API answers after its
-  change is live locally.
+  change is live locally (within a bound the caller sets: a waiter cancelled
+  by its timeout is dropped).
 - Listener: ``on_backend(name, backend | None)`` (None: deleted),
   ``on_routing(config)``, and ``on_resync(state)`` after a re-list, which the
   caller diffs against what it has.  Callbacks are awaited one at a time; one
   that raises is logged and the watch goes on (a bug there must not stop
-  membership updates).  A value that does not decode is logged and skipped:
-  the last good one stays.
+  membership updates).  A value that does not decode (malformed, nested too
+  deep, invalid) is logged and skipped: the last good one stays.
 - Failure: etcd down or the watch lost -> the last membership is kept (never
   dropped), the watch is re-created from the next revision with a bounded,
   jittered exponential backoff; ``healthy`` turns False once etcd has been
@@ -28,7 +29,9 @@ Contract:
   up again.  A probe (a linearizable read, every ``probe_interval``) beside the
   watch notices an etcd that stopped answering without closing the stream
   (partition, a member without quorum) and re-creates the watch.  A watch
-  cancelled for compaction -> re-list, then ``on_resync``.
+  cancelled for compaction -> re-list, then ``on_resync``.  Any other error
+  in the watch loop (a bug) is logged and the loop starts again, from a
+  re-list, after the same backoff: it never ends while the store is open.
 - Start while etcd is down (``open``): retry for ``wait`` seconds, then start
   from ``cache`` (a ``router.state.StateFile`` the store rewrites after every
   change it applies: a copy of the last state it saw in etcd), not healthy,
@@ -180,7 +183,7 @@ class EtcdStore:
 
     def _routing_value(self, kv: KeyValue) -> RoutingConfig | None:
         try:
-            return parse_routing(kv.value)
+            return parse_routing(kv.value)  # ConfigError for any unreadable value, depth too
         except ConfigError as exc:
             log.warning("etcd routing value ignored", revision=kv.mod_revision, reason=str(exc))
             return None
@@ -191,6 +194,8 @@ class EtcdStore:
             backend.spec()  # the admin API's validation
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reason = str(exc)
+        except RecursionError:  # msgspec's depth bound (the typed decode stops sooner today)
+            reason = "nesting too deep"
         else:
             if backend.name == name:
                 return backend
@@ -285,6 +290,16 @@ class EtcdStore:
             except EtcdError as exc:
                 self._down()
                 log.warning("etcd unreachable", reason=str(exc), attempt=attempt)
+                await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+            except Exception as exc:
+                # A bug (ours, or a value no check foresaw) must not end the watch for
+                # good: the replica would stop following etcd and every admin write
+                # would wait on it.  Start again from a re-list, after the backoff, and
+                # count as cut off meanwhile (``healthy`` goes False if it lasts).
+                self._down()
+                log.exception("etcd watch failed: re-listing", error=repr(exc), attempt=attempt)
+                relist = True
                 await asyncio.sleep(self._delay(attempt))
                 attempt += 1
 
@@ -392,12 +407,18 @@ class EtcdStore:
         self._waiters = still
 
     async def applied(self, revision: int) -> None:
-        """Return once the watch has applied ``revision`` here (bound it with a timeout)."""
+        """Return once the watch has applied ``revision`` here.  No bound of its own:
+        callers wrap it in ``asyncio.timeout`` (a watch that is stuck never gets there)."""
         if revision <= self.revision:
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append((revision, waiter))
-        await waiter
+        entry = (revision, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter
+        finally:
+            if entry in self._waiters:
+                self._waiters.remove(entry)  # timed out or cancelled: not kept for ever
 
     # -- writes --------------------------------------------------------------
 
