@@ -263,6 +263,43 @@ async def test_a_routing_value_nested_too_deep_is_skipped_and_the_watch_goes_on(
         await shut(store)
 
 
+@pytest.mark.parametrize(
+    "unreadable",
+    [
+        {"name": "a", "url": "http://127.0.0.1:9000", "weight": 2, "new_field": True},
+        {"name": "a", "url": "http://127.0.0.1:9000", "weight": 0},
+    ],
+    ids=["unknown-field", "weight-0"],
+)
+async def test_a_backend_whose_value_is_skipped_can_still_be_changed_and_removed(
+    etcd: EtcdServer, unreadable: dict[str, object]
+) -> None:
+    # The last good value stays; a write made on it must replace the unreadable one
+    # (it compared the key with the revision of the last good value: 409 for ever).
+    listener = Recorder()
+    store = store_for(etcd.url, listener)
+    await store.open()
+    try:
+        await applied(store, await store.add_backend(backend("a")))
+        async with EtcdClient([etcd.url]) as direct:
+            skipped = await direct.put(P + "backends/a", msgspec.json.encode(unreadable))
+        await applied(store, skipped)
+        assert dict(store.backends) == {"a": backend("a")}
+        assert store.mod_revision("a") == skipped
+
+        await applied(store, await store.update_backend(backend("a", weight=3)))
+        assert store.backends["a"] == backend("a", weight=3)
+        await applied(store, await store.delete_backend("a", store.mod_revision("a")))
+        assert dict(store.backends) == {}
+        assert listener.calls == [
+            ("backend", ("a", backend("a"))),
+            ("backend", ("a", backend("a", weight=3))),
+            ("backend", ("a", None)),
+        ]
+    finally:
+        await shut(store)
+
+
 async def test_a_wait_for_a_revision_is_bounded_by_the_caller_and_leaves_nothing(
     etcd: EtcdServer,
 ) -> None:

@@ -14,6 +14,7 @@ import socket
 import time
 
 import aiohttp
+import msgspec
 import pytest
 
 from hashring import Ring, hash_key
@@ -434,6 +435,43 @@ async def test_a_routing_value_nested_too_deep_leaves_the_replicas_following_etc
                 assert isinstance(fleet, list)
                 assert sorted(v["name"] for v in fleet) == sorted([a.name, b.name])
                 assert await post(http, port, "a prompt") == 200
+    finally:
+        for proc, _ in routers:
+            await stop(proc)
+
+
+async def test_a_backend_whose_value_in_etcd_is_unreadable_can_be_patched_and_deleted(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # The replica keeps the last good value; a PATCH or DELETE made on it compared the
+    # key with that value's revision and answered 409 for ever.
+    a = await backends(echo)
+    routers = await replicas(1, etcd, a)
+    (proc, _) = routers[0]
+    try:
+        newer = {"name": a.name, "url": a.url, "weight": 2, "a_field_of_later": True}
+        async with EtcdClient([etcd.url]) as client:
+            await client.put(f"/test/backends/{a.name}", msgspec.json.encode(newer))
+            # A change after it, to see when the watch has gone past the value.
+            await client.put(b"/test/routing", b'{"RoutingConfig": {"RoutingStrategy": "RANDOM"}}')
+        async with aiohttp.ClientSession() as http:
+
+            async def randomly() -> bool:
+                _, routing = await admin_call(http, proc, "GET", "/admin/routing")
+                return routing["RoutingConfig"]["RoutingStrategy"] == "RANDOM"  # type: ignore[index]
+
+            await until(randomly)
+            async with asyncio.timeout(WAIT):
+                status, body = await admin_call(
+                    http, proc, "PATCH", f"/admin/backends/{a.name}", {"weight": 3}
+                )
+                assert status == 200, body
+                assert body["weight"] == 3
+                status, body = await admin_call(
+                    http, proc, "DELETE", f"/admin/backends/{a.name}?wait=true&timeout=5"
+                )
+                assert status == 200, body
+                assert body["state"] == "removed"
     finally:
         for proc, _ in routers:
             await stop(proc)

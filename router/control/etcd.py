@@ -21,7 +21,8 @@ Contract:
   caller diffs against what it has.  Callbacks are awaited one at a time; one
   that raises is logged and the watch goes on (a bug there must not stop
   membership updates).  A value that does not decode (malformed, nested too
-  deep, invalid) is logged and skipped: the last good one stays.
+  deep, invalid) is logged and skipped: the last good one stays, at the key's
+  new mod_revision, so a write made on it replaces the unreadable value.
 - Failure: etcd down or the watch lost -> the last membership is kept (never
   dropped), the watch is re-created from the next revision with a bounded,
   jittered exponential backoff; ``healthy`` turns False once etcd has been
@@ -347,6 +348,11 @@ class EtcdStore:
                     self._backends[name] = backend
                     self._mods[name] = event.mod_revision
                     await self._call(self.listener.on_backend(name, backend), "on_backend")
+                elif name in self._backends:
+                    # The last good value stays, but at the key's revision now: a write
+                    # made on it (a PATCH, a drain) replaces the unreadable one, where
+                    # the old revision would make it a conflict forever.
+                    self._mods[name] = event.mod_revision
         if kind != "other":
             await self._save()
         self._advance(event.mod_revision)
