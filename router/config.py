@@ -78,6 +78,14 @@ class Strategy(enum.Enum):
 
 
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+# The health checks' period and timeout have a floor, where any ``Seconds`` above 0
+# was taken: an interval of 1e-9 s checked each backend back to back (~900 checks
+# a second, a core's worth), and a timeout under a loopback round trip marks every
+# backend down.  50 ms is twenty checks a second per backend, the most any
+# detection needs (real traffic's failures mark a backend down at once, passively),
+# and what the test suite itself runs at.
+HEALTH_FLOOR_S = 0.05
+HealthSeconds = Annotated[float, Meta(ge=HEALTH_FLOOR_S, le=86_400)]
 
 # Where a request's affinity key comes from (router.sessions), in precedence order.
 SessionSource = Literal["prompt_cache_key", "header", "conversation", "prefix"]
@@ -284,8 +292,8 @@ class HealthOverride(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Per-backend health settings; absent fields take the global ``[health]`` ones."""
 
     path: Annotated[str, Meta(pattern=r"^/")] | None = None
-    interval: Seconds | None = None
-    timeout: Seconds | None = None
+    interval: HealthSeconds | None = None
+    timeout: HealthSeconds | None = None
     # This backend's slow-start window (router.slowstart): seconds, "60s", "off".
     slow_start: float | str | None = None
 
@@ -398,8 +406,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     active: bool = True  # poll each backend's health path
     path: Annotated[str, Meta(pattern=r"^/")] = "/health"
-    interval: Seconds = 5.0
-    timeout: Seconds = 2.0
+    interval: HealthSeconds = 5.0
+    timeout: HealthSeconds = 2.0
     healthy_threshold: Annotated[int, Meta(ge=1, le=100)] = 2  # successes in a row to come back
     unhealthy_threshold: Annotated[int, Meta(ge=1, le=100)] = 3  # failures in a row to go down
     # Passive: connect failures, resets, timeouts and 5xx answers in a row on real
@@ -410,7 +418,7 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     backoff_max: Seconds = 30.0
     # Scrape each backend's Prometheus /metrics (vLLM names) for /admin/stats.
     scrape_metrics: bool = False
-    scrape_interval: Seconds = 10.0
+    scrape_interval: HealthSeconds = 10.0
     # Slow start (router.slowstart): a backend added through the admin API or
     # discovery, or up again after being down, gets its ring share over this
     # window; seconds, "60s", "2m", or 0/"off" (the default: at once).

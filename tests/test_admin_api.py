@@ -192,6 +192,16 @@ async def test_add_duplicate_backend_is_409(api: Api) -> None:
         ({"name": "c" * 65, "url": "http://h:1"}, "$.name", "match"),
         ({"url": "http://h:1"}, "$.name", "missing"),
         ({"name": "c", "url": "http://h:1", "port": 1}, "$.port", "unknown"),
+        (
+            {"name": "c", "url": "http://h:1", "health": {"interval": 1e-9}},
+            "$.health.interval",
+            ">= 0.05",
+        ),
+        (
+            {"name": "c", "url": "http://h:1", "health": {"timeout": 0.001}},
+            "$.health.timeout",
+            ">= 0.05",
+        ),
         ([{"name": "c"}], "$", "object"),
     ],
 )

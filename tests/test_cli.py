@@ -46,6 +46,10 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
         (["--backend", "a=http://x:1,model=m,model=m"], "lists a model twice"),
         (["--backend", "a=http://x:1,model=a b"], "backends[0].models[0]"),
         (["--discover", "dns:vllm:80", "--k8s-model-label", "model"], "model_label"),
+        # Checked back to back (~900 checks a second per backend): a floor of 0.05 s.
+        (["--health-interval", "1e-9"], ">= 0.05 - at `$.health.interval`"),
+        (["--health-interval", "0.049"], ">= 0.05 - at `$.health.interval`"),
+        (["--scrape-interval", "0.001"], ">= 0.05 - at `$.health.scrape_interval`"),
     ],
 )
 def test_bad_settings_exit_2_naming_the_field(
@@ -55,6 +59,35 @@ def test_bad_settings_exit_2_naming_the_field(
     err = capsys.readouterr().err
     assert "invalid configuration" in err
     assert field in err
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("[health]\ntimeout = 0.001", "$.health.timeout"),
+        ("[health]\ninterval = 0", "$.health.interval"),
+        (
+            'backends = [{name = "a", url = "http://x:1", health = {interval = 1e-9}}]',
+            "$.backends[0].health.interval",
+        ),
+        (
+            'backends = [{name = "a", url = "http://x:1", health = {timeout = 0.01}}]',
+            "$.backends[0].health.timeout",
+        ),
+    ],
+)
+def test_health_periods_below_the_floor_exit_2_naming_the_field(
+    tmp_path: Path, toml: str, field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text(toml + "\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert f">= 0.05 - at `{field}`" in capsys.readouterr().err
+
+
+def test_health_periods_at_the_floor_are_taken() -> None:
+    config = parse(["--health-interval", "0.05", "--scrape-interval", "0.05"])
+    assert (config.health.interval, config.health.scrape_interval) == (0.05, 0.05)
 
 
 def test_models_from_the_backend_and_discovery_flags() -> None:
