@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from hashring import Ring, hash_key
+from router.control.replicated import APPLY_WAIT_S
 from router.etcd import EtcdClient
 from router.replicas import RATE_WINDOW, TTL
 from router.udprows import Sample, encode
@@ -475,6 +476,86 @@ async def test_a_backend_whose_value_in_etcd_is_unreadable_can_be_patched_and_de
     finally:
         for proc, _ in routers:
             await stop(proc)
+
+
+class WatchFreeze:
+    """A TCP relay to etcd that can stop passing on what etcd sends down its watch
+    streams (``freeze()``) while every other call goes through: a watch stuck without
+    an error, the probe beside it answered."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.frozen = False
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    async def close(self) -> None:
+        for writer in list(self._writers):
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        pair = {writer, up_writer}
+        self._writers |= pair
+        try:
+            request_line = await reader.readuntil(b"\r\n")  # the client's etcd calls: one each
+            up_writer.write(request_line)
+            watch = request_line.startswith(b"POST /v3/watch ")
+            await asyncio.gather(
+                self._pipe(reader, up_writer), self._pipe(up_reader, writer, watch)
+            )
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers -= pair
+            for each in pair:
+                each.transport.abort()
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, watch: bool = False
+    ) -> None:
+        while chunk := await reader.read(65536):
+            if not (watch and self.frozen):
+                writer.write(chunk)
+                await writer.drain()
+        writer.transport.abort()
+
+
+async def test_an_admin_write_the_watch_does_not_bring_back_is_a_503_saying_it_was_made(
+    etcd: EtcdServer, backends: StartBackend
+) -> None:
+    # The answer waits for the change to come back through the watch; a watch stuck
+    # without an error (here the relay swallows its stream) held the request for ever.
+    a, b = await backends(echo), await backends(echo)
+    relay = WatchFreeze(etcd.client_port)
+    await relay.start()
+    flags = ["--etcd", relay.url, "--etcd-prefix", "/test/", "--no-health-checks"]
+    proc, _ = await spawn_router(*flags, "--backend", "{}={}".format(*a.spec))
+    try:
+        relay.freeze()
+        async with aiohttp.ClientSession() as http, asyncio.timeout(APPLY_WAIT_S + WAIT):
+            status, body = await admin_call(
+                http, proc, "POST", "/admin/backends", {"name": b.name, "url": b.url}
+            )
+        assert status == 503, body
+        assert f"not applied it within {APPLY_WAIT_S:g} s" in body["error"]["message"]  # type: ignore[index]
+        async with EtcdClient([etcd.url]) as client:
+            made, _ = await client.range(f"/test/backends/{b.name}", prefix=False)
+        assert made  # as the answer says
+    finally:
+        await stop(proc)
+        await relay.close()
 
 
 async def test_with_discovery_etcd_carries_the_shared_state_and_not_the_membership(
