@@ -464,8 +464,10 @@ class Replicas:
                         self._changed.set()
             except EtcdError as exc:
                 log.warning("replica watch lost", reason=str(exc))
-                attempt += 1
-                await asyncio.sleep(min(2.0, PERIOD * 2**attempt) * random.uniform(0.5, 1))
+            except Exception:  # a bug of ours must not end what the others publish
+                log.exception("replica watch failed")
+            attempt += 1
+            await asyncio.sleep(min(2.0, PERIOD * 2**attempt) * random.uniform(0.5, 1))
 
     def _take(self, key: bytes, value: bytes | None) -> None:
         replica = key[len(self.key_prefix) :].decode(errors="replace")
@@ -477,8 +479,8 @@ class Replicas:
             return
         try:
             row = _decoder.decode(value)
-        except msgspec.DecodeError as exc:
-            log.warning("replica row skipped", replica=replica, reason=str(exc))
+        except (msgspec.DecodeError, RecursionError) as exc:  # any writer's value
+            log.warning("replica row skipped", replica=replica, reason=str(exc) or "too deep")
             return
         self._listen_to(replica, row)
         held = self.others.get(replica)

@@ -629,6 +629,23 @@ def test_the_remote_row_is_the_others_rows_plus_what_this_replica_gained_since()
     os.close(table.fd)
 
 
+def test_a_row_nested_past_the_recursion_limit_is_skipped_not_raised() -> None:
+    # Any etcd writer can put one; msgspec raises RecursionError (not a
+    # DecodeError) skipping the unknown field, which ended the watch task.
+    from router.replicas import Row, _encoder
+
+    table = router_table()
+    estimate = _Remote(table)
+    good = _encoder.encode(Row(0, {"b0": 2}))
+    deep = good[:-1] + b',"x":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    take = estimate.replicas._take
+    take(estimate.replicas.key_prefix + b"r1", deep)
+    assert estimate.remote() == {}
+    take(estimate.replicas.key_prefix + b"r1", good)
+    assert estimate.remote() == {"b0": 2}
+    os.close(table.fd)
+
+
 def test_a_sample_reads_the_columns_in_use_and_numbers_each_change() -> None:
     table = router_table()
     replicas = _Remote(table).replicas
