@@ -86,6 +86,10 @@ Seconds = Annotated[float, Meta(gt=0, le=86_400)]
 # and what the test suite itself runs at.
 HEALTH_FLOOR_S = 0.05
 HealthSeconds = Annotated[float, Meta(ge=HEALTH_FLOOR_S, le=86_400)]
+# The other periods of a loop (a probe's backoff, DNS lookups, trace exports) have
+# a floor too: 1e-9 made each a busy loop.  10 ms keeps the suite's 20 ms runs.
+PERIOD_FLOOR_S = 0.01
+PeriodSeconds = Annotated[float, Meta(ge=PERIOD_FLOOR_S, le=86_400)]
 
 # Where a request's affinity key comes from (router.sessions), in precedence order.
 SessionSource = Literal["prompt_cache_key", "header", "conversation", "prefix"]
@@ -414,8 +418,8 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # traffic mark a backend down at once; a probe after the backoff (doubling up
     # to backoff_max) brings it back.
     passive_failures: Annotated[int, Meta(ge=1, le=1000)] = 3
-    backoff_initial: Seconds = 1.0
-    backoff_max: Seconds = 30.0
+    backoff_initial: PeriodSeconds = 1.0
+    backoff_max: PeriodSeconds = 30.0
     # Scrape each backend's Prometheus /metrics (vLLM names) for /admin/stats.
     scrape_metrics: bool = False
     scrape_interval: HealthSeconds = 10.0
@@ -475,7 +479,7 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     selector: str | None = None  # k8s: or this label selector
     port_name: str | None = None  # k8s: the EndpointSlice port; unset: the only TCP port
     kubeconfig: str | None = None  # k8s: unset: the in-cluster service account
-    interval: Seconds = 5.0  # dns: between two lookups
+    interval: PeriodSeconds = 5.0  # dns: between two lookups
     drain_timeout: Seconds = 30.0  # a removed endpoint's drain (as DELETE ?timeout=)
     unhealthy_after: Seconds = 10.0  # source failing this long: /readyz 503 (routing goes on)
     # The models every discovered backend serves (BackendSpec.models); empty: any.
@@ -520,7 +524,7 @@ class OtelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     service_name: Annotated[str, Meta(min_length=1, max_length=255)] = "prefix-router"
     # Share of new traces sampled; a client's traceparent decides for its own trace.
     sample: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
-    export_interval: Seconds = 1.0  # a batch is sent at least this often
+    export_interval: PeriodSeconds = 1.0  # a batch is sent at least this often
     max_queue: Annotated[int, Meta(ge=1, le=1_000_000)] = 8192  # spans waiting; more are dropped
 
     def __post_init__(self) -> None:

@@ -50,6 +50,8 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
         (["--health-interval", "1e-9"], ">= 0.05 - at `$.health.interval`"),
         (["--health-interval", "0.049"], ">= 0.05 - at `$.health.interval`"),
         (["--scrape-interval", "0.001"], ">= 0.05 - at `$.health.scrape_interval`"),
+        # The other loops' periods: 0.01 s.
+        (["--discover", "dns:vllm:80", "--discover-interval", "1e-9"], "$.discover.interval"),
     ],
 )
 def test_bad_settings_exit_2_naming_the_field(
@@ -83,6 +85,24 @@ def test_health_periods_below_the_floor_exit_2_naming_the_field(
     config.write_text(toml + "\n")
     assert main(["serve", "--config", str(config)]) == 2
     assert f">= 0.05 - at `{field}`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("[health]\nbackoff_initial = 1e-9", "$.health.backoff_initial"),
+        ("[health]\nbackoff_max = 0.001", "$.health.backoff_max"),
+        ("[otel]\nendpoint = \"http://127.0.0.1:4318\"\nexport_interval = 1e-9",
+         "$.otel.export_interval"),
+    ],
+)  # fmt: skip
+def test_loop_periods_below_their_floor_exit_2_naming_the_field(
+    tmp_path: Path, toml: str, field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text(toml + "\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert f">= 0.01 - at `{field}`" in capsys.readouterr().err
 
 
 def test_health_periods_at_the_floor_are_taken() -> None:
