@@ -147,6 +147,7 @@ class Exchange(LazyDeadline):
     __slots__ = (
         "_attempts",
         "_body",
+        "_chunk",
         "_client_paused",
         "_conn",
         "_connecting",
@@ -265,6 +266,7 @@ class Exchange(LazyDeadline):
         # body pieces held: not yet sent, or kept to resend
         self._body: list[bytes | bytearray | memoryview] = []
         self._out: list[bytes] = []  # response bytes gathered during one upstream read
+        self._chunk: list[bytes] = []  # ... and the body pieces of it still to frame as a chunk
         self._replayable = True  # _body holds every body piece sent upstream so far
         self._hasher: PrefixHasher | None = None
         # [advisor] key_digests on (router.keydigests): the access line's field, and
@@ -853,7 +855,7 @@ class Exchange(LazyDeadline):
         if self._scan is not None:
             self._learn(self._scan, data)
         if self._framing == CHUNKED:
-            self._out += (b"%x\r\n" % len(data), data, b"\r\n")
+            self._chunk.append(data)  # one chunk per upstream read: _seal_chunk
         else:
             self._out.append(data)
 
@@ -876,6 +878,7 @@ class Exchange(LazyDeadline):
             self._scan = None
             self._router.responses.unread += 1
         if self._framing == CHUNKED:
+            self._seal_chunk()
             self._out.append(CHUNKED_END)
         choice = self.choice
         assert choice is not None
@@ -892,6 +895,7 @@ class Exchange(LazyDeadline):
         if self._head_sent and not self._upstream_framed and reason is None:
             # A response without length or chunks ends when the backend closes.
             if self._framing == CHUNKED:
+                self._seal_chunk()
                 self._out.append(CHUNKED_END)
             assert self.choice is not None
             self._router.backend_answered(self.choice.backend, self.status)
@@ -1055,14 +1059,25 @@ class Exchange(LazyDeadline):
         Head, body chunks and terminator that arrive in the same read leave in
         one ``writelines`` (one system call) instead of one write each; each
         upstream read still reaches the client before the next is parsed, so
-        SSE events are never held back.
+        SSE events are never held back.  The body pieces of a chunked
+        response leave as one chunk: a backend that sends 2-byte chunks costs
+        the client connection one chunk per read, not one per piece.
         """
+        if self._chunk:
+            self._seal_chunk()
         out = self._out
         if out:
             self._out = []
             transport = self._conn.transport
             if not transport.is_closing():
                 transport.writelines(out)
+
+    def _seal_chunk(self) -> None:
+        pieces = self._chunk
+        if pieces:
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            self._out += (b"%x\r\n" % len(data), data, b"\r\n")
 
     def _finish(self, upstream_reusable: bool) -> None:
         if self.done:
@@ -1099,6 +1114,11 @@ class Exchange(LazyDeadline):
 
     def upstream_write_resumed(self) -> None:
         self._conn.pause_reading_for_upstream(False)
+
+    @property
+    def client_paused(self) -> bool:
+        """The client's write buffer is full: the backend is not read until it drains."""
+        return self._client_paused
 
     def client_write_paused(self) -> None:
         self._client_paused = True

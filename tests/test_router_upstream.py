@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httptools
 import pytest
 
 from router.upstream import Pool, UpstreamConnection
@@ -325,3 +326,39 @@ async def test_a_connection_reset_before_its_exchange_takes_it_fails_over_at_onc
         dying.close()
         await dying.wait_closed()
     await quiet(router)
+
+
+async def test_a_response_in_tiny_chunks_reaches_the_client_a_read_at_a_time(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # A backend's 2-byte chunks were relayed one chunk each: three buffers per
+    # chunk in one writelines, ~20 ms of the loop per 256 KiB read.
+    text = bytes(range(48, 122)) * 600  # 44 kB
+    pieces = [text[i : i + 2] for i in range(0, len(text), 2)]
+
+    async def tiny(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head + b"".join(b"2\r\n%s\r\n" % p for p in pieces) + b"0\r\n\r\n")
+        return True
+
+    class Count:
+        def __init__(self) -> None:
+            self.chunks: list[bytes] = []
+
+        def on_body(self, body: bytes) -> None:
+            self.chunks.append(body)
+
+    backend = await backends(tiny)
+    router = await start_router([backend.spec])
+    async with connect(router) as client:
+        await client.send(req(b"GET", b"/x"))
+        assert (await client.response()).body == text
+        # The backend connection went back to the pool reading, though the read
+        # that ended the response had it wait a turn: the next request uses it.
+        await client.send(req(b"GET", b"/x", headers=b"Connection: close\r\n"))
+        raw = await client.rest()
+    count = Count()
+    httptools.HttpResponseParser(count).feed_data(raw)
+    assert b"".join(count.chunks) == text
+    assert len(count.chunks) < len(pieces) // 20  # one per backend read (kilobytes each)
+    assert backend.connections == 1
