@@ -3,8 +3,9 @@
 Contract:
 - ``ROUTES`` is the whole API: (method, path, handler).  ``openapi`` describes the
   same (method, path) pairs by hand, and a test holds the two equal.
-- A handler reads its input through ``bodies`` (which raises the 4xx errors), calls
-  one ``Control`` method, and encodes the view it gets back.  It never catches an
+- A handler reads its input through ``bodies`` (which raises the 4xx errors; a
+  check msgspec would report on the whole object is made here first, at its
+  field), calls one ``Control`` method, and encodes the view it gets back.  It never catches an
   error: ``ControlError`` s and ``RequestError`` s are translated by the app's
   error middleware.
 """
@@ -22,7 +23,7 @@ from router.control import BackendPatch, Control
 from router.explain import DEFAULT_K, MAX_K, DryRequest
 
 from .bodies import convert, decode, parse, query_bool, query_int, query_seconds, read_json
-from .errors import RequestError
+from .errors import FieldError, RequestError, ValidationFailed
 from .schemas import Probe, RoutingDocument
 
 __all__ = [
@@ -68,11 +69,29 @@ async def list_backends(request: web.Request) -> web.Response:
 
 
 async def add_backend(request: web.Request) -> web.Response:
-    # BackendSpec checks its url in __post_init__, which msgspec reports on the whole
-    # object: that check is the only one there, so its error belongs to $.url.
-    spec = decode(await read_json(request), BackendSpec, root_field="url")
+    data = parse(await read_json(request))
+    # BackendSpec checks its url and its models in __post_init__, which msgspec reports
+    # on the whole object: the models are checked here first, so that what is left of
+    # a whole-object error is the url's.
+    _refuse_repeated_models(data)
+    spec = convert(data, BackendSpec, root_field="url")
     view = await request.app[CONTROL].add_backend(spec)
     return json_response(view, status=201, headers={"Location": f"/admin/backends/{view.name}"})
+
+
+def _refuse_repeated_models(data: object) -> None:
+    """422 at the second ``$.models[i]`` that names a model listed before it."""
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, list):
+        return  # absent, or the wrong type: convert's error
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if isinstance(model, str):
+            if model in seen:
+                raise ValidationFailed(
+                    [FieldError(f"$.models[{i}]", f"model {model[:256]!r} is listed twice")]
+                )
+            seen.add(model)
 
 
 async def get_backend(request: web.Request) -> web.Response:

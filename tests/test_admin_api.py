@@ -203,6 +203,10 @@ async def test_add_duplicate_backend_is_409(api: Api) -> None:
             ">= 0.05",
         ),
         ([{"name": "c"}], "$", "object"),
+        ({"name": "c", "url": "http://h:1", "models": ["m", "n", "m"]}, "$.models[2]", "twice"),
+        ({"name": "c", "url": "ftp://h:1", "models": ["m", "m"]}, "$.models[1]", "'m'"),
+        ({"name": "c", "url": "http://h:1", "models": ["m", 5]}, "$.models[1]", "str"),
+        ({"name": "c", "url": "http://h:1", "models": "m"}, "$.models", "array"),
     ],
 )
 async def test_add_backend_bad_values_are_422_with_the_field(
