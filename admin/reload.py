@@ -14,8 +14,12 @@ Contract:
   file (the admin API's, persisted there; at start the state file wins
   too).  The backends: a new name is added, a name gone is drained and
   removed (the admin API's DELETE, ``DRAIN_TIMEOUT``), a changed weight is
-  set; a changed URL or models list under one name is refused with a
-  warning (remove the name, add a new one).
+  set; a name back in the file while the drain a reload started still runs
+  is set active again (the drain cancelled, as a PATCH does; a drain the
+  admin API started is left alone: the file says nothing of states); a
+  changed URL, models list or health override under one name is refused
+  with a warning (remove the name, add a new one): the fleet holds a
+  backend's spec as it was added.
 - Everything else (listeners, TLS, workers, etcd, state file, access log,
   health checks, vnodes, seed, cache_salt, advisor) needs a restart: a reload that changes one
   logs ``config fields need a restart`` naming them and applies the rest.
@@ -29,8 +33,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from router.config import BackendSpec, Config, ConfigError
 from router.control import BackendPatch, ControlError
+from router.fleet import AdminState
 from router.log import get_logger
 
 if TYPE_CHECKING:
@@ -83,6 +90,7 @@ class Reloads:
         self.owns_membership = owns_membership
         self._running: asyncio.Task[None] | None = None
         self._again = False
+        self._drained: set[str] = set()  # names a reload started draining (gone from the file)
         self.done = 0  # reloads finished, applied or not (tests wait on it)
 
     def request(self) -> None:
@@ -125,27 +133,45 @@ class Reloads:
         control, fleet = self.control, self.router.fleet
         wanted = {spec.name: spec for spec in specs}
         for name in [name for name in fleet.backends if name not in wanted]:
-            await self._call(name, control.remove_backend(name, timeout=DRAIN_TIMEOUT, wait=False))
+            drain = control.remove_backend(name, timeout=DRAIN_TIMEOUT, wait=False)
+            if await self._call(name, drain):
+                self._drained.add(name)
         for name, spec in wanted.items():
             backend = fleet.backends.get(name)
             if backend is None:
+                self._drained.discard(name)
                 await self._call(name, control.add_backend(spec))
-            elif (backend.spec.url, backend.spec.models) != (spec.url, spec.models):
+                continue
+            held = backend.spec
+            if (held.url, held.models, held.health) != (spec.url, spec.models, spec.health):
                 log.warning(
-                    "backend URL or models not changed by a reload: remove it and add a new name",
+                    "backend URL, models or health not changed by a reload: remove it and add"
+                    " a new name",
                     backend=name,
-                    url=backend.spec.url,
+                    url=held.url,
                     file_url=spec.url,
-                    models=list(backend.spec.models),
+                    models=list(held.models),
                     file_models=list(spec.models),
+                    health=msgspec.to_builtins(held.health),
+                    file_health=msgspec.to_builtins(spec.health),
                 )
-            elif backend.weight != spec.weight:
-                patch = BackendPatch(weight=spec.weight)
-                await self._call(name, control.update_backend(name, patch))
+                continue
+            back = name in self._drained and backend.state is AdminState.DRAINING
+            patch = BackendPatch(
+                weight=spec.weight if backend.weight != spec.weight else None,
+                state="active" if back else None,
+            )
+            if patch != BackendPatch() and await self._call(
+                name, control.update_backend(name, patch)
+            ):
+                self._drained.discard(name)
 
     @staticmethod
-    async def _call(name: str, change: Awaitable[object]) -> None:
+    async def _call(name: str, change: Awaitable[object]) -> bool:
+        """Await ``change``; False (logged) if the control refused it."""
         try:
             await change
         except ControlError as exc:  # e.g. a drain already running, its own address
             log.warning("backend not changed by a reload", backend=name, reason=str(exc))
+            return False
+        return True

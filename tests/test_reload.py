@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -207,5 +208,103 @@ async def test_an_invalid_file_changes_nothing_and_a_state_file_keeps_the_backen
             assert sorted(v["name"] for v in views) == [a.name, b.name]  # type: ignore[index, union-attr]
             async with http.post(f"http://127.0.0.1:{port}/generate", data="x") as resp:
                 assert resp.status == 200
+    finally:
+        await stop(proc)
+
+
+async def log_until(proc: asyncio.subprocess.Process, event: str) -> list[dict[str, object]]:
+    """The daemon's log records up to and including ``event``."""
+    assert proc.stderr is not None
+    records: list[dict[str, object]] = []
+    async with asyncio.timeout(WAIT):
+        while not records or records[-1]["event"] != event:
+            line = await proc.stderr.readline()
+            assert line, f"router exited before logging {event!r}"
+            records.append(json.loads(line))
+    return records
+
+
+async def reload(
+    proc: asyncio.subprocess.Process, config: Path, text: str
+) -> list[dict[str, object]]:
+    await asyncio.to_thread(config.write_text, text)
+    proc.send_signal(signal.SIGHUP)
+    return await log_until(proc, "config reloaded")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_backend_back_in_the_file_while_its_drain_waits_is_active_again(
+    backends: StartBackend, tmp_path: Path, workers: int
+) -> None:
+    a, b = await backends(echo), await backends(hold)
+    config = tmp_path / "router.toml"
+    config.write_text(toml(a, b))
+    proc, port = await spawn_router("--config", str(config), "--workers", str(workers))
+    requests: list[asyncio.Task[int]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def view() -> dict[str, object]:
+                status, body = await admin_call(http, proc, "GET", f"/admin/backends/{b.name}")
+                assert status == 200, body
+                return body
+
+            async def held() -> int:
+                async with http.post(f"http://127.0.0.1:{port}/generate", data="held") as resp:
+                    await resp.read()
+                    return resp.status
+
+            await admin_call(
+                http, proc, "PATCH", f"/admin/backends/{a.name}", {"state": "draining"}
+            )
+            request = asyncio.create_task(held())  # to b, the one active backend
+            requests.append(request)
+            await b.wait_for(lambda: len(b.requests) == 1)
+            await admin_call(http, proc, "PATCH", f"/admin/backends/{a.name}", {"state": "active"})
+
+            await reload(proc, config, toml(a))  # b gone from the file: its drain waits
+            assert (await view())["state"] == "draining"
+            assert (await view())["in_flight"] == 1
+
+            await reload(proc, config, toml(a, b))  # and back: the drain is cancelled
+            assert (await view())["state"] == "active"
+            b.release.set()
+            assert await request == 200
+            assert (await view())["state"] == "active"  # the cancelled drain removed nothing
+    finally:
+        b.release.set()
+        await stop(proc)
+        await asyncio.gather(*requests, return_exceptions=True)  # ended, failed or not
+
+
+async def test_a_changed_health_override_is_refused_by_a_reload_with_a_warning(
+    backends: StartBackend, tmp_path: Path
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    config = tmp_path / "router.toml"
+
+    def with_health(path: str, weight: int = 1) -> str:
+        return toml(a, b) + f'weight = {weight}\nhealth = {{ path = "{path}" }}\n'  # b's
+
+    config.write_text(with_health("/ready"))
+    proc, _ = await spawn_router("--config", str(config))
+    try:
+        records = await reload(proc, config, with_health("/live", weight=3))
+        warnings = [r for r in records if r["level"] == "warning"]
+        assert len(warnings) == 1, records
+        assert warnings[0]["event"] == (
+            "backend URL, models or health not changed by a reload: remove it and add a new name"
+        )
+        warning: Any = warnings[0]
+        assert warning["backend"] == b.name
+        assert (warning["health"]["path"], warning["file_health"]["path"]) == ("/ready", "/live")
+        async with aiohttp.ClientSession() as http:
+            _, view = await admin_call(http, proc, "GET", f"/admin/backends/{b.name}")
+            assert view["weight"] == 1  # none of the refused entry applies
+
+            records = await reload(proc, config, with_health("/ready", weight=3))
+            assert [r for r in records if r["level"] == "warning"] == []
+            _, view = await admin_call(http, proc, "GET", f"/admin/backends/{b.name}")
+            assert view["weight"] == 3
     finally:
         await stop(proc)
