@@ -13,6 +13,12 @@ Contract (see router/control/__init__.py for the interface):
   it.  The wait is an event fired by the lease tracker when the backend's
   in-flight count reaches zero, not a poll.  Setting the backend ``active``
   again while it drains cancels the removal.
+- With workers, the fleet holds at most ``router.supervisor.SLOTS`` backends:
+  ``add_backend`` on a full fleet is a ``Conflict`` (409) naming the limit,
+  raised before anything is persisted.  A membership that arrives from
+  elsewhere (etcd's watch or re-list, through ``_apply``) past the limit is
+  logged (``backend not added``) and skipped, as are the ops on that name
+  that follow it, so the rest of the change still applies.
 - A state file that cannot be written fails the change with ``NotSaved``
   (500, naming the file and the reason) and changes nothing.  When that
   happens as a drain ends, the backend stays ``draining`` (what the file
@@ -109,6 +115,7 @@ class RouterControl:
         self._workers = workers
         self._lock = asyncio.Lock()
         self._drains: dict[str, _Drain] = {}
+        self._unslotted: set[str] = set()  # added elsewhere (etcd) past the slots: skipped
         self.admin_listeners: list[Listener] = []
         self.replicas: Replicas | None = None  # with etcd: the other replicas' rows
         if workers is None:
@@ -273,6 +280,8 @@ class RouterControl:
         """Make a change here and, with workers, in every worker (the one apply path)."""
         workers = self._workers
         if workers is not None:
+            if self._skipped(op, workers):
+                return
             op = workers.prepare(op)
         apply(self._router, op)
         sent = workers.apply(op) if workers is not None else None  # no await in between
@@ -282,6 +291,27 @@ class RouterControl:
             await self._router.fleet.settled()
         if sent is not None:
             await sent
+
+    def _skipped(self, op: Op, workers: Workers) -> bool:
+        """An add past the workers' slots (only a membership from etcd gets here: the
+        admin API refuses first), and what follows for that name, is logged and skipped
+        rather than raised: a raise would end an etcd re-list half-way."""
+        if isinstance(op, AddBackend):
+            if not workers.full:
+                self._unslotted.discard(op.spec.name)
+                return False
+            self._unslotted.add(op.spec.name)
+            log.error(
+                "backend not added",
+                backend=op.spec.name,
+                reason=f"the fleet is full: at most {workers.limit} backends with workers",
+            )
+            return True
+        if isinstance(op, (RemoveBackend, SetState, SetWeight)) and op.name in self._unslotted:
+            if isinstance(op, RemoveBackend):
+                self._unslotted.discard(op.name)
+            return True
+        return False
 
     async def refuse_own_address(self, spec: BackendSpec) -> None:
         """Raise Invalid if ``spec``'s url reaches one of this router's listeners."""
@@ -320,6 +350,12 @@ class RouterControl:
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
+            if self._workers is not None and self._workers.full:
+                raise Conflict(
+                    f"the fleet is full: at most {self._workers.limit} backends with"
+                    " --workers (one column each in the shared in-flight table); remove one"
+                    " first"
+                )
             saved = SavedBackend.of(spec)
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])

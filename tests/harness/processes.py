@@ -24,14 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # machine, several beside a parallel test suite on 2 cores (5 s was seen to run out).
 RESTART_WAIT = 30.0
 ADMIN_PORTS: dict[int, int] = {}  # router pid -> its admin API port
+# A log line can be long: "listening" names every backend (8,192 of them: ~90 KiB).
+LINE_LIMIT = 1 << 20
 
 
 async def spawn_router(
-    *args: str, events: list[dict[str, Any]] | None = None
+    *args: str, events: list[dict[str, Any]] | None = None, within: float = 20.0
 ) -> tuple[asyncio.subprocess.Process, int]:
     """Start ``python -m admin serve ARGS`` and return it with its port (the
-    admin API, on an ephemeral port, is up too once this returns); the log
-    events read until then are appended to ``events``."""
+    admin API, on an ephemeral port, is up too once this returns, ``within``
+    seconds); the log events read until then are appended to ``events``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -47,10 +49,11 @@ async def spawn_router(
         cwd=ROOT,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        limit=LINE_LIMIT,
     )
     assert proc.stderr is not None
     port = None
-    async with asyncio.timeout(20):
+    async with asyncio.timeout(within):
         while True:
             line = await proc.stderr.readline()
             assert line, "router exited before listening"

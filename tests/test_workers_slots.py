@@ -1,0 +1,169 @@
+"""``--workers``: at most ``router.supervisor.SLOTS`` backends, one column each in the
+shared in-flight table.
+
+The admin API and start-up are run at the real limit, as an operator meets it:
+the real daemon, from a state file of 8,192 backends (the batch path: one at a
+time through the API would take far longer).  Its start builds the ring three
+times over (supervisor and each worker, ~3 s each on a quiet 2-core VM), so
+these tests give it ``START`` seconds.  etcd's membership, which no admin call
+checks, is driven through a real etcd to a real ``ReplicatedControl`` with real
+worker processes, the limit lowered as other tests lower module constants:
+8,193 keys through the watch would add one backend at a time, a ring rebuild
+each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+from structlog.testing import capture_logs
+
+from router import supervisor
+from router.app import Router
+from router.config import build_config
+from router.control.etcd import EtcdStore
+from router.control.replicated import ReplicatedControl
+from router.etcd import EtcdClient
+from router.state import SavedBackend
+from router.supervisor import SLOTS, Workers, reserve
+from tests.harness.etcd import EtcdServer
+from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.routers import router_config
+
+pytestmark = pytest.mark.timeout(600)
+
+START = 240.0  # the daemon's start with SLOTS backends beside other work on 2 cores
+FULL = (
+    f"the fleet is full: at most {SLOTS} backends with --workers (one column each in the"
+    " shared in-flight table); remove one first"
+)
+
+
+def write_state(path: Path, count: int) -> None:
+    backends = [{"name": f"b{i}", "url": f"http://127.0.0.1:{10_000 + i}"} for i in range(count)]
+    routing = {"PrefixAwareRoutingConfig": {"PrefixLength": 4096}}
+    path.write_text(json.dumps({"version": 1, "backends": backends, "RoutingConfig": routing}))
+
+
+async def test_a_full_fleet_refuses_one_more_backend_with_409_and_saves_nothing(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state.json"
+    write_state(state, SLOTS)
+    before = state.read_bytes()
+    flags = ("--workers", "2", "--no-health-checks", "--state-file", str(state))
+    proc, _ = await spawn_router(*flags, within=START)
+    extra = {"name": "extra", "url": "http://127.0.0.1:9"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await admin_call(http, proc, "POST", "/admin/backends", extra)
+            assert (status, body) == (409, {"error": {"message": FULL, "type": "conflict"}})
+            assert state.read_bytes() == before  # nothing persisted: it still restarts
+            status, _ = await admin_call(http, proc, "GET", "/admin/backends/extra")
+            assert status == 404
+
+            # A removed backend's column is taken by the next one.
+            status, body = await admin_call(
+                http, proc, "DELETE", "/admin/backends/b0?wait=true&timeout=0"
+            )
+            assert status == 200, body
+            status, body = await admin_call(http, proc, "POST", "/admin/backends", extra)
+            assert status == 201, body
+            status, body = await admin_call(http, proc, "GET", "/admin/stats")
+            assert [w["restarts"] for w in body["workers"]] == [0, 0]  # type: ignore[index, union-attr]
+        names = {b["name"] for b in json.loads(state.read_bytes())["backends"]}
+        assert len(names) == SLOTS
+        assert "extra" in names
+        assert "b0" not in names
+    finally:
+        await stop(proc)
+
+
+async def test_a_state_file_past_the_limit_stops_start_up_with_exit_2_naming_it(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state.json"
+    write_state(state, SLOTS + 1)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admin", "serve", "--workers", "2", "--no-health-checks",
+        "--listen", "127.0.0.1:0", "--admin-listen", "off", "--access-log", "off",
+        "--state-file", str(state),
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(START):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 2, err
+    assert b"Traceback" not in err
+    assert err.decode().splitlines()[-1] == (
+        f"prefix-router: invalid configuration: {SLOTS + 1} backends, but --workers holds"
+        f" at most {SLOTS} (one column each in the shared in-flight table): remove 1 from"
+        " the state file (or the config, without one)"
+    )
+
+
+async def test_etcd_membership_past_the_slots_is_logged_and_skipped_not_raised(
+    etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervisor, "SLOTS", 4)  # the table and the limit, workers' too
+    prefix = "/slots/"
+    encoder = msgspec.json.Encoder()
+
+    def saved(i: int, **fields: object) -> SavedBackend:
+        return SavedBackend(f"b{i}", f"http://127.0.0.1:{10_000 + i}", **fields)  # type: ignore[arg-type]
+
+    longer = {"RoutingConfig": {"PrefixAwareRoutingConfig": {"PrefixLength": 2048}}}
+    async with EtcdClient([etcd.url]) as client:
+        for i in range(6):  # two past the slots
+            await client.put(f"{prefix}backends/b{i}", encoder.encode(saved(i)))
+        await client.put(f"{prefix}routing", json.dumps(longer))
+
+        router = Router(build_config(router_config([], health={"active": False})))
+        held = reserve("127.0.0.1", 0)
+        workers = Workers(router, 1, held)
+        await router.start_control(held)
+        control = ReplicatedControl(router, workers)
+        store = EtcdStore(EtcdClient([etcd.url]), prefix, control)
+        control.store = store
+        try:
+            with capture_logs() as logs:
+                await store.open()
+                await control.on_resync(store.state())  # as the daemon starts a replica
+                await workers.start()
+                assert sorted(router.fleet.backends) == ["b0", "b1", "b2", "b3"]
+                skipped = [e["backend"] for e in logs if e["event"] == "backend not added"]
+                assert skipped == ["b4", "b5"]
+                # the rest of the re-list still applied
+                assert control.routing().prefix_aware_routing_config.prefix_length == 2048
+
+                # Through the watch: a removal frees a column, a skipped backend's next
+                # change takes it; an add past the slots, and its state, are skipped.
+                await store.applied(await client.delete(f"{prefix}backends/b0"))
+                change = encoder.encode(saved(4, weight=2))
+                await store.applied(await client.put(f"{prefix}backends/b4", change))
+                draining = encoder.encode(saved(6, state="draining"))
+                await store.applied(await client.put(f"{prefix}backends/b6", draining))
+                assert sorted(router.fleet.backends) == ["b1", "b2", "b3", "b4"]
+                assert router.fleet.backends["b4"].weight == 2
+                await workers.refresh()  # every worker answers: none died on an op
+                assert [(w.up, w.restarts) for w in workers.views()] == [(True, 0)]
+            skipped = [e["backend"] for e in logs if e["event"] == "backend not added"]
+            assert skipped == ["b4", "b5", "b6"]
+            assert not [e for e in logs if e["event"] == "etcd listener failed"]
+        finally:
+            await store.close()
+            await store.client.close()
+            await workers.stop()
+            await router.shutdown(grace=1)
+            await control.close()
