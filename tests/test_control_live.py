@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from admin import AdminServer
 from router.app import Router
@@ -342,6 +343,37 @@ async def test_other_ports_and_other_loopback_addresses_are_not_the_router(
             async with http.post(f"{base}/admin/backends", json=spec) as resp:
                 assert resp.status == 201, await resp.text()
     assert sorted(router.fleet.backends) == ["other-0", "other-1"]
+
+
+async def test_a_url_another_backend_has_is_added_with_a_warning_naming_it(
+    own_admin: tuple[Router, int, str],
+) -> None:
+    # Not refused: tests and benchmarks (bench_stall's adds) put many names in front
+    # of one server on purpose.  Told apart by host and port, as the fleet holds them.
+    router, _, base = own_admin
+    port = free_port()
+    specs = [
+        {"name": "a", "url": f"http://127.0.0.1:{port}"},
+        {"name": "b", "url": f"http://127.0.0.1:{port}/"},
+        {"name": "c", "url": f"http://127.0.0.1:{port + 1 if port < 65535 else port - 1}"},
+    ]
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as http:
+            for spec in specs:
+                async with http.post(f"{base}/admin/backends", json=spec) as resp:
+                    assert resp.status == 201, await resp.text()
+    warnings = [e for e in logs if e["event"] == "backend url already used"]
+    assert warnings == [
+        {
+            "event": "backend url already used",
+            "log_level": "warning",
+            "component": "admin",
+            "backend": "b",
+            "url": f"http://127.0.0.1:{port}/",
+            "by": ["a"],
+        }
+    ]
+    assert sorted(router.fleet.backends) == ["a", "b", "c"]
 
 
 def reserved_port() -> socket.socket:

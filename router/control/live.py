@@ -19,6 +19,10 @@ Contract (see router/control/__init__.py for the interface):
   elsewhere (etcd's watch or re-list, through ``_apply``) past the limit is
   logged (``backend not added``) and skipped, as are the ops on that name
   that follow it, so the rest of the change still applies.
+- A url another backend already has is accepted with a warning naming that
+  backend (``backend url already used``): tests and benchmarks put many
+  names in front of one server on purpose; in production it is usually a
+  mistake that doubles the server's share.
 - A state file that cannot be written fails the change with ``NotSaved``
   (500, naming the file and the reason) and changes nothing.  When that
   happens as a drain ends, the backend stays ``draining`` (what the file
@@ -356,6 +360,7 @@ class RouterControl:
                     " --workers (one column each in the shared in-flight table); remove one"
                     " first"
                 )
+            shared = self._same_url(spec)
             saved = SavedBackend.of(spec)
             await self._persist(
                 self._state_with(backends=[*snapshot(self._router).backends, saved])
@@ -363,7 +368,15 @@ class RouterControl:
             await self._apply(AddBackend(spec, ramp=self._router.fleet.ramp_for(spec)))
             backend = self._router.fleet.backends[spec.name]
             log.info("backend added", backend=spec.name, url=spec.url, weight=spec.weight)
+            if shared:
+                log.warning("backend url already used", backend=spec.name, url=spec.url, by=shared)
             return self._view(backend, self._total_requests())
+
+    def _same_url(self, spec: BackendSpec) -> list[str]:
+        """The backends at ``spec``'s host and port (told apart as the fleet holds them)."""
+        host, port = spec.address()
+        backends = self._router.fleet.backends.values()
+        return [b.name for b in backends if b.port == port and b.host == host]
 
     async def update_backend(self, name: str, patch: BackendPatch) -> BackendView:
         async with self._lock:
