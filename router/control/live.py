@@ -354,12 +354,7 @@ class RouterControl:
         async with self._lock:
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
-            if self._workers is not None and self._workers.full:
-                raise Conflict(
-                    f"the fleet is full: at most {self._workers.limit} backends with"
-                    " --workers (one column each in the shared in-flight table); remove one"
-                    " first"
-                )
+            self.refuse_when_full()
             shared = self._same_url(spec)
             saved = SavedBackend.of(spec)
             await self._persist(
@@ -371,6 +366,15 @@ class RouterControl:
             if shared:
                 log.warning("backend url already used", backend=spec.name, url=spec.url, by=shared)
             return self._view(backend, self._total_requests())
+
+    def refuse_when_full(self) -> None:
+        """Raise Conflict if the workers have no column for one more backend."""
+        workers = self._workers
+        if workers is not None and workers.full:
+            raise Conflict(
+                f"the fleet is full: at most {workers.limit} backends with --workers (one"
+                " column each in the shared in-flight table); remove one first"
+            )
 
     def _same_url(self, spec: BackendSpec) -> list[str]:
         """The backends at ``spec``'s host and port (told apart as the fleet holds them)."""
