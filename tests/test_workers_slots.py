@@ -27,7 +27,8 @@ from structlog.testing import capture_logs
 
 from router import supervisor
 from router.app import Router
-from router.config import build_config
+from router.config import BackendSpec, build_config
+from router.control import Conflict
 from router.control.etcd import EtcdStore
 from router.control.replicated import ReplicatedControl
 from router.etcd import EtcdClient
@@ -156,6 +157,10 @@ async def test_etcd_membership_past_the_slots_is_logged_and_skipped_not_raised(
                 await store.applied(await client.put(f"{prefix}backends/b6", draining))
                 assert sorted(router.fleet.backends) == ["b1", "b2", "b3", "b4"]
                 assert router.fleet.backends["b4"].weight == 2
+                # The admin API's add on a full replica: a 409, nothing written to etcd.
+                with pytest.raises(Conflict, match="the fleet is full"):
+                    await control.add_backend(BackendSpec("b7", "http://127.0.0.1:10007"))
+                assert (await client.range(f"{prefix}backends/b7"))[0] == []
                 await workers.refresh()  # every worker answers: none died on an op
                 assert [(w.up, w.restarts) for w in workers.views()] == [(True, 0)]
             skipped = [e["backend"] for e in logs if e["event"] == "backend not added"]

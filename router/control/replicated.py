@@ -162,6 +162,7 @@ class ReplicatedControl(RouterControl):
 
     async def add_backend(self, spec: BackendSpec) -> BackendView:
         await self.refuse_own_address(spec)
+        self.refuse_when_full()  # not written to etcd only for every replica to skip it
         store = self.store
         assert store is not None
         # The ramp travels in etcd: every replica applies the add with this start.
