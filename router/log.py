@@ -29,7 +29,17 @@ class _Stderr:
     debug = info = warning = error = critical = exception = msg
 
 
+_configured = False
+
+
 def configure(level: int = logging.INFO) -> None:
+    """Once per process: a second call would give structlog a new processor list,
+    and the loggers cached under the first would keep the old one (unseen by
+    ``structlog.testing.capture_logs``, which changes the current list in place)."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,

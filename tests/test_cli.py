@@ -11,9 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from admin.cli import config_from_args, main
 from router.config import ConfigError, Strategy
+from router.log import configure, get_logger
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -343,3 +345,16 @@ async def test_seed_replays_the_random_strategy_picks(sim_fleet: SimFleet, tmp_p
     assert len(set(first)) == 3
     assert await picks("7", "b") == first
     assert await picks("8", "c") != first
+
+
+def test_logging_is_configured_once_so_log_capture_sees_every_logger() -> None:
+    # main() configures logging; run twice in one process (as this suite does), a
+    # second configure gave structlog a new processor list and the loggers cached
+    # under the first were lost to capture_logs (two tests failed by xdist order).
+    log = get_logger("cli-test")
+    configure()
+    log.info("cached now")
+    configure()
+    with capture_logs() as logs:
+        log.warning("seen")
+    assert [e["event"] for e in logs] == ["seen"]
