@@ -287,6 +287,73 @@ async def test_a_watch_that_ends_resumes_and_410_gone_relists_without_losing_a_b
     assert states(router).get(name_of(a)) in (None, "draining")  # gone: drained out
 
 
+class CountingBackoff(Backoff):
+    """The source's backoff, recording the attempt each delay was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(0.001, 0.004)  # short real sleeps: the test asserts the sequence
+        self.asked: list[int] = []
+
+    def next(self) -> float:
+        self.asked.append(self.attempt)
+        return super().next()
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.published: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+
+    def publish(self, endpoints: Any) -> None:
+        self.published.append(dict(endpoints))
+
+    def failed(self, reason: str) -> None:
+        self.failures.append(reason)
+
+
+@pytest.mark.parametrize("how", ["error event", "http 410"])
+async def test_a_server_that_expires_every_watch_is_relisted_with_backoff_not_in_a_loop(
+    how: str, kube: FakeKube, ca: trustme.CA, backends: StartBackend
+) -> None:
+    a, b = await backends(echo), await backends(echo)
+    kube.put_slice(slice_for("vllm-a", a))
+    kube.expire_watches = True  # even the version the list just gave is "too old"
+    kube.gone_as_http = how == "http 410"
+    backoff = CountingBackoff()
+    source = K8sSource(auth_for(kube, ca), "default", service="vllm", port_name="http")
+    source.backoff = backoff
+    sink = RecordingSink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await kube.wait_for(lambda: kube.lists >= 6)
+        # Every re-list came after a delay of the backoff, each one step longer:
+        # never reset, since no watch delivered anything.
+        relists = kube.lists - 1  # as the server saw them (the source may still be reading)
+        assert relists >= 5
+        assert backoff.asked == list(range(len(backoff.asked)))
+        assert relists <= len(backoff.asked) <= relists + 1
+        assert source.events == 0
+        assert not sink.failures  # a 410 is not a failure: membership came by the lists
+        assert sink.published[0].keys() == {name_of(a)}
+
+        # The server mends: the next watch stays open, an event resets the backoff.
+        kube.expire_watches = False
+        await kube.wait_for(lambda: kube.open_watches == 1)
+        watched, listed = kube.watches, kube.lists
+        kube.put_slice(slice_for("vllm-b", b))
+        kube.end_watches()  # after the event: the next watch opens once it is taken
+        await kube.wait_for(lambda: kube.watches == watched + 1 and kube.open_watches == 1)
+        assert kube.lists == listed  # resumed from the event's version, no list
+        assert source.events >= 1
+        assert backoff.attempt == 0
+        assert sink.published[-1].keys() == {name_of(a), name_of(b)}
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await source.close()
+
+
 async def test_api_server_outage_keeps_the_fleet_routing_and_a_restart_catches_up(
     kube: FakeKube, watch: Watch, backends: StartBackend, start_router: StartRouter
 ) -> None:

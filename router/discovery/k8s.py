@@ -25,6 +25,11 @@ Contract:
   stream cut) is reported to the sink (membership kept) and retried with
   backoff (0.2 s doubling to 10 s, jittered); the next attempt re-lists,
   since events may have been lost in between.
+- Backoff and progress: the backoff is reset only by a watch event (ADDED,
+  MODIFIED, DELETED, BOOKMARK), not by a list or a watch opened.  A watch
+  that ends without one is re-opened after the backoff; a 410 before any
+  event since the last list (the list's own version already expired: a
+  broken or overloaded server) re-lists after the backoff, not at once.
 - Credentials: ``in_cluster`` (``KUBERNETES_SERVICE_HOST``/``_PORT``, the
   service account's ``token``, ``ca.crt`` and ``namespace`` under ``root``)
   or ``from_kubeconfig`` (the current context, or the one named: cluster
@@ -309,6 +314,7 @@ class K8sSource:
         self.slices: dict[str, dict[str, Endpoint]] = {}  # slice name -> its endpoints
         self.lists = 0  # full lists made (tests and logs)
         self.watches = 0  # watches opened
+        self.events = 0  # watch events taken: ADDED, MODIFIED, DELETED, BOOKMARK
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -335,19 +341,26 @@ class K8sSource:
 
     async def run(self, sink: Sink) -> None:
         relist = True
+        listed_at = 0  # self.events when the last list was made
         while True:
             try:
                 if relist:
                     await self._list()
                     sink.publish(self.snapshot())
                     relist = False
-                    self.backoff.reset()
-                if not await self._watch(sink):
-                    # Closed at once without an event: do not spin on a server that does so.
+                    listed_at = self.events
+                opened_at = self.events
+                await self._watch(sink)
+                if self.events == opened_at:
+                    # Ended without an event: do not spin on a server that does so.
                     await asyncio.sleep(self.backoff.next())
             except Expired as exc:
                 log.info("k8s resourceVersion expired: re-listing", reason=str(exc))
                 relist = True
+                if self.events == listed_at:
+                    # Even the list's own version expired before an event came: a server
+                    # that answers every watch so would be listed ~1,000 times a second.
+                    await asyncio.sleep(self.backoff.next())
             except (ApiError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 reason = str(exc) or type(exc).__name__
                 sink.failed(f"{self.description}: {reason}")
@@ -407,8 +420,8 @@ class K8sSource:
             resource_version=self.resource_version,
         )
 
-    async def _watch(self, sink: Sink) -> bool:
-        """Follow one watch until it ends; False if it ended at once with nothing."""
+    async def _watch(self, sink: Sink) -> None:
+        """Follow one watch until it ends (``events`` counts what it delivered)."""
         params = {
             "labelSelector": self.selector or "",
             "watch": "1",
@@ -419,7 +432,6 @@ class K8sSource:
         # The server ends the watch after timeoutSeconds; past that plus a margin,
         # a silent stream is a partition and is dropped.
         timeout = aiohttp.ClientTimeout(total=self.watch_timeout + 30, connect=self.request_timeout)
-        got = False
         async with self._get(params, timeout) as resp:
             await self._check(resp)
             self.watches += 1
@@ -433,10 +445,7 @@ class K8sSource:
                     line = bytes(buffer[:end])
                     del buffer[: end + 1]
                     if line.strip():
-                        got = True
                         self._event(line, sink)
-        self.backoff.reset()
-        return got
 
     def _event(self, line: bytes, sink: Sink) -> None:
         event = _event_decoder.decode(line)
@@ -448,15 +457,18 @@ class K8sSource:
         item = _slice_decoder.decode(event.object)
         if item.metadata.resource_version:
             self.resource_version = item.metadata.resource_version
+        if event.type not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK"):
+            log.warning("k8s watch event ignored", type=event.type)
+            return
+        # Progress: only now is the source known to work, so only now is the backoff reset.
+        self.events += 1
+        self.backoff.reset()
         if event.type == "BOOKMARK":
             return
         if event.type == "DELETED":
             self.slices.pop(item.metadata.name, None)
-        elif event.type in ("ADDED", "MODIFIED"):
-            self.slices[item.metadata.name] = self._endpoints(item)
         else:
-            log.warning("k8s watch event ignored", type=event.type)
-            return
+            self.slices[item.metadata.name] = self._endpoints(item)
         sink.publish(self.snapshot())
 
     def _endpoints(self, item: _Slice) -> dict[str, Endpoint]:

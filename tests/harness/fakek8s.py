@@ -13,6 +13,8 @@ endpointslices`` (aiohttp, TLS from a trustme CA when given):
   forgets the history, after which a watch from an older version gets an ERROR
   event with a 410 ``Expired`` Status inside a 200 stream (the watch cache's way) or,
   with ``gone_as_http``, an HTTP 410 with the Status as the body (etcd's);
+  ``expire_watches``: every watch is answered so, whatever its version (a
+  broken or overloaded server);
 - a bearer token is required (401 Status otherwise).
 
 Payloads have the shape of the API's (``slice_object``): metadata with labels,
@@ -161,6 +163,7 @@ class FakeKube:
         self.history: list[tuple[int, str, dict[str, Any]]] = []  # (rv, type, object)
         self.oldest = 0  # the oldest version a watch may resume from
         self.gone_as_http = False
+        self.expire_watches = False  # every watch gets 410 Gone, even from the list's version
         self.requests: list[dict[str, str]] = []
         self.lists = 0
         self.watches = 0
@@ -305,7 +308,7 @@ class FakeKube:
         since = int(request.query.get("resourceVersion") or 0)
         bookmarks = request.query.get("allowWatchBookmarks") == "true"
         timeout = int(request.query.get("timeoutSeconds") or 1800)
-        gone = since < self.oldest
+        gone = since < self.oldest or self.expire_watches
         too_old = f"too old resource version: {since} ({self.oldest})"
         if gone and self.gone_as_http:
             return web.json_response(_status(410, "Expired", too_old), status=410)
