@@ -4,8 +4,12 @@ Contract:
 - ``Recorder.observe`` runs once per request, at its end, and only updates
   plain integers, lists and a bounded deque: no label lookups, no locks, no
   formatting.  Everything Prometheus needs is derived at scrape time by
-  ``RouterCollector`` (a prometheus-client custom collector on a registry of
-  the router's own, so two routers in one process never share metrics).
+  ``RouterCollector`` (with a prometheus-client registry of the router's own
+  for the other modules' collectors, so two routers in one process never
+  share metrics).
+- /metrics never holds the loop for the size of the fleet: the families that
+  grow with it are written as text ``LINES`` lines at a time, the loop runs
+  between (``RouterCollector.render_async``).
 - Requests routed over a model pool are counted per pool (``models``: its
   model, ``ANY_MODEL`` for the backends that declare none): as many series as
   the operator declares models, never one per name a client sends.
@@ -16,21 +20,26 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.utils import floatToGoString
 
 from .sessions import SOURCES
+
+# A value as generate_latest writes it ("5.0", "+Inf", "1e+06"): the same text.
+_number: Callable[[float], str] = floatToGoString
 
 if TYPE_CHECKING:
     from .app import Router
@@ -39,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["Histogram", "Recorder", "RouterCollector", "percentile"]
 
 WINDOW = 512
+# Lines of text /metrics writes per slice of the loop's time: ~1 ms on this project's
+# 2-core VM (loadtests/bench_scrape.py).
+LINES = 1000
 
 # vLLM's TTFT buckets (seconds), so router and engine histograms line up.
 TTFT_BUCKETS = (
@@ -149,175 +161,305 @@ class Recorder:
         self.duration[name].observe(exchange.ended - exchange.started)
 
 
+class _Families:
+    """A registry-shaped holder of metric families already built (for generate_latest)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def _escape(value: str) -> str:
+    """A label value as the text format writes it (generate_latest's escapes)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class _Family:
+    """One family's lines of the text format, written directly: a sample is one str
+    (no Sample tuple, no label dict), so a large scrape allocates nothing the cyclic
+    GC tracks and triggers no full collection (those held the loop 50-90 ms at
+    4,000 backends, thread or no thread)."""
+
+    __slots__ = ("lines", "name", "text")
+
+    def __init__(self, name: str, kind: str, doc: str) -> None:
+        self.name = name
+        doc = doc.replace("\\", r"\\").replace("\n", r"\n")  # HELP's escapes
+        self.lines = [f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"]
+        self.text: list[bytes] = []  # the lines so far, a chunk's at a time
+
+    def flush(self) -> None:
+        if self.lines:
+            self.text.append("".join(self.lines).encode())
+            self.lines.clear()
+
+    def add(self, labels: str, value: float) -> None:
+        self.lines.append(f"{self.name}{{{labels}}} {_number(value)}\n")
+
+
+class _Histograms(_Family):
+    __slots__ = ()
+
+    def add_histogram(self, label: str, histogram: Histogram) -> None:
+        name, lines = self.name, self.lines
+        running = 0
+        for bound, count in zip(_bounds(histogram.bounds), histogram.counts, strict=True):
+            running += count
+            lines.append(f'{name}_bucket{{{label},le="{bound}"}} {_number(running)}\n')
+        lines.append(f"{name}_count{{{label}}} {_number(running)}\n")
+        lines.append(f"{name}_sum{{{label}}} {_number(histogram.total)}\n")
+
+
+@functools.cache
+def _bounds(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The ``le`` labels of ``bounds`` and +Inf, as ``Histogram.cumulative`` names them."""
+    return (*(repr(bound) for bound in bounds), "+Inf")
+
+
 class RouterCollector:
-    """Builds the Prometheus view of one router at scrape time."""
+    """Builds the Prometheus view of one router at scrape time.
+
+    The families that grow with the fleet (a series or more per backend: some
+    60 lines a backend, 16 MB of text at 4,000 backends) are written here as
+    text, ``LINES`` lines at a time; ``render_async`` gives the loop back
+    between chunks, so a scrape holds it a few ms at a time however large the
+    fleet (loadtests/bench_scrape.py).  Not generate_latest in a thread: it
+    took 287 ms of the loop at 4,000 backends, and in a thread the full
+    garbage collections its 230,000 Sample objects set off still held the
+    loop (with the GIL) 50-90 ms; a line here is one str, which the GC does
+    not track.
+    Every series is read in one step, so each is a value the router had (a
+    histogram's buckets, count and sum agree); series of different backends
+    may be ~a millisecond apart, as in any scrape of a live process.  A
+    backend removed meanwhile is still shown, with its last values.  The small
+    families, and those of ``registry`` (tenants, A/B arms, tracing), go
+    through prometheus-client at the end.  Renders run one at a time.
+    """
 
     def __init__(self, router: Router):
         self._router = router
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)
+        self._rendering = asyncio.Lock()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text at once (tests and tools; the admin API's /metrics uses
+        ``render_async``)."""
+        families: list[_Family] = []
+        for _ in self._write(families):
+            pass
+        return self._finish(families)
 
-    def collect(self) -> Iterator[Metric]:
+    async def render_async(self) -> bytes:
+        async with self._rendering:
+            families: list[_Family] = []
+            for _ in self._write(families):
+                await asyncio.sleep(0)  # the rest of the loop runs between chunks
+            return self._finish(families)
+
+    def _finish(self, families: list[_Family]) -> bytes:
+        small = [*_small_families(self._router), *self.registry.collect()]
+        chunks = [chunk for family in families for chunk in family.text]
+        chunks.append(generate_latest(_Families(small)))
+        return b"".join(chunks)  # one copy of the whole text, the only one
+
+    def _write(self, out: list[_Family]) -> Iterator[None]:
+        """Append the per-backend families to ``out``; yields after every chunk."""
         router = self._router
         recorder = router.recorder
         fleet = router.fleet
-        requests = CounterMetricFamily(
+
+        def family(name: str, kind: str, doc: str) -> _Family:
+            made = _Family(name + ("_total" if kind == "counter" else ""), kind, doc)
+            out.append(made)
+            return made
+
+        requests = family(
             "prefix_router_requests",
+            "counter",
             "Requests answered, by backend, kind, routing decision and status.",
-            labels=["backend", "kind", "decision", "status"],
         )
-        for (name, kind, decision, status), count in recorder.requests.items():
-            requests.add_metric([name, kind, decision, str(status)], count)
-        yield requests
+        entries = list(recorder.requests.items())
+        for start in range(0, len(entries), LINES):
+            for (name, kind, decision, status), count in entries[start : start + LINES]:
+                labels = (
+                    f'backend="{_escape(name)}",decision="{_escape(decision)}",'
+                    f'kind="{_escape(kind)}",status="{status}"'
+                )
+                requests.add(labels, count)
+            _flush(out)
+            yield
 
-        refused = CounterMetricFamily(
-            "prefix_router_refused_requests",
-            "Requests refused before routing (malformed 400, slow 408, too large 413/414/431,"
-            " connection limit 503).",
-            labels=["status"],
-        )
-        for status, count in sorted(recorder.refused.items()):
-            refused.add_metric([str(status)], count)
-        yield refused
-
-        in_flight = GaugeMetricFamily(
-            "prefix_router_in_flight", "Requests in flight per backend.", labels=["backend"]
-        )
-        healthy = GaugeMetricFamily(
-            "prefix_router_backend_healthy", "1 if health checks pass.", labels=["backend"]
-        )
-        draining = GaugeMetricFamily(
-            "prefix_router_backend_draining", "1 while draining.", labels=["backend"]
-        )
-        weight = GaugeMetricFamily(
-            "prefix_router_backend_weight", "Ring weight.", labels=["backend"]
-        )
-        overflow = CounterMetricFamily(
+        in_flight = family("prefix_router_in_flight", "gauge", "Requests in flight per backend.")
+        healthy = family("prefix_router_backend_healthy", "gauge", "1 if health checks pass.")
+        draining = family("prefix_router_backend_draining", "gauge", "1 while draining.")
+        weight = family("prefix_router_backend_weight", "gauge", "Ring weight.")
+        overflow = family(
             "prefix_router_overflow",
+            "counter",
             "Requests received as overflow from an earlier backend of the walk.",
-            labels=["backend"],
         )
-        fallback = CounterMetricFamily(
+        fallback = family(
             "prefix_router_fallback",
+            "counter",
             "Requests received because every backend was at its bound.",
-            labels=["backend"],
         )
-        errors = CounterMetricFamily(
+        errors = family(
             "prefix_router_backend_errors",
+            "counter",
             "Connect failures, resets, timeouts and 5xx answers.",
-            labels=["backend"],
         )
-        idle = GaugeMetricFamily(
+        idle = family(
             "prefix_router_upstream_idle_connections",
+            "gauge",
             "Keep-alive connections to the backend waiting in the pool.",
-            labels=["backend"],
         )
-        cache_suspect = GaugeMetricFamily(
+        cache_suspect = family(
             "prefix_router_backend_prefix_cache_suspect",
+            "gauge",
             "1 if the backend's prefix-cache hits stay flat while it gets repeated keys"
             " (prefix caching off, or a cache too small); 0 otherwise, unknown included.",
-            labels=["backend"],
         )
-        ties = CounterMetricFamily(
-            "prefix_router_engine_tie_breaks",
-            "Requests routed here because its engine's queue or KV-cache use broke a tie"
-            " (--engine-signals).",
-            labels=["backend"],
+        ties = None
+        if router.signals is not None:  # --engine-signals
+            ties = family(
+                "prefix_router_engine_tie_breaks",
+                "counter",
+                "Requests routed here because its engine's queue or KV-cache use broke a tie"
+                " (--engine-signals).",
+            )
+        ttft = _Histograms(
+            "prefix_router_ttft_seconds", "histogram", "Time to first response byte."
         )
+        duration = _Histograms(
+            "prefix_router_request_duration_seconds", "histogram", "Request duration."
+        )
+        out += (ttft, duration)
+
+        idle_counts = router.idle_connections()
+        idle_names = sorted(idle_counts)
+        yield
+        for start in range(0, len(idle_names), LINES):
+            for name in idle_names[start : start + LINES]:
+                idle.add(f'backend="{_escape(name)}"', idle_counts[name])
+            yield
         cache = router.health.cache
-        for name, count in sorted(router.idle_connections().items()):
-            idle.add_metric([name], count)
-        for name, backend in sorted(fleet.backends.items()):
-            in_flight.add_metric([name], fleet.loads.get(name))
-            healthy.add_metric([name], 1 if backend.healthy else 0)
-            draining.add_metric([name], 0 if backend.state.value == "active" else 1)
-            weight.add_metric([name], backend.weight)
-            overflow.add_metric([name], backend.overflow)
-            fallback.add_metric([name], backend.fallback)
-            errors.add_metric([name], backend.errors)
-            cache_suspect.add_metric([name], 1 if cache.status(name) == "suspect_off" else 0)
-            ties.add_metric([name], backend.tie_breaks)
-        yield from (in_flight, healthy, draining, weight, overflow, fallback, errors, idle)
-        yield cache_suspect
-        if router.signals is not None:
-            yield ties
+        loads = fleet.loads
+        members = dict(fleet.backends)  # the backends as they are now, removed ones kept
+        names = sorted(members)  # names alone: sorting (name, backend) pairs costs 3x
+        yield
+        step = LINES // 10  # 9 or 10 lines a backend
+        for start in range(0, len(names), step):
+            for name in names[start : start + step]:
+                backend = members[name]
+                label = f'backend="{_escape(name)}"'
+                in_flight.add(label, loads.get(name))
+                healthy.add(label, 1 if backend.healthy else 0)
+                draining.add(label, 0 if backend.state.value == "active" else 1)
+                weight.add(label, backend.weight)
+                overflow.add(label, backend.overflow)
+                fallback.add(label, backend.fallback)
+                errors.add(label, backend.errors)
+                cache_suspect.add(label, 1 if cache.status(name) == "suspect_off" else 0)
+                if ties is not None:
+                    ties.add(label, backend.tie_breaks)
+            _flush(out)
+            yield
 
-        for metric, source, text in (
-            ("prefix_router_ttft_seconds", recorder.ttft, "Time to first response byte."),
-            ("prefix_router_request_duration_seconds", recorder.duration, "Request duration."),
-        ):
-            family = HistogramMetricFamily(metric, text, labels=["backend"])
-            for name, histogram in sorted(source.items()):
-                family.add_metric([name], histogram.cumulative(), histogram.total)
-            yield family
+        for histograms, source in ((ttft, recorder.ttft), (duration, recorder.duration)):
+            observed = dict(source)
+            names = sorted(observed)
+            yield
+            step = LINES // (len(TTFT_BUCKETS) + 3)  # the buckets, +Inf, count, sum
+            for start in range(0, len(names), step):
+                for name in names[start : start + step]:
+                    histograms.add_histogram(f'backend="{_escape(name)}"', observed[name])
+                _flush(out)
+                yield
 
-        transitions = CounterMetricFamily(
-            "prefix_router_health_transitions",
-            "Backend health state changes.",
-            labels=["backend", "to"],
-        )
-        for (name, direction), count in sorted(router.health.transitions.items()):
-            transitions.add_metric([name, direction], count)
-        yield transitions
 
-        models = CounterMetricFamily(
-            "prefix_router_model_requests",
-            "Requests routed over a model's pool (model * : backends declaring no model).",
-            labels=["model"],
-        )
-        for model, count in sorted(recorder.models.items()):
-            models.add_metric([model or "*"], count)
-        yield models
+def _flush(families: list[_Family]) -> None:
+    for family in families:
+        family.flush()
 
-        sources = CounterMetricFamily(
-            "prefix_router_routing_key_source",
-            "Requests routed by a key, by where the key came from (SessionKeys):"
-            " prompt_cache_key, header, conversation or prefix.",
-            labels=["source"],
-        )
-        for key_source in SOURCES:
-            sources.add_metric([key_source], recorder.sources[key_source])
-        yield sources
 
-        yield GaugeMetricFamily(
-            "prefix_router_ring_members", "Backends on the hash ring.", value=len(fleet.ring)
-        )
-        yield GaugeMetricFamily(
-            "prefix_router_claim_spread",
-            "Claim spreading's c: the walk's threshold is lowered by a draw in 0..c-1 so"
-            " that replicas do not all claim one freed place (1: off, one replica).",
-            value=router.balancer.claim_spread,
-        )
-        responses = router.responses
-        counts = responses.counts()
-        follow_ups = CounterMetricFamily(
-            "prefix_router_response_follow_ups",
-            "Requests naming a Responses API id: hit (sent to the backend that made it),"
-            " miss (unknown id) or fallback (its backend unavailable); the last two are"
-            " routed by the strategy.",
-            labels=["result"],
-        )
-        for result, name in (("hit", "hits"), ("miss", "misses"), ("fallback", "fallbacks")):
-            follow_ups.add_metric([result], counts[name])
-        yield follow_ups
-        yield CounterMetricFamily(
-            "prefix_router_response_ids_learnt",
-            "Response ids read from /v1/responses answers.",
-            value=counts["learnt"],
-        )
-        yield CounterMetricFamily(
-            "prefix_router_response_ids_unread",
-            "/v1/responses answers whose id could not be read in their first bytes.",
-            value=counts["unread"],
-        )
-        yield GaugeMetricFamily(
-            "prefix_router_response_ids", "Response ids remembered.", value=len(responses)
-        )
-        yield CounterMetricFamily(
-            "prefix_router_no_backend",
-            "Requests answered 502/503 because no backend could take them.",
-            value=recorder.no_backend,
-        )
+def _small_families(router: Router) -> Iterator[Metric]:
+    """The families whose size does not grow with the fleet."""
+    recorder = router.recorder
+    refused = CounterMetricFamily(
+        "prefix_router_refused_requests",
+        "Requests refused before routing (malformed 400, slow 408, too large 413/414/431,"
+        " connection limit 503).",
+        labels=["status"],
+    )
+    for status, count in sorted(recorder.refused.items()):
+        refused.add_metric([str(status)], count)
+    yield refused
+
+    transitions = CounterMetricFamily(
+        "prefix_router_health_transitions",
+        "Backend health state changes.",
+        labels=["backend", "to"],
+    )
+    for (name, direction), count in sorted(router.health.transitions.items()):
+        transitions.add_metric([name, direction], count)
+    yield transitions
+
+    models = CounterMetricFamily(
+        "prefix_router_model_requests",
+        "Requests routed over a model's pool (model * : backends declaring no model).",
+        labels=["model"],
+    )
+    for model, count in sorted(recorder.models.items()):
+        models.add_metric([model or "*"], count)
+    yield models
+
+    sources = CounterMetricFamily(
+        "prefix_router_routing_key_source",
+        "Requests routed by a key, by where the key came from (SessionKeys):"
+        " prompt_cache_key, header, conversation or prefix.",
+        labels=["source"],
+    )
+    for key_source in SOURCES:
+        sources.add_metric([key_source], recorder.sources[key_source])
+    yield sources
+
+    yield GaugeMetricFamily(
+        "prefix_router_ring_members", "Backends on the hash ring.", value=len(router.fleet.ring)
+    )
+    yield GaugeMetricFamily(
+        "prefix_router_claim_spread",
+        "Claim spreading's c: the walk's threshold is lowered by a draw in 0..c-1 so"
+        " that replicas do not all claim one freed place (1: off, one replica).",
+        value=router.balancer.claim_spread,
+    )
+    counts = router.responses.counts()
+    follow_ups = CounterMetricFamily(
+        "prefix_router_response_follow_ups",
+        "Requests naming a Responses API id: hit (sent to the backend that made it),"
+        " miss (unknown id) or fallback (its backend unavailable); the last two are"
+        " routed by the strategy.",
+        labels=["result"],
+    )
+    for result, name in (("hit", "hits"), ("miss", "misses"), ("fallback", "fallbacks")):
+        follow_ups.add_metric([result], counts[name])
+    yield follow_ups
+    yield CounterMetricFamily(
+        "prefix_router_response_ids_learnt",
+        "Response ids read from /v1/responses answers.",
+        value=counts["learnt"],
+    )
+    yield CounterMetricFamily(
+        "prefix_router_response_ids_unread",
+        "/v1/responses answers whose id could not be read in their first bytes.",
+        value=counts["unread"],
+    )
+    yield GaugeMetricFamily(
+        "prefix_router_response_ids", "Response ids remembered.", value=len(router.responses)
+    )
+    yield CounterMetricFamily(
+        "prefix_router_no_backend",
+        "Requests answered 502/503 because no backend could take them.",
+        value=recorder.no_backend,
+    )

@@ -165,7 +165,7 @@ class RouterControl:
 
     async def metrics(self) -> bytes:
         await self._refresh()
-        return self._router.collector.render()
+        return await self._router.collector.render_async()
 
     async def stats(self) -> Stats:
         await self._refresh()
