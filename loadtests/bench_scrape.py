@@ -1,10 +1,11 @@
 """``python -m loadtests.bench_scrape``: how long a /metrics scrape holds the router's loop.
 
-    python -m loadtests.bench_scrape [--backends 1000 4000] [--repeats 7]
+    python -m loadtests.bench_scrape [--backends 1000 4000] [--repeats 7] [--no-traffic]
 
 For each fleet size: the real ``Router`` (health checks off) with that many
 backends, each of which has served requests (so each has its TTFT and duration
-histograms: the largest /metrics of that fleet), and the admin API on
+histograms: the largest /metrics of that fleet; ``--no-traffic``: none has,
+9 lines a backend), and the admin API on
 127.0.0.1, in this process's loop.  A ticker in the same loop sleeps 1 ms at a
 time and keeps the longest gap between two ticks: the loop stall.  Each repeat
 starts a scraper process (another interpreter, so it takes no GIL from the
@@ -103,7 +104,7 @@ def fill(router: Router) -> None:
         duration.observe(0.5)
 
 
-async def run(backends: int, repeats: int) -> None:
+async def run(backends: int, repeats: int, traffic: bool = True) -> None:
     specs = [{"name": f"b{i}", "url": f"http://127.0.0.1:{20000 + i}"} for i in range(backends)]
     config = {
         "listen": "127.0.0.1:0",
@@ -113,7 +114,8 @@ async def run(backends: int, repeats: int) -> None:
     }
     router = Router(build_config(config))
     await router.start()
-    fill(router)
+    if traffic:
+        fill(router)
     control = RouterControl(router)
     app = make_app(control, token=None)
 
@@ -166,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench_scrape")
     parser.add_argument("--backends", type=int, nargs="+", default=[1000, 4000])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-traffic", action="store_true", help="no backend has served")
     args = parser.parse_args(argv)
     for backends in args.backends:
-        asyncio.run(run(backends, args.repeats))
+        asyncio.run(run(backends, args.repeats, not args.no_traffic))
     return 0
 
 
