@@ -1,5 +1,6 @@
-"""/metrics of a large fleet: complete, exact, scraped several at once, and written in
-slices that give the loop back (the figure of the stall: loadtests/bench_scrape.py).
+"""/metrics and /admin/stats of a large fleet: complete, exact, read several at once,
+and built in slices that give the loop back (the figure of the stall:
+loadtests/bench_scrape.py).
 
 The real ``Router`` with 600 backends (all at one recording server on 127.0.0.1,
 so that every request is answered wherever the ring sends it), the admin API on
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -19,12 +21,13 @@ from prometheus_client.samples import Sample
 
 from admin import AdminServer
 from router.app import Router
-from router.control.live import RouterControl
+from router.control.live import VIEW_SLICE, RouterControl
 from router.metrics import LINES
 from tests.harness.backends import StartBackend, echo
 from tests.harness.discovery import post
 from tests.harness.routers import StartRouter
 
+T = TypeVar("T")
 BACKENDS = 600
 REQUESTS = 240
 PER_BACKEND = (  # families with one series per backend
@@ -50,14 +53,22 @@ async def fleet(
     admin = AdminServer(control, token=None)
     await admin.start("127.0.0.1", 0)
     try:
-        yield router, control, f"http://127.0.0.1:{admin.port}/metrics"
+        yield router, control, f"http://127.0.0.1:{admin.port}"
     finally:
         await admin.close()
         await control.close()
 
 
+async def send_requests(router: Router) -> None:
+    """``REQUESTS`` requests of distinct keys, all answered."""
+    statuses = Counter(
+        await asyncio.gather(*(post(router, b"key %d" % i) for i in range(REQUESTS)))
+    )
+    assert statuses == {200: REQUESTS}
+
+
 async def scrape(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.get(url) as resp:
+    async with http.get(url + "/metrics") as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain")
         return await resp.text()
@@ -87,10 +98,7 @@ async def test_every_backend_is_in_every_family_and_concurrent_scrapes_agree(
     fleet: tuple[Router, RouterControl, str],
 ) -> None:
     router, _, url = fleet
-    statuses = Counter(
-        await asyncio.gather(*(post(router, b"key %d" % i) for i in range(REQUESTS)))
-    )
-    assert statuses == {200: REQUESTS}
+    await send_requests(router)
 
     async with aiohttp.ClientSession() as http:
         texts = await asyncio.gather(*(scrape(http, url) for _ in range(4)))
@@ -141,11 +149,8 @@ async def test_scrapes_during_traffic_each_read_a_whole_fleet(
         assert_histograms_whole(found["prefix_router_ttft_seconds"])
 
 
-async def test_a_scrape_gives_the_loop_back_while_it_writes(
-    fleet: tuple[Router, RouterControl, str],
-) -> None:
-    """Other tasks run during one render, at least once per ``LINES`` lines."""
-    _, control, _ = fleet
+async def turns_during(call: Awaitable[T]) -> tuple[T, int]:
+    """``call``'s result and how many times another task ran while it did."""
     turns = 0
 
     async def other_task() -> None:
@@ -158,10 +163,45 @@ async def test_a_scrape_gives_the_loop_back_while_it_writes(
     await asyncio.sleep(0)
     try:
         before = turns
-        text = await control.metrics()
-        during = turns - before
+        result = await call
+        return result, turns - before
     finally:
         task.cancel()
+
+
+async def test_a_scrape_gives_the_loop_back_while_it_writes(
+    fleet: tuple[Router, RouterControl, str],
+) -> None:
+    """Other tasks run during one render, at least once per ``LINES`` lines."""
+    _, control, _ = fleet
+    text, during = await turns_during(control.metrics())
     lines = text.count(b"\n")
     assert lines > 9 * BACKENDS  # a line a backend in each of 9 families, at least
     assert during >= lines // LINES // 2
+
+
+async def test_admin_stats_of_a_large_fleet_is_whole_and_gives_the_loop_back(
+    fleet: tuple[Router, RouterControl, str],
+) -> None:
+    router, control, url = fleet
+    await send_requests(router)
+    async with aiohttp.ClientSession() as http:
+
+        async def get(path: str) -> Any:
+            async with http.get(url + path) as resp:
+                assert resp.status == 200
+                return await resp.json()
+
+        stats, listed = await asyncio.gather(get("/admin/stats"), get("/admin/backends"))
+    views = stats["backends"]
+    assert [v["name"] for v in views] == sorted(router.fleet.backends)
+    assert {v["name"]: v["requests"] for v in views} == {
+        name: b.requests for name, b in router.fleet.backends.items()
+    }
+    assert sum(v["requests"] for v in views) == stats["totals"]["requests"] == REQUESTS
+    assert sum(v["share"] for v in views) == pytest.approx(1.0)
+    assert [v["name"] for v in listed] == [v["name"] for v in views]
+
+    result, during = await turns_during(control.stats())
+    assert len(result.backends) == BACKENDS
+    assert during >= BACKENDS // VIEW_SLICE - 1
