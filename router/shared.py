@@ -346,7 +346,7 @@ class SharedLoadTracker(LoadTracker):
         # name -> its slot's cells in every row of this plane (this worker's own
         # included): what ``refresh`` sums, one view per assigned backend.
         self._columns: dict[str, memoryview] = {}
-        self._span = 0  # slots folded: up to the highest assigned
+        self._span = 0  # slots folded: the highest assigned at least (grown twofold)
         self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
         self._ints = [0] * len(self._starts)  # the same, each as one integer
         self._folded = 0  # their sum: one 64-bit lane per slot
@@ -432,8 +432,11 @@ class SharedLoadTracker(LoadTracker):
         if held is not None:
             raise ValueError(f"slot {slot} is {held!r}'s")
         if slot >= self._span:
-            self._others.extend([0] * (slot + 1 - self._span))
-            self._span = slot + 1
+            # Grown to twice at least: backends assigned one by one (a start with
+            # 8,192) rebuild the folded sum a few times, not once each (5 s).
+            span = min(self.table.slots, max(slot + 1, 2 * self._span))
+            self._others.extend([0] * (span - self._span))
+            self._span = span
             self._seen = [b""] * len(self._starts)  # re-read every row over the new span
             # The folded sum laid out for the new span: the same integer on a
             # little-endian host, shifted lanes on a big-endian one (slot 0 is
