@@ -176,9 +176,20 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response(Probe("not_ready"), status=503)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    body = await request.app[CONTROL].metrics()
-    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+# /metrics is written this much at a time, each write awaited: 16 MB at 4,000
+# backends in one piece held the loop 27 ms (bench_scrape), in slices 7 ms.
+WRITE_SLICE = 256 * 1024
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    body = memoryview(await request.app[CONTROL].metrics())
+    response = web.StreamResponse(headers={"Content-Type": METRICS_CONTENT_TYPE})
+    response.content_length = len(body)
+    await response.prepare(request)
+    for start in range(0, len(body), WRITE_SLICE):
+        await response.write(body[start : start + WRITE_SLICE])
+    await response.write_eof()
+    return response
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -11,11 +11,7 @@ time and keeps the longest gap between two ticks: the loop stall.  Each repeat
 starts a scraper process (another interpreter, so it takes no GIL from the
 loop) that makes one ``GET /metrics``; the stall is the longest gap from its
 start to its exit.  A baseline repeat runs a scraper that fetches ``/healthz``
-instead (the process and the connection, not the metrics).  A third row
-serves the same ``control.metrics()`` bytes from a route of this script that
-writes them in 256 KiB slices, each awaited (``StreamResponse.write``), where
-the admin API's handler hands aiohttp the whole text at once: the part of the
-stall that is the write of one 16 MB body, not the rendering.  A last row
+instead (the process and the connection, not the metrics).  A last row
 times ``GET /admin/stats`` (each backend's window holds 512 TTFTs, which its
 P50/P90 sort; none with ``--no-traffic``).  Printed: the
 median and the worst over ``--repeats`` of each, the size of the text and how
@@ -43,7 +39,6 @@ from router.metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram
 
 __all__ = ["main"]
 
-SLICE = 256 << 10
 
 SCRAPER = """
 import http.client, sys, time
@@ -124,17 +119,6 @@ async def run(backends: int, repeats: int, traffic: bool = True) -> None:
     control = RouterControl(router)
     app = make_app(control, token=None)
 
-    async def in_slices(request: web.Request) -> web.StreamResponse:
-        body = memoryview(await control.metrics())
-        response = web.StreamResponse(headers={"Content-Type": "text/plain; version=0.0.4"})
-        response.content_length = len(body)
-        await response.prepare(request)
-        for start in range(0, len(body), SLICE):
-            await response.write(body[start : start + SLICE])
-        await response.write_eof()
-        return response
-
-    app.router.add_get("/bench/metrics-in-slices", in_slices)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -145,7 +129,6 @@ async def run(backends: int, repeats: int, traffic: bool = True) -> None:
     try:
         base = [await scrape(port, "/healthz", ticker) for _ in range(repeats)]
         runs = [await scrape(port, "/metrics", ticker) for _ in range(repeats)]
-        sliced = [await scrape(port, "/bench/metrics-in-slices", ticker) for _ in range(repeats)]
         stats = [await scrape(port, "/admin/stats", ticker) for _ in range(repeats)]
     finally:
         await ticker.stop()
@@ -160,12 +143,6 @@ async def run(backends: int, repeats: int, traffic: bool = True) -> None:
         f" (baseline /healthz median {statistics.median(baseline):4.1f} ms,"
         f" worst {max(baseline):4.1f} ms); scrape took median"
         f" {statistics.median(took):6.0f} ms  [{repeats} repeats]",
-        flush=True,
-    )
-    sliced_stalls = [stall for stall, _, _ in sliced]
-    print(
-        f"{'':>5}           the same text written in slices: loop stall median"
-        f" {statistics.median(sliced_stalls):6.1f} ms, worst {max(sliced_stalls):6.1f} ms",
         flush=True,
     )
     stats_stalls = [stall for stall, _, _ in stats]
