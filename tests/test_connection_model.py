@@ -59,6 +59,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from router import client
 from router.app import Router
 from router.client import WRITE_HIGH_WATER
 from router.config import build_config
@@ -461,13 +462,26 @@ class ConnectionModel(RuleBasedStateMachine):
 
 
 def test_a_client_connection_keeps_the_models_contract() -> None:
+    check_the_model(MODEL_EXAMPLES or 40)
+
+
+def test_the_contract_holds_however_the_reads_are_sliced(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reads here are a few KiB: under FEED_SLICE, under FEED_EVENTS. Cut to
+    # 37 bytes and 3 parser events, every read leaves a rest that waits (behind
+    # the queue or for the loop's next turn) and is parsed later.
+    monkeypatch.setattr(client, "FEED_SLICE", 37)
+    monkeypatch.setattr(client, "FEED_EVENTS", 3)
+    check_the_model(MODEL_EXAMPLES or 20)
+
+
+def check_the_model(examples: int) -> None:
     phases = [Phase.explicit, Phase.reuse, Phase.generate]
     if os.environ.get("MODEL_SHRINK"):  # minutes when a step stalls: on demand only
         phases.append(Phase.shrink)
     run_state_machine_as_test(
         ConnectionModel,
         settings=settings(
-            max_examples=MODEL_EXAMPLES or 40,
+            max_examples=examples,
             stateful_step_count=30,
             deadline=None,
             phases=phases,
