@@ -106,8 +106,9 @@ class _Stopped(Exception):
 
 
 def _failed(exchange: Exchange) -> None:
-    """A fault of ours in a request no longer being parsed: answer it here (a
-    refusal would leave it waiting forever, counted in flight)."""
+    """A fault of ours in handling ``exchange``: logged, answered 500 (its end
+    closes the connection).  A refusal reaches only the request being parsed; one
+    already parsed would wait forever, counted in flight."""
     log.exception("request handling failed")
     exchange.abort_request(500, "internal error")
 
@@ -300,8 +301,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             try:
                 parsing.request_body(data)
             except Exception:
-                log.exception("request handling failed")
-                self._refuse(500, "internal error")
+                _failed(parsing)
                 return False
         return True
 
