@@ -116,6 +116,7 @@ from .heads import (
 from .queue import QUEUE_FULL
 from .responses import IdScanner, response_id_of
 from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
+from .upstream import CLIENT
 from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
@@ -748,7 +749,7 @@ class Exchange(LazyDeadline):
         upstream.attach(self)
         self.upstream = upstream
         if self._client_paused:
-            upstream.transport.pause_reading()
+            upstream.pause(CLIENT)
         self._upstream_bytes = False
         span = self.span
         pieces: list[bytes | bytearray | memoryview] = [
@@ -1115,21 +1116,16 @@ class Exchange(LazyDeadline):
     def upstream_write_resumed(self) -> None:
         self._conn.pause_reading_for_upstream(False)
 
-    @property
-    def client_paused(self) -> bool:
-        """The client's write buffer is full: the backend is not read until it drains."""
-        return self._client_paused
-
     def client_write_paused(self) -> None:
         self._client_paused = True
         if self.upstream is not None:
-            self.upstream.transport.pause_reading()
+            self.upstream.pause(CLIENT)
 
     def client_write_resumed(self) -> None:
         self._client_paused = False
         if self.upstream is not None:
             self._last_read = self._router.loop.time()
-            self.upstream.transport.resume_reading()
+            self.upstream.resume(CLIENT)
 
 
 def _lists_models(path: bytes) -> bool:

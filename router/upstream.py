@@ -19,9 +19,15 @@ Contract:
   byte): a backend cannot make the router buffer without bound.
 - A parser that was replaced (a HEAD's answer ends at its head) fires
   nothing more: its late events belong to no exchange.
-- A read that took more than ``YIELD_EVENTS`` body pieces (a backend sending
-  tiny chunks) pauses reading until the loop's next turn: libuv reads up to
-  32 times per poll, and one 256 KiB read of 2-byte chunks costs ~13 ms.
+- A read is parsed ``FEED_SLICE`` bytes at a time.  Once the read has taken
+  ``FEED_EVENTS`` parser events (a backend sending tiny chunks), its rest
+  waits unparsed for the loop's next turn, reading paused: one 256 KiB read
+  of 2-byte chunks is ~65,000 events, ~13 ms of callbacks, and libuv reads
+  up to 32 times per poll.  What the response gathered leaves for the client
+  before the rest is parsed.
+- Reading is paused while either reason holds (``pause``/``resume``): the
+  client does not drain (``CLIENT``), or the rest of a read waits
+  (``UNFED``).  A connection given back to its pool reads again.
 """
 
 from __future__ import annotations
@@ -45,11 +51,21 @@ log = get_logger("upstream")
 
 WRITE_HIGH_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # a response head larger than this is not an LLM server's
-YIELD_EVENTS = 1024  # body pieces in one read past which the next read waits a turn
+# One callback parses at most FEED_EVENTS parser events (body pieces, heads),
+# a slice of FEED_SLICE bytes at a time: a few ms at most, however the backend
+# frames its response.
+FEED_SLICE = 8 * 1024
+FEED_EVENTS = 4096
+
+# Why reading is paused (bits of UpstreamConnection._paused).
+CLIENT = 1  # the client's write buffer is full: nothing more is read for it
+UNFED = 2  # the rest of a read waits unparsed for the loop's next turn
+
+UNASKED = "invalid response from backend: bytes after a complete response"
 
 
-class _HeadTooLarge(Exception):
-    pass
+class _Invalid(Exception):
+    """A response the router refuses to relay (its text is the reason)."""
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -61,9 +77,11 @@ class UpstreamConnection(asyncio.Protocol):
         "_in_head",
         "_in_message",
         "_interim",
+        "_paused",
         "_stale",
+        "_unfed",
+        "_unfed_scheduled",
         "_unparsed",
-        "_yielding",
         "exchange",
         "idle_since",
         "open",
@@ -84,8 +102,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._in_message = False  # a response has begun and not ended
         self._unparsed = 0  # bytes of the head, or of framing with no body byte, so far
         self._body_in_read = False
-        self._events = 0  # body pieces in the read being fed
-        self._yielding = False  # reading paused until the loop's next turn
+        self._events = 0  # parser events of the read being fed
+        self._paused = 0  # CLIENT | UNFED: reading is paused while any is set
+        self._unfed: memoryview | None = None  # the rest of a read, not parsed yet
+        self._unfed_scheduled = False  # _feed_unfed is due (call_soon)
         self._stale = False  # the parser in feed_data was replaced: ignore its events
         self._interim = False
         self.open = False
@@ -108,21 +128,55 @@ class UpstreamConnection(asyncio.Protocol):
         if exchange is None:  # bytes from an idle backend: nothing can follow them
             self.close()
             return
+        if self._unfed is not None:  # reading is paused: only a stray read lands here
+            self._unfed = memoryview(bytes(self._unfed) + data)
+            return
         exchange.upstream_read()
         self._stale = False
-        self._body_in_read = False
+        self._feed(exchange, data)
+
+    def _feed(self, exchange: Exchange, data: bytes | memoryview, whole: bool = False) -> None:
+        """Parse ``data`` a slice at a time; keep the rest past ``FEED_EVENTS``
+        (``whole``: parse it all now, the connection is gone)."""
+        size = len(data)
+        start = 0
         self._events = 0
+        while start < size:
+            end = start + FEED_SLICE
+            piece = data if start == 0 and end >= size else memoryview(data)[start:end]
+            if not self._feed_slice(exchange, piece):
+                return  # given up: the exchange was told
+            start = min(end, size)
+            if start == size or self._stale:
+                break  # a HEAD's answer ended at its head: its late bytes are no one's
+            if self.exchange is not exchange:
+                # The response ended inside the read: what follows it was never
+                # asked for (the router sends one request at a time).
+                self._give_up(self.exchange or exchange, UNASKED)
+                return
+            if self._events >= FEED_EVENTS and not whole:
+                self._unfed = memoryview(data)[start:]
+                self.pause(UNFED)
+                if not self._unfed_scheduled:
+                    self._unfed_scheduled = True
+                    asyncio.get_running_loop().call_soon(self._feed_unfed)
+                break
+        exchange.flush()
+
+    def _feed_slice(self, exchange: Exchange, data: bytes | memoryview) -> bool:
+        """Parse one slice; False if the connection was given up."""
+        self._body_in_read = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
-            if not isinstance(cause, _HeadTooLarge):
+            if not isinstance(cause, _Invalid):
                 log.error("response handling failed", exc_info=cause)
-            self._give_up(exchange, str(cause) if cause else "invalid response")
-            return
+            self._give_up(self.exchange or exchange, str(cause) if cause else "invalid response")
+            return False
         except httptools.HttpParserError as exc:
-            self._give_up(exchange, f"invalid response from backend: {exc}")
-            return
+            self._give_up(self.exchange or exchange, f"invalid response from backend: {exc}")
+            return False
         if self._in_message and not self._body_in_read:
             # A head not yet ended, or trailers: bounded as the bytes arrive.
             self._unparsed += len(data)
@@ -131,18 +185,33 @@ class UpstreamConnection(asyncio.Protocol):
                 self._give_up(
                     exchange, f"invalid response from backend: {where} over {MAX_HEAD_BYTES} bytes"
                 )
-                return
-        exchange.flush()
-        if self._events > YIELD_EVENTS and self.exchange is exchange and not self._yielding:
-            self._yielding = True  # (a response that ended in this read needs no turn)
-            self.transport.pause_reading()
-            asyncio.get_running_loop().call_soon(self._yielded)
+                return False
+        return True
 
-    def _yielded(self) -> None:
-        self._yielding = False
+    def _feed_unfed(self) -> None:
+        """Parse the rest of a read that waited a turn."""
+        self._unfed_scheduled = False
+        data, self._unfed = self._unfed, None
         exchange = self.exchange
-        if self.open and (exchange is None or not exchange.client_paused):
-            self.transport.resume_reading()  # else: the exchange resumes it when the client drains
+        if data is None or exchange is None or not self.open:
+            return  # the exchange ended meanwhile (the client went): the connection closed
+        self._feed(exchange, data)
+        if self._unfed is None and self.exchange is exchange:
+            self.resume(UNFED)
+
+    def pause(self, reason: int) -> None:
+        """Stop reading the backend while ``reason`` (``CLIENT`` or ``UNFED``) holds."""
+        if not self._paused and self.open:
+            self.transport.pause_reading()
+        self._paused |= reason
+
+    def resume(self, reason: int) -> None:
+        """``reason`` no longer holds: read again unless another one does."""
+        if not self._paused:
+            return
+        self._paused &= ~reason
+        if not self._paused and self.open:
+            self.transport.resume_reading()
 
     def _give_up(self, exchange: Exchange, reason: str) -> None:
         self.exchange = None
@@ -155,6 +224,12 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
         exchange = self.exchange
+        rest, self._unfed = self._unfed, None
+        if rest is not None and exchange is not None:
+            # Bytes that arrived before the loss: a close-delimited body ends
+            # with them, not before.
+            self._feed(exchange, rest, whole=True)
+            exchange = self.exchange
         if exchange is not None:
             self.exchange = None
             # A close-delimited body ends with the connection: feed_data(b"")
@@ -174,6 +249,8 @@ class UpstreamConnection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.exchange is None:  # the last response ended, in this read
+            raise _Invalid(UNASKED)
         self._headers = []  # trailers of the last response must not leak into this one
         self._head_bytes = 0
         self._in_head = True
@@ -185,7 +262,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES:
-            raise _HeadTooLarge(f"invalid response from backend: head over {MAX_HEAD_BYTES} bytes")
+            raise _Invalid(f"invalid response from backend: head over {MAX_HEAD_BYTES} bytes")
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -229,6 +306,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     def attach(self, exchange: Exchange) -> None:
         self.exchange = exchange
+
+    def detach(self) -> None:
+        """Back to the pool: no owner, reading (a backend's close must be seen)."""
+        self.exchange = None
+        self.resume(self._paused)
 
     def close(self) -> None:
         self.exchange = None
@@ -287,11 +369,10 @@ class Pool:
         return conn
 
     def give_back(self, conn: UpstreamConnection) -> None:
-        conn.exchange = None
+        conn.detach()
         if self.closed or not conn.open or len(self._idle) >= self.max_idle:
             conn.close()
             return
-        conn.transport.resume_reading()  # idempotent; the exchange may have paused it
         conn.idle_since = self.loop.time()
         self._idle.append(conn)
 

@@ -21,7 +21,9 @@ import json
 
 import httptools
 import pytest
+from structlog.testing import capture_logs
 
+from router import upstream
 from router.upstream import Pool, UpstreamConnection
 from tests.harness.backends import Backend, Seen, StartBackend, echo, reset
 from tests.harness.http import (
@@ -362,3 +364,66 @@ async def test_a_response_in_tiny_chunks_reaches_the_client_a_read_at_a_time(
     assert b"".join(count.chunks) == text
     assert len(count.chunks) < len(pieces) // 20  # one per backend read (kilobytes each)
     assert backend.connections == 1
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length", "close"])
+async def test_a_response_whose_reads_wait_a_turn_arrives_whole_in_every_framing(
+    backends: StartBackend,
+    start_router: StartRouter,
+    monkeypatch: pytest.MonkeyPatch,
+    framing: str,
+) -> None:
+    # Cut to 37-byte slices and 3 parser events, every read of the answer
+    # leaves a rest that waits for the loop's next turn, reading paused.
+    monkeypatch.setattr(upstream, "FEED_SLICE", 37)
+    monkeypatch.setattr(upstream, "FEED_EVENTS", 3)
+    text = bytes(range(48, 122)) * 60  # 4.4 kB: ~120 slices, ~40 waits
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+
+    async def answer(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        if framing == "chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + b"".join(b"5\r\n%s\r\n" % p for p in pieces) + b"0\r\n\r\n")  # fmt: skip
+        elif framing == "length":
+            writer.write(response(200, text))
+        else:  # the body ends when the backend closes, right behind its last byte
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + text)
+        return framing != "close"
+
+    backend = await backends(answer)
+    router = await start_router([backend.spec])
+    async with connect(router) as client:
+        for _ in range(3):
+            await client.send(req(b"GET", b"/x"))
+            got = await client.response()
+            assert got.status == 200
+            assert got.body == text
+            if framing == "close":
+                break  # the router closes a client whose answer ended with its backend
+    # Kept-alive answers come over one backend connection: each went back to the
+    # pool reading, though its reads waited turns.
+    assert backend.connections == 1
+    await quiet(router)
+
+
+async def test_bytes_after_a_complete_response_retire_the_connection_quietly(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # A backend that answers and then sends a response nobody asked for, in the
+    # same write: the stray bytes must never reach the next request, and they
+    # are a backend's fault, not a router error with a traceback.
+    async def extra(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        writer.write(response(200, b"mine") + response(200, b"EVIL"))
+        return True
+
+    backend = await backends(extra)
+    router = await start_router([backend.spec])
+    with capture_logs() as logs:
+        async with connect(router) as client:
+            for _ in range(2):
+                await client.send(req(b"GET", b"/x"))
+                got = await client.response()
+                assert (got.status, got.body) == (200, b"mine")
+    assert backend.connections == 2  # the first one was closed, never reused
+    assert not [e for e in logs if e["log_level"] == "error"], logs
+    await quiet(router)
