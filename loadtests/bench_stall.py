@@ -18,8 +18,9 @@ runs, each shape is sent on a connection of its own:
   ids flat and nested, 5 M prompt strings, 32 MiB strings plain and escaped)
   and random large bodies of three kinds (chat, tools, an unread field);
 - the wire (a review of the request path): a native and a chat body of
-  ``--chunked-mib`` sent in 2-byte chunks, and 6,000 pipelined
-  ``GET /health`` in one write;
+  ``--chunked-mib`` sent in 2-byte chunks, 6,000 pipelined ``GET /health``
+  in one write, and a response of ``--chunked-mib`` that the backend sends
+  in 2-byte chunks (``GET /_tiny/N``);
 - admin API (item 5): ``PATCH weight=1000`` and back to 1, ``--adds``
   backends added one by one, ``GET /admin/stats`` on a second router started
   with ``--stats-backends`` backends.
@@ -261,6 +262,8 @@ def wire_shapes(size: int) -> list[tuple[str, int, Callable[[], bytes]]]:
              b'{"messages":[{"role":"user","content":"' + text + b'"}]}')),
         (f"{tiny:,} pipelined GET /health", tiny,
          lambda: b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * tiny),
+        ("response in 2-byte chunks", 0,
+         lambda: b"GET /_tiny/%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % size),
     ]  # fmt: skip
 
 
@@ -269,13 +272,14 @@ def posted(url: str, path: str, body: bytes) -> str:
 
 
 def blocking_raw(url: str, raw: bytes, answers: int) -> str:
-    """Send ``raw`` on a new connection; read until ``answers`` status lines or the close."""
+    """Send ``raw`` on a new connection; read until ``answers`` status lines (0: all
+    there is) or the close."""
     # Counted a read at a time (this thread holds the GIL the probe needs).
     status_line = b"HTTP/1.1 "
     with socket.create_connection(host_port(url), timeout=SHAPE_TIMEOUT_S) as sock:
         sock.sendall(raw)
         seen, tail, statuses = 0, b"", set[str]()
-        while seen < answers and (chunk := sock.recv(1 << 16)):
+        while (not answers or seen < answers) and (chunk := sock.recv(1 << 16)):
             window = tail + chunk
             seen += window.count(status_line)
             at = window.find(status_line)

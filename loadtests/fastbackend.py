@@ -27,7 +27,9 @@ Contract:
   bytes (vllm-router's cache_aware policy asks every worker for them); answers
   are cached per body, so a benchmark's repeated prompts cost a lookup.
   ``GET /health`` 200; ``GET /v1/models`` a one-model list; ``GET /_stats`` the
-  instance's request and body-byte counts; any other path 404.
+  instance's request and body-byte counts; ``GET /_tiny/N`` N bytes in 2-byte
+  chunks, in one write (a backend framing its answer to cost a proxy most;
+  the last size's answer is kept); any other path 404.
 - Only the first ``SNIFF_BYTES`` of a body are kept (to find ``stream`` and the
   marker); the rest is counted and dropped: memory does not grow with bodies.
 - Keep-alive as the client asks (HTTP/1.0 without keep-alive, or
@@ -140,8 +142,19 @@ class Instance:
         self.event = _chunk(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
         self.done = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
         self.tokens: OrderedDict[tuple[bytes, bytes], bytes] = OrderedDict()
+        self.tiny: tuple[bytes, bytes] = (b"", b"")  # (path, answer) of the last /_tiny/N
         self.requests = 0
         self.body_bytes = 0
+
+    def tiny_answer(self, path: bytes) -> bytes:
+        """``GET /_tiny/N``: N bytes of text in 2-byte chunks (closes after it)."""
+        if self.tiny[0] != path:
+            size = int(path.rpartition(b"/")[2] or 0)
+            text = b"ab" * (size // 2) + b"a" * (size % 2)
+            head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            body = b"".join(_chunk(text[i : i + 2]) for i in range(0, size, 2))
+            self.tiny = (path, head + body + b"0\r\n\r\n")
+        return self.tiny[1]
 
     def token_answer(self, path: bytes, body: bytes, close: bool) -> bytes:
         key = (path, body)
@@ -266,6 +279,9 @@ class Connection(asyncio.Protocol):
             transport.write(inst.health[close])
         elif path == b"/v1/models":
             transport.write(inst.ok["models"][close])
+        elif path.startswith(b"/_tiny/") and path[7:].isdigit():
+            transport.write(inst.tiny_answer(path))
+            close = True
         elif path == b"/_stats":  # what a benchmark reads to see how requests split
             stats = {"name": inst.name, "requests": inst.requests, "body_bytes": inst.body_bytes}
             transport.write(_response(b"200 OK", inst.backend, json.dumps(stats).encode(), close))
