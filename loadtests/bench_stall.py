@@ -361,7 +361,12 @@ async def data_rows(probe: Probe, url: str, args: argparse.Namespace) -> list[Ro
         worst, note = await worst_of(
             probe, name, args.repeats, partial(blocking_raw, url, raw, answers)
         )
-        rows.append((name, f"{len(raw) / MiB:.1f} MiB on the wire", worst, "-", note))
+        size_note = (
+            f"{len(raw) / MiB:.1f} MiB on the wire"
+            if answers
+            else (f"{args.chunked_mib:g} MiB answered ({args.chunked_mib * 3.5:g} MiB on the wire)")
+        )
+        rows.append((name, size_note, worst, "-", note))
     return rows
 
 
