@@ -51,8 +51,13 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
             assert row["bad_status"] == 0
             assert sum(row["split"]) >= row["requests"]  # the backends saw every request
             [probe] = row["probes"]
-            assert probe["requests"] > 0
-            assert probe["p50_ms"] > 0
+            if probe.get("over_capacity"):
+                # A machine busy enough that the closed loop got under 1.25x the
+                # probe's rate: the bench then declines to probe, and says so.
+                assert row["rps"] < probe["rate"] * 1.25, (name, workload, row)
+            else:
+                assert probe["requests"] > 0
+                assert probe["p50_ms"] > 0
             if name == "direct":
                 assert row["cpu_us"] is None
             else:
