@@ -276,7 +276,9 @@ async def test_a_read_of_thousands_of_pipelined_requests_is_parsed_a_slice_at_a_
         assert 0 < len(conn._queue) <= FEED_SLICE // len(one) + 1
         backend.release.set()
         await read_answers(client, count)
-    assert len(backend.requests) == count
+    # (Counted by target: on a loaded machine the run outlasts the default 5 s
+    # health interval, and the check's GET /health is a request too.)
+    assert len([seen for seen in backend.requests if seen.target == b"/x"]) == count
     assert router.active == 0
 
 
