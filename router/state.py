@@ -13,6 +13,13 @@ Contract:
   is, and raises ``StateError`` with a clear message when the file cannot be
   read or does not parse: a corrupt state file stops start-up, it is never
   silently replaced (the next save would destroy what it held).
+- A floor raised since a value was saved does not make it corrupt: a health
+  ``interval`` or ``timeout`` above 0 and below ``HEALTH_FLOOR_S`` (any
+  number above 0 was taken before) is raised to the floor, with a warning
+  naming the file, the field and both values (``raise_to_floors``, which
+  ``router.control.etcd`` applies to the values it reads too).  The file
+  keeps the old value until the next change rewrites it.  New values below
+  the floor are still refused (the admin API's 422, exit 2 for the config).
 - At start-up the state file, when present, wins over the config file and
   the flags for backends and routing (the README says so).
 """
@@ -23,14 +30,17 @@ import errno
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-from .config import BackendSpec, HealthOverride, RoutingConfig
+from .config import HEALTH_FLOOR_S, BackendSpec, HealthOverride, RoutingConfig
+from .log import get_logger
 from .slowstart import Ramp
 
-__all__ = ["SavedBackend", "State", "StateError", "StateFile"]
+__all__ = ["SavedBackend", "State", "StateError", "StateFile", "raise_to_floors"]
+
+log = get_logger("state")
 
 VERSION = 1
 
@@ -70,6 +80,31 @@ class SavedBackend(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit
         return msgspec.convert(data, BackendSpec)
 
 
+def raise_to_floors(backend: Any, source: str, path: str = "$") -> None:
+    """Raise, in place, a saved backend's (decoded, untyped) health ``interval`` and
+    ``timeout`` that are above 0 but below ``HEALTH_FLOOR_S`` to the floor, logging
+    each; ``path`` is the backend's place in ``source``.  Anything else is left for
+    the typed conversion to accept or refuse."""
+    health = backend.get("health") if isinstance(backend, dict) else None
+    if not isinstance(health, dict):
+        return
+    for field in ("interval", "timeout"):
+        value = health.get(field)
+        if (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and 0 < value < HEALTH_FLOOR_S
+        ):
+            health[field] = HEALTH_FLOOR_S
+            log.warning(
+                "saved value below its floor raised to it",
+                source=source,
+                field=f"{path}.health.{field}",
+                old=value,
+                new=HEALTH_FLOOR_S,
+            )
+
+
 class State(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     version: int
     backends: list[SavedBackend]
@@ -90,12 +125,19 @@ class StateFile:
         except OSError as exc:
             raise StateError(f"cannot read state file {self.path}: {exc.strerror}") from None
         try:
-            state = msgspec.json.decode(raw, type=State)
-            for backend in state.backends:
-                backend.spec()  # the same validation as the API applied when it was saved
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            document = msgspec.json.decode(raw)
+            backends = document.get("backends") if isinstance(document, dict) else None
+            if isinstance(backends, list):
+                source = f"state file {self.path}"
+                for index, backend in enumerate(backends):
+                    raise_to_floors(backend, source, f"$.backends[{index}]")
+            state = msgspec.convert(document, State)
+            for saved in state.backends:
+                saved.spec()  # the same validation as the API applied when it was saved
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            reason = str(exc) if not isinstance(exc, RecursionError) else "nesting too deep"
             raise StateError(
-                f"state file {self.path} is corrupt ({exc}); fix or move it away to start"
+                f"state file {self.path} is corrupt ({reason}); fix or move it away to start"
                 " from the configuration instead"
             ) from None
         if state.version != VERSION:

@@ -23,6 +23,8 @@ Contract:
   membership updates).  A value that does not decode (malformed, nested too
   deep, invalid) is logged and skipped: the last good one stays, at the key's
   new mod_revision, so a write made on it replaces the unreadable value.
+  A health period an older version saved below today's floor is raised to
+  it with a warning (``router.state.raise_to_floors``), not skipped.
 - Failure: etcd down or the watch lost -> the last membership is kept (never
   dropped), the watch is re-created from the next revision with a bounded,
   jittered exponential backoff; ``healthy`` turns False once etcd has been
@@ -71,7 +73,7 @@ from ..etcd import (
     Watch,
 )
 from ..log import get_logger
-from ..state import VERSION, SavedBackend, State, StateError, StateFile
+from ..state import VERSION, SavedBackend, State, StateError, StateFile, raise_to_floors
 from . import Conflict, NotFound
 
 __all__ = ["EtcdStore", "Listener"]
@@ -191,11 +193,14 @@ class EtcdStore:
 
     def _backend_value(self, name: str, kv: KeyValue) -> SavedBackend | None:
         try:
-            backend = msgspec.json.decode(kv.value, type=SavedBackend)
+            value = msgspec.json.decode(kv.value)
+            # A value an older version saved below today's floor is raised, not dropped.
+            raise_to_floors(value, f"etcd {kv.key.decode('utf-8', 'replace')}")
+            backend = msgspec.convert(value, SavedBackend)
             backend.spec()  # the admin API's validation
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reason = str(exc)
-        except RecursionError:  # msgspec's depth bound (the typed decode stops sooner today)
+        except RecursionError:  # msgspec's depth bound
             reason = "nesting too deep"
         else:
             if backend.name == name:
