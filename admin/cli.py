@@ -428,7 +428,12 @@ def _run_loadtests(module: str, argv: list[str]) -> int:
 
 
 def _check_config(path: str) -> int:
-    """``prefix-router check-config FILE``: what ``serve --config FILE`` would refuse."""
+    """``prefix-router check-config FILE``: what ``serve --config FILE`` would refuse,
+    the state file it names included (it wins for backends, as in ``serve``)."""
+    from router.supervisor import refuse_past_slots
+
+    from .daemon import with_state
+
     try:
         config = build_config(load_toml(path))
         parse_address(config.listen, "listen")
@@ -436,9 +441,18 @@ def _check_config(path: str) -> int:
             parse_address(config.admin_listen, "admin_listen")
         tls_context(config)
         Salter.from_config(config.cache_salt)
+        state = StateFile(config.state_file).load() if config.state_file else None
+        replicated = bool(config.etcd) and config.discover is None  # etcd's, not the file's
+        backends = (config if replicated else with_state(config, state)).backends
+        if config.workers > 1 or config.etcd:  # serve's supervisor: a column a backend
+            refuse_past_slots(len(backends))
     except ConfigError as exc:
         print(f"{path}: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StateError as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
+    source = " (the state file's)" if state is not None and not replicated else ""
     routing = config.routing
     strategy = routing.strategy.value
     if routing.arms:  # an A/B experiment: each arm's weight and strategy
@@ -450,7 +464,7 @@ def _check_config(path: str) -> int:
         if routing.split == "BACKENDS":  # router.split
             strategy += ", each arm on backends of its own"
     print(
-        f"{path}: ok: {len(config.backends)} backends, {strategy},"
+        f"{path}: ok: {len(backends)} backends{source}, {strategy},"
         f" listen {config.listen}, admin {config.admin_listen}"
     )
     return 0

@@ -56,7 +56,8 @@ Contract:
 - Slots: a backend gets the lowest free column when it is added and keeps
   it until it is removed; the column is free again once every worker has
   acknowledged the removal (and so forgotten it).  There are ``SLOTS``: a
-  fleet larger than that refuses to start (``ConfigError``: exit 2, naming
+  fleet larger than that refuses to start (``refuse_past_slots``, which
+  ``prefix-router check-config`` calls too: ``ConfigError``, exit 2, naming
   the limit), and ``full`` tells the control plane to refuse (or, for
   etcd's membership, skip) an add before it persists anything.
 """
@@ -120,7 +121,7 @@ if TYPE_CHECKING:
     from .responses import Learnt
     from .signals import Signal
 
-__all__ = ["Workers", "reserve"]
+__all__ = ["Workers", "refuse_past_slots", "reserve"]
 
 log = get_logger("supervisor")
 
@@ -178,6 +179,20 @@ class _Worker:
         self.restarts = 0
 
 
+def refuse_past_slots(size: int) -> None:
+    """Raise ConfigError (exit 2) if a fleet of ``size`` backends has no column each:
+    what ``Workers`` refuses to start with, and ``prefix-router check-config`` reports."""
+    if size > SLOTS:
+        # Not "load what fits": the state file is rewritten whole at the next change,
+        # so the backends left out would be dropped from it for good, and which ones
+        # fit would depend on the file's order.  Refuse, as a corrupt file is refused.
+        raise ConfigError(
+            f"{size} backends, but --workers holds at most {SLOTS} (one column each in"
+            f" the shared in-flight table): remove {size - SLOTS} from the state file"
+            " (or the config, without one)"
+        )
+
+
 class Workers:
     def __init__(
         self,
@@ -204,16 +219,7 @@ class Workers:
         )
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
-        size = len(router.fleet.backends)
-        if size > SLOTS:
-            # Not "load what fits": the state file is rewritten whole at the next change,
-            # so the backends left out would be dropped from it for good, and which ones
-            # fit would depend on the file's order.  Refuse, as a corrupt file is refused.
-            raise ConfigError(
-                f"{size} backends, but --workers holds at most {SLOTS} (one column each in"
-                f" the shared in-flight table): remove {size - SLOTS} from the state file"
-                " (or the config, without one)"
-            )
+        refuse_past_slots(len(router.fleet.backends))
         self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
         self.slots: dict[str, int] = {}
         self.limit = SLOTS  # backends the fleet may have: one column each

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,10 +48,31 @@ FULL = (
 )
 
 
+def fleet(count: int) -> list[dict[str, str]]:
+    return [{"name": f"b{i}", "url": f"http://127.0.0.1:{10_000 + i}"} for i in range(count)]
+
+
 def write_state(path: Path, count: int) -> None:
-    backends = [{"name": f"b{i}", "url": f"http://127.0.0.1:{10_000 + i}"} for i in range(count)]
     routing = {"PrefixAwareRoutingConfig": {"PrefixLength": 4096}}
-    path.write_text(json.dumps({"version": 1, "backends": backends, "RoutingConfig": routing}))
+    path.write_text(json.dumps({"version": 1, "backends": fleet(count), "RoutingConfig": routing}))
+
+
+def toml(value: object) -> str:
+    """``value`` (strings, numbers, lists and tables of them) as TOML."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml(item) for item in value) + "]"
+    return json.dumps(value)  # a JSON string or number is a TOML one
+
+
+def past_the_slots(size: int) -> str:
+    """serve's refusal of a fleet of ``size`` backends under --workers."""
+    return (
+        f"invalid configuration: {size} backends, but --workers holds at most {SLOTS} (one"
+        f" column each in the shared in-flight table): remove {size - SLOTS} from the state"
+        " file (or the config, without one)"
+    )
 
 
 async def test_a_full_fleet_refuses_one_more_backend_with_409_and_saves_nothing(
@@ -107,11 +129,39 @@ async def test_a_state_file_past_the_limit_stops_start_up_with_exit_2_naming_it(
             await proc.wait()
     assert proc.returncode == 2, err
     assert b"Traceback" not in err
-    assert err.decode().splitlines()[-1] == (
-        f"prefix-router: invalid configuration: {SLOTS + 1} backends, but --workers holds"
-        f" at most {SLOTS} (one column each in the shared in-flight table): remove 1 from"
-        " the state file (or the config, without one)"
-    )
+    assert err.decode().splitlines()[-1] == f"prefix-router: {past_the_slots(SLOTS + 1)}"
+
+
+def test_check_config_refuses_a_config_or_state_file_past_the_limit_as_serve_does(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state.json"
+    write_state(state, SLOTS + 1)
+    config = tmp_path / "router.toml"
+
+    def check(**top: object) -> subprocess.CompletedProcess[str]:
+        lines = [f"{key} = {toml(value)}" for key, value in top.items()]
+        config.write_text("\n".join(lines) + "\n")
+        return subprocess.run(
+            [sys.executable, "-m", "admin", "check-config", str(config)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def refused(done: subprocess.CompletedProcess[str], size: int) -> None:
+        assert done.returncode == 2, done
+        assert done.stderr.splitlines()[-1] == f"{config}: {past_the_slots(size)}"
+
+    one = fleet(1)
+    refused(check(workers=2, state_file=str(state), backends=one), SLOTS + 1)
+    refused(check(workers=2, backends=fleet(SLOTS + 2)), SLOTS + 2)
+    # With etcd, the supervisor's table holds the configured fleet (etcd's seed) too.
+    refused(check(etcd=["http://127.0.0.1:2379"], backends=fleet(SLOTS + 1)), SLOTS + 1)
+    # One process has no table, and so no limit: serve starts with all of them.
+    done = check(workers=1, state_file=str(state), backends=one)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert f"ok: {SLOTS + 1} backends (the state file's)," in done.stdout
+    done = check(workers=2, backends=fleet(SLOTS))
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 async def test_etcd_membership_past_the_slots_is_logged_and_skipped_not_raised(
