@@ -9,23 +9,29 @@ these tests give it ``START`` seconds.  etcd's membership, which no admin call
 checks, is driven through a real etcd to a real ``ReplicatedControl`` with real
 worker processes, the limit lowered as other tests lower module constants:
 8,193 keys through the watch would add one backend at a time, a ring rebuild
-each.
+each.  ``prefix-router check-config`` is run at the real limit: it reads the
+file and the state file, nothing starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
 from structlog.testing import capture_logs
 
+from admin import AdminServer
 from router import supervisor
 from router.app import Router
 from router.config import BackendSpec, build_config
@@ -35,6 +41,7 @@ from router.control.replicated import ReplicatedControl
 from router.etcd import EtcdClient
 from router.state import SavedBackend
 from router.supervisor import SLOTS, Workers, reserve
+from tests.harness.backends import Backend, StartBackend, echo
 from tests.harness.etcd import EtcdServer
 from tests.harness.processes import ROOT, admin_call, spawn_router, stop
 from tests.harness.routers import router_config
@@ -164,61 +171,134 @@ def test_check_config_refuses_a_config_or_state_file_past_the_limit_as_serve_doe
     assert (done.returncode, done.stderr) == (0, "")
 
 
+@dataclasses.dataclass
+class Replica:
+    """One replica's supervisor as the daemon wires it with ``--etcd``: its router,
+    workers (real processes), control and etcd store."""
+
+    router: Router
+    workers: Workers
+    control: ReplicatedControl
+    store: EtcdStore
+
+
+@contextlib.asynccontextmanager
+async def replica(etcd: EtcdServer, prefix: str) -> AsyncIterator[Replica]:
+    """A replica of one worker started on what etcd holds under ``prefix`` (as the
+    daemon starts one: the store opened, its state applied, then the workers)."""
+    router = Router(build_config(router_config([], health={"active": False})))
+    held = reserve("127.0.0.1", 0)
+    workers = Workers(router, 1, held)
+    await router.start_control(held)
+    control = ReplicatedControl(router, workers)
+    store = EtcdStore(EtcdClient([etcd.url]), prefix, control)
+    control.store = store
+    try:
+        await store.open()
+        await control.on_resync(store.state())
+        await workers.start()
+        yield Replica(router, workers, control, store)
+        await workers.refresh()  # every worker answers: none died on an op
+        assert [(w.up, w.restarts) for w in workers.views()] == [(True, 0)]
+    finally:
+        await store.close()
+        await store.client.close()
+        await workers.stop()
+        await router.shutdown(grace=1)
+        await control.close()
+
+
+def saved(i: int, url: str | None = None, **fields: object) -> bytes:
+    """Backend ``b<i>``'s value in etcd."""
+    url = url or f"http://127.0.0.1:{10_000 + i}"
+    return ENCODER.encode(SavedBackend(f"b{i}", url, **fields))  # type: ignore[arg-type]
+
+
+ENCODER = msgspec.json.Encoder()
+
+
+def not_added(logs: list[dict[str, object]]) -> list[object]:
+    return [e["backend"] for e in logs if e["event"] == "backend not added"]
+
+
 async def test_etcd_membership_past_the_slots_is_logged_and_skipped_not_raised(
     etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(supervisor, "SLOTS", 4)  # the table and the limit, workers' too
     prefix = "/slots/"
-    encoder = msgspec.json.Encoder()
-
-    def saved(i: int, **fields: object) -> SavedBackend:
-        return SavedBackend(f"b{i}", f"http://127.0.0.1:{10_000 + i}", **fields)  # type: ignore[arg-type]
-
     longer = {"RoutingConfig": {"PrefixAwareRoutingConfig": {"PrefixLength": 2048}}}
     async with EtcdClient([etcd.url]) as client:
         for i in range(6):  # two past the slots
-            await client.put(f"{prefix}backends/b{i}", encoder.encode(saved(i)))
+            await client.put(f"{prefix}backends/b{i}", saved(i))
         await client.put(f"{prefix}routing", json.dumps(longer))
-
-        router = Router(build_config(router_config([], health={"active": False})))
-        held = reserve("127.0.0.1", 0)
-        workers = Workers(router, 1, held)
-        await router.start_control(held)
-        control = ReplicatedControl(router, workers)
-        store = EtcdStore(EtcdClient([etcd.url]), prefix, control)
-        control.store = store
-        try:
-            with capture_logs() as logs:
-                await store.open()
-                await control.on_resync(store.state())  # as the daemon starts a replica
-                await workers.start()
+        with capture_logs() as logs:
+            async with replica(etcd, prefix) as one:
+                router, control, store = one.router, one.control, one.store
                 assert sorted(router.fleet.backends) == ["b0", "b1", "b2", "b3"]
-                skipped = [e["backend"] for e in logs if e["event"] == "backend not added"]
-                assert skipped == ["b4", "b5"]
+                assert not_added(logs) == ["b4", "b5"]
                 # the rest of the re-list still applied
                 assert control.routing().prefix_aware_routing_config.prefix_length == 2048
 
-                # Through the watch: a removal frees a column, a skipped backend's next
-                # change takes it; an add past the slots, and its state, are skipped.
+                # Through the watch: a removal frees a column, the first skipped member
+                # by key takes it; an add past the slots, and its state, are skipped.
+                await store.applied(await client.put(f"{prefix}backends/b4", saved(4, weight=2)))
                 await store.applied(await client.delete(f"{prefix}backends/b0"))
-                change = encoder.encode(saved(4, weight=2))
-                await store.applied(await client.put(f"{prefix}backends/b4", change))
-                draining = encoder.encode(saved(6, state="draining"))
+                draining = saved(6, state="draining")
                 await store.applied(await client.put(f"{prefix}backends/b6", draining))
                 assert sorted(router.fleet.backends) == ["b1", "b2", "b3", "b4"]
-                assert router.fleet.backends["b4"].weight == 2
+                assert router.fleet.backends["b4"].weight == 2  # its latest value
                 # The admin API's add on a full replica: a 409, nothing written to etcd.
                 with pytest.raises(Conflict, match="the fleet is full"):
                     await control.add_backend(BackendSpec("b7", "http://127.0.0.1:10007"))
                 assert (await client.range(f"{prefix}backends/b7"))[0] == []
-                await workers.refresh()  # every worker answers: none died on an op
-                assert [(w.up, w.restarts) for w in workers.views()] == [(True, 0)]
-            skipped = [e["backend"] for e in logs if e["event"] == "backend not added"]
-            assert skipped == ["b4", "b5", "b6"]
-            assert not [e for e in logs if e["event"] == "etcd listener failed"]
-        finally:
-            await store.close()
-            await store.client.close()
-            await workers.stop()
-            await router.shutdown(grace=1)
-            await control.close()
+        assert not_added(logs) == ["b4", "b5", "b4", "b6"]
+        assert not [e for e in logs if e["event"] == "etcd listener failed"]
+
+
+async def test_a_member_skipped_past_the_slots_is_routed_to_once_a_column_frees(
+    etcd: EtcdServer, backends: StartBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was added only at its own next change in etcd: the fleet stayed short of a
+    # column for as long as that member did not change.
+    monkeypatch.setattr(supervisor, "SLOTS", 1)
+    servers = [await backends(echo) for _ in range(3)]
+    prefix = "/freed/"
+    async with EtcdClient([etcd.url]) as client:
+        for i, server in enumerate(servers):  # limit + 2: b1 and b2 skipped
+            await client.put(f"{prefix}backends/b{i}", saved(i, server.url))
+        async with replica(etcd, prefix) as one:
+            admin = AdminServer(one.control, token=None)
+            await admin.start("127.0.0.1", 0)
+            try:
+                async with aiohttp.ClientSession() as http:
+
+                    async def stats() -> Any:
+                        url = f"http://127.0.0.1:{admin.port}/admin/stats"
+                        async with http.get(url) as resp:
+                            assert resp.status == 200
+                            return await resp.json()
+
+                    async def routed_to() -> Backend:
+                        url = f"http://127.0.0.1:{one.workers.port}/generate"
+                        async with http.post(url, data=b"a prompt") as resp:
+                            assert resp.status == 200
+                        (server,) = [s for s in servers if s.requests]
+                        server.requests.clear()
+                        return server
+
+                    body = await stats()
+                    assert [b["name"] for b in body["backends"]] == ["b0"]
+                    assert body["not_added"] == ["b1", "b2"]
+                    assert await routed_to() is servers[0]
+
+                    await one.store.applied(await client.delete(f"{prefix}backends/b0"))
+                    body = await stats()
+                    assert [b["name"] for b in body["backends"]] == ["b1"]  # by key
+                    assert body["not_added"] == ["b2"]
+                    assert await routed_to() is servers[1]
+
+                    # A skipped member gone from etcd is no longer waiting for a column.
+                    await one.store.applied(await client.delete(f"{prefix}backends/b2"))
+                    assert (await stats())["not_added"] == []
+            finally:
+                await admin.close()

@@ -251,6 +251,9 @@ class Stats(msgspec.Struct, frozen=True):
     # has them); None: the RoutingConfig has no Arms.
     experiment: ExperimentView | None = None
     replicas: ReplicasView | None = None  # None: no etcd
+    # Members etcd lists that this replica has no column for (past the workers' slots),
+    # by key: each is added, in this order, as a removal frees a column.
+    not_added: list[str] = msgspec.field(default_factory=list)
 
 
 class Control(Protocol):

@@ -18,7 +18,9 @@ Contract (see router/control/__init__.py for the interface):
   raised before anything is persisted.  A membership that arrives from
   elsewhere (etcd's watch or re-list, through ``_apply``) past the limit is
   logged (``backend not added``) and skipped, as are the ops on that name
-  that follow it, so the rest of the change still applies.
+  that follow it, so the rest of the change still applies.  Such members are
+  listed in ``/admin/stats`` (``not_added``) and added, by key, as removals
+  free columns (``ReplicatedControl``, which has their latest values).
 - A url another backend already has is accepted with a warning naming that
   backend (``backend url already used``): tests and benchmarks put many
   names in front of one server on purpose; in production it is usually a
@@ -219,6 +221,7 @@ class RouterControl:
             ),
             experiment=router.balancer.arms.view() if router.balancer.arms is not None else None,
             replicas=self.replicas.view() if self.replicas is not None else None,
+            not_added=sorted(self._unslotted),
         )
 
     async def experiment(self) -> ExperimentView:

@@ -20,6 +20,10 @@ Contract (see router/control/__init__.py for the interface):
   (``forced``).  If this replica dies meanwhile, the backend stays draining
   (safe: no new requests) until a DELETE is sent again.
 - Health (up/down) stays per replica: each one checks the backends itself.
+- Members past the workers' slots are skipped (``RouterControl``); after
+  each change from etcd that leaves columns free, the skipped ones take
+  them in key order, with their latest value, so the fleet is whole again
+  without waiting for a change of those members.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class ReplicatedControl(RouterControl):
         async with self._listening:
             for op in self._diff(name, backend):
                 await self._apply(op)
+            await self._add_unslotted()
 
     async def on_routing(self, routing: RoutingConfig) -> None:
         async with self._listening:
@@ -97,6 +102,25 @@ class ReplicatedControl(RouterControl):
                     await self._apply(op)
             if state.routing != self._router.balancer.config:
                 await self._apply(SetRouting(state.routing))
+            await self._add_unslotted()
+
+    async def _add_unslotted(self) -> None:
+        """Add the members skipped past the workers' slots that the columns freed by
+        now can take, by key (etcd's order), each as etcd has it now.  After a whole
+        event, not at each removal: a member re-added under a new url takes its own
+        column back first."""
+        store = self.store
+        workers = self._workers
+        assert store is not None
+        assert workers is not None
+        saved = store.backends
+        self._unslotted -= {name for name in self._unslotted if name not in saved}  # deleted
+        for name in sorted(self._unslotted):
+            if workers.full:
+                return
+            for op in self._diff(name, saved[name]):
+                await self._apply(op)
+            log.info("backend added: a column freed", backend=name)
 
     def _diff(self, name: str, saved: SavedBackend | None) -> list[Op]:
         backend = self._router.fleet.backends.get(name)
