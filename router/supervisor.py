@@ -54,8 +54,12 @@ Contract:
   from the records that follow (a key it places meanwhile is re-homed when
   it hears of the earlier placement).
 - Slots: a backend gets the lowest free column when it is added and keeps
-  it until it is removed; the column is free again once every worker has
-  acknowledged the removal (and so forgotten it).  There are ``SLOTS``: a
+  it until it is removed; the column is free again at once.  Each worker
+  takes the changes in order, so it forgets the removed backend (its cell
+  zeroed, its leases counted on in its own dict) before it hears of the one
+  that takes the column; until it has, the processes that heard read its
+  old count under the new name, for as long as a change takes to reach a
+  worker (the channel's round trip).  There are ``SLOTS``: a
   fleet larger than that refuses to start (``refuse_past_slots``, which
   ``prefix-router check-config`` calls too: ``ConfigError``, exit 2, naming
   the limit), and ``full`` tells the control plane to refuse (or, for
@@ -442,7 +446,7 @@ class Workers:
 
     def _take_slot(self, name: str) -> int:
         # The lowest free column: a fold reads up to the highest one in use.  A freed
-        # column is free only once every worker acknowledged the removal (``apply``).
+        # column is free at once (the contract says why that is safe enough).
         # A heap, not a scan: at start-up a scan per backend was O(n^2), 3.7 s at SLOTS.
         if self._free:
             slot = heapq.heappop(self._free)
