@@ -24,6 +24,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_ab          A/B arms against separate runs of the two configs, live, with ground truth
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
+  attackers         abusive clients beside the soak (soak --attackers): floods, slowloris...
   report            re-print a saved run's tables (``--since`` for the warm part)
 
 Servers the benchmarks start (also runnable alone):

@@ -3,6 +3,7 @@
     python -m loadtests.soak                      # 10 minutes, 100 requests/s, 4 instances
     python -m loadtests.soak --minutes 60 --rate 150 --fault-rate 0.02
     python -m loadtests.soak --seconds 20         # a smoke run
+    python -m loadtests.soak --seconds 90 --attackers [--workers 2]   # abusive clients beside
 
 What it does:
 - starts ``--instances`` simulated instances, one process each (so each can be
@@ -18,20 +19,41 @@ What it does:
   SIGKILL or SIGTERM, keeps it down for 0.5-3 s, then starts it again on the
   same port: only the router's health checks bring it back;
 - samples the router's open file descriptors (``/proc/PID/fd``), RSS
-  (``/proc/PID/status``) and ``/admin/stats`` every ``--sample-every`` seconds.
+  (``/proc/PID/status``) and ``/admin/stats`` every ``--sample-every`` seconds
+  (with ``--workers N``: the supervisor's and its workers', summed);
+- times each correct answer: TTFT (its first body bytes, streams) and latency
+  (the whole answer), P50/P99 over the run and over the attack window;
+- with ``--attackers``: ``loadtests.attackers`` in a process of its own,
+  ``--bursts`` attacks between the first flatness window and the last (every
+  kind of abusive client there, each bounded in time and bytes; the flood
+  sized near the router's ``max_clients`` from its ``listening`` line, below it
+  by what the checked traffic and the other attackers may hold).  The router's
+  client timeouts are ``--client-timeout`` (``client_header``, ``client_body``;
+  ``client_send`` twice that) with or without attackers.
 
 At the end (exit status 1 if any check fails):
 - accounting: every request sent is either complete and correct, or a visible
   failure (an HTTP error status with a JSON error, a truncated body, a closed
   connection), with counts; a complete-looking but wrong answer, or one that
   never ends, is a violation; the router's ``prefix_router_requests_total``
-  equals the number of requests sent;
+  equals the number of requests sent (with attackers: at least that), and its
+  access log has each checked request's id (``soak-N``) once;
+- failures only at instance kills (without ``--fault-rate``): no more than the
+  requests in flight when a kill's signal was sent plus those started until
+  the process was gone;
+- attackers: every answer that does not depend on timing is the one owed
+  (``attackers.EXPECTED``: 431/414/413, 400/501, 200, never a 503 for the
+  flood), and they stopped by themselves;
 - leases: ``/admin/stats`` ``totals.in_flight`` and every
   ``prefix_router_in_flight`` sample are 0;
 - flat resources: the median fd count of the last window is within
   ``FD_SLACK`` of the first window after warm-up, and the median RSS within
   ``RSS_SLACK`` (relative) + ``RSS_FLOOR_MIB``.  Windows are a minute each
   on a 10-minute run (warm-up: the first minute), scaled down on shorter runs.
+  With attackers the last window starts once they stopped, and with two
+  bursts or more it is compared with the quiet window before the last burst
+  (a repeated attack must leave nothing more behind than the first did; the
+  first window's figures are shown beside).
 
 Only processes started here are signalled, by PID; all are stopped on exit.
 """
@@ -56,7 +78,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import fleet
+from router.metrics import percentile
+
+from . import attackers, fleet
 from .faultproxy import FaultProxy, RandomFaults
 from .simserver.model import filler_pieces
 from .supervisor import say
@@ -66,11 +90,19 @@ RSS_SLACK = 0.10  # relative growth allowed between the first and the last windo
 RSS_FLOOR_MIB = 8.0  # plus this much: allocator noise on a small heap
 REQUEST_TIMEOUT_S = 120.0  # far past every router timeout below: beyond it, a hang
 SIM_FLAGS = ("--time-scale", "0.002", "--extra-token-ms", "2")
+# Room past the router's cap for what the checked traffic and the other attackers
+# hold besides the flood, and for connections closed but not yet seen closed.
+FLOOD_MARGIN = 32
 
 ROUTER_CONFIG = """\
 [timeouts]
 first_byte = 30.0
 idle = 10.0
+client_header = {client}
+client_body = {client}
+client_send = {send}
+[limits]
+max_body_bytes = {max_body}
 [health]
 interval = 0.5
 timeout = 1.0
@@ -91,6 +123,9 @@ class Tally:
     in_flight: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
+    # (started, s since the run's start; TTFT s or None (not a stream); latency s), ok only
+    timings: list[tuple[float, float | None, float]] = field(default_factory=list)
+    t0: float = 0.0
 
     @property
     def ok(self) -> int:
@@ -160,14 +195,20 @@ async def one(http: aiohttp.ClientSession, base: str, i: int, seed: int, tally: 
     kind, path, body, tokens, stream = build(i, random.Random(seed * 1_000_003 + i))
     tally.sent += 1
     tally.in_flight += 1
+    # The id marks the checked requests in the access log (attackers send none).
+    headers = {"X-Request-Id": f"soak-{i}"}
+    sent = time.perf_counter()
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT_S):
             if body is None:
-                async with http.get(base + path) as resp:
-                    payload = await resp.read()
+                request = http.get(base + path, headers=headers)
             else:
-                async with http.post(base + path, json=body) as resp:
-                    payload = await resp.read()
+                request = http.post(base + path, json=body, headers=headers)
+            async with request as resp:
+                first = await resp.content.readany()  # the first body bytes: TTFT
+                first_at = time.perf_counter()
+                payload = first + await resp.content.read()
+        done_at = time.perf_counter()
         if resp.status != 200:
             error = json.loads(payload)["error"]
             if error["code"] != resp.status:
@@ -178,6 +219,7 @@ async def one(http: aiohttp.ClientSession, base: str, i: int, seed: int, tally: 
             if not isinstance(json.loads(payload)["data"], list):
                 raise ValueError("/v1/models without a data list")
             tally.outcomes["ok"] += 1
+            tally.timings.append((sent - tally.t0, None, done_at - sent))
             return
         text = check_text(kind, stream, payload)
         if text is None:
@@ -188,6 +230,8 @@ async def one(http: aiohttp.ClientSession, base: str, i: int, seed: int, tally: 
             tally.violations.append(f"{i}: wrong text {text[:80]!r}")
         else:
             tally.outcomes["ok"] += 1
+            ttft = first_at - sent if stream else None
+            tally.timings.append((sent - tally.t0, ttft, done_at - sent))
     except aiohttp.ClientPayloadError:
         tally.outcomes["truncated body"] += 1
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
@@ -219,6 +263,7 @@ async def generate(
                 gate.release()
 
         start = loop.time()
+        tally.t0 = time.perf_counter()
         for i in range(int(rate * seconds)):
             delay = start + i / rate - loop.time()
             if delay > 0:
@@ -254,7 +299,11 @@ async def chaos(
     rng: random.Random,
     stop: asyncio.Event,
     restarts: Counter[str],
+    tally: Tally,
+    exposed: list[int],
 ) -> None:
+    """Kills and revivals; ``exposed[0]`` bounds the requests a kill may fail: those in
+    flight when the signal is sent, and those started until the process is gone."""
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(every * rng.uniform(0.5, 1.5)):
@@ -263,9 +312,11 @@ async def chaos(
             return
         victim = instances[rng.choice(sorted(instances))]
         sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
+        in_flight, sent = tally.in_flight, tally.sent
         victim.child.proc.send_signal(sig)  # a PID we started
         async with asyncio.timeout(fleet.STOP_TIMEOUT_S * 2):
             await victim.child.proc.wait()
+        exposed[0] += in_flight + tally.sent - sent
         await victim.child.stop()  # reaps, drains its stderr
         restarts[sig.name] += 1
         await asyncio.sleep(rng.uniform(0.5, 3.0))  # downtime
@@ -275,15 +326,32 @@ async def chaos(
 # -- observing the router -----------------------------------------------------------------------
 
 
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def observed(pid: int, workers: int) -> list[int]:
+    """The router's processes: itself, or with ``--workers`` the supervisor and its
+    workers (its children; a key worker of theirs, started by a large body, is not
+    counted, so that its arrival is not read as growth)."""
+    if workers <= 1:
+        return [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *map(int, children)]
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+def fd_count(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):  # a worker restarting
+            total += len(os.listdir(f"/proc/{pid}/fd"))
+    return total
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+    return total
 
 
 async def admin_json(http: aiohttp.ClientSession, url: str) -> Any:
@@ -309,18 +377,26 @@ class Sample:
 
 
 async def sampler(
-    pid: int, admin: str, every: float, tally: Tally, stop: asyncio.Event, out: list[Sample]
+    pid: int,
+    workers: int,
+    admin: str,
+    every: float,
+    tally: Tally,
+    stop: asyncio.Event,
+    out: list[Sample],
+    start: float,
 ) -> None:
+    """Samples every ``every`` s, timed from ``start`` (the loop's clock)."""
     loop = asyncio.get_running_loop()
-    start = loop.time()
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():
             stats = await admin_json(http, admin + "/admin/stats")
+            pids = observed(pid, workers)
             out.append(
                 Sample(
                     round(loop.time() - start, 1),
-                    fd_count(pid),
-                    round(rss_mib(pid), 2),
+                    fd_count(pids),
+                    round(rss_mib(pids), 2),
                     stats["totals"]["in_flight"],
                     tally.in_flight,
                     tally.sent,
@@ -337,12 +413,21 @@ def windows(seconds: float) -> tuple[float, float]:
     return warm, min(60.0, seconds * 0.2)
 
 
-def flatness(samples: list[Sample], seconds: float) -> dict[str, Any]:
+def flatness(
+    samples: list[Sample],
+    seconds: float,
+    base: tuple[float, float] | None = None,
+    quiet_from: float = 0.0,
+) -> dict[str, Any]:
+    """The last window against the first after warm-up, or against ``base``; the last
+    window starts at ``quiet_from`` if that is later (the attackers' end)."""
     warm, span = windows(seconds)
-    first = [s for s in samples if warm <= s.t < warm + span]
-    last = [s for s in samples if s.t >= seconds - span]
+    base = base or (warm, warm + span)
+    end = max(seconds - span, quiet_from)
+    first = [s for s in samples if base[0] <= s.t < base[1]]
+    last = [s for s in samples if s.t >= end]
     if not first or not last:
-        return {"ok": False, "why": "too few samples for the windows"}
+        return {"ok": False, "why": "too few samples for the windows (attackers too late?)"}
     fd0, fd1 = statistics.median(s.fds for s in first), statistics.median(s.fds for s in last)
     rss0 = statistics.median(s.rss_mib for s in first)
     rss1 = statistics.median(s.rss_mib for s in last)
@@ -350,7 +435,7 @@ def flatness(samples: list[Sample], seconds: float) -> dict[str, Any]:
     rss_ok = rss1 <= rss0 * (1 + RSS_SLACK) + RSS_FLOOR_MIB
     return {
         "ok": fd_ok and rss_ok,
-        "windows_s": [[warm, warm + span], [seconds - span, seconds]],
+        "windows_s": [[round(base[0], 1), round(base[1], 1)], [round(end, 1), seconds]],
         "fds_median": [fd0, fd1],
         "fds_max": max(s.fds for s in samples),
         "rss_mib_median": [rss0, rss1],
@@ -362,6 +447,108 @@ def flatness(samples: list[Sample], seconds: float) -> dict[str, Any]:
 # -- the run -----------------------------------------------------------------------------------
 
 
+def attack_plan(
+    seconds: float, client: float, flood: int, bursts: int, hold: float
+) -> tuple[float, float, float, float]:
+    """(start, every, length, quiet) of the attackers' bursts.
+
+    They run between the first flatness window and the last, ``every`` seconds
+    apart; a burst's rounds start for ``length`` seconds and are over ``quiet``
+    seconds before the next burst (and before the last window): with two bursts or
+    more, the quiet window before the last burst is what the last window is compared
+    with (a second attack must cost nothing more than the first)."""
+    warm, span = windows(seconds)
+    start = warm + span
+    every = (seconds - span - start) / bursts
+    quiet = span / 3 if bursts > 1 else 0.0
+    length = max(0.0, every - attackers.longest_round(client, flood, hold) - quiet)
+    return start, every, length, quiet
+
+
+def max_clients(router: fleet.Child) -> int | None:
+    """The client cap on the router's ``listening`` line (per worker with --workers)."""
+    for line in router.tail:
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict) and isinstance(event.get("max_clients"), int):
+                return int(event["max_clients"])
+    return None
+
+
+def logged_ids(path: Path) -> Counter[str]:
+    """The access log's request ids of the checked traffic (``soak-N``), counted."""
+    ids: Counter[str] = Counter()
+    with path.open() as log:
+        for line in log:
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                rid = event.get("request_id") if isinstance(event, dict) else None
+                if isinstance(rid, str) and rid.startswith("soak-"):
+                    ids[rid] += 1
+    return ids
+
+
+def latency(
+    timings: list[tuple[float, float | None, float]], span: tuple[float, float]
+) -> dict[str, Any]:
+    """TTFT (streams) and latency (all) P50/P99 of the requests started within ``span``, ms."""
+    inside = [t for t in timings if span[0] <= t[0] < span[1]]
+    ttft = [t[1] * 1e3 for t in inside if t[1] is not None]
+    total = [t[2] * 1e3 for t in inside]
+    out: dict[str, Any] = {
+        "span_s": [round(span[0], 1), round(span[1], 1)],
+        "requests": len(inside),
+    }
+    for name, values in (("ttft_ms", ttft), ("latency_ms", total)):
+        p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+        out[name] = [None if p is None else round(p, 2) for p in (p50, p99)]
+    return out
+
+
+async def start_attackers(
+    children: list[fleet.Child],
+    base: str,
+    args: argparse.Namespace,
+    seconds: float,
+    cap: int | None,
+) -> tuple[fleet.Child | None, int]:
+    """The attackers' process (None without --attackers) and its flood's size."""
+    if not args.attackers:
+        return None, 0
+    flood = args.flood
+    if flood < 0:  # near the cap, below it by what the others may hold
+        if cap is None:
+            raise fleet.FleetError("no max_clients on the router's listening line: give --flood")
+        flood = max(0, cap - args.max_in_flight - attackers.held_connections() - FLOOD_MARGIN)
+    start, every, length, _ = attack_plan(
+        seconds, args.client_timeout, flood, args.bursts, args.hold
+    )
+    child = await fleet.spawn(
+        children, "attackers", "loadtests.attackers", "--url", base,
+        "--start-after", f"{start:g}", "--seconds", f"{length:g}", "--flood", str(flood),
+        "--bursts", str(args.bursts), "--every", f"{every:g}",
+        "--pipelined", str(args.pipelined), "--hold", f"{args.hold:g}",
+        "--max-body", str(max_body(args)),
+        "--client-header", f"{args.client_timeout:g}", "--client-body", f"{args.client_timeout:g}",
+        "--client-send", f"{2 * args.client_timeout:g}", stdout=True,
+    )  # fmt: skip
+    return child, flood
+
+
+async def attackers_result(child: fleet.Child | None, seconds: float) -> dict[str, Any] | None:
+    """The attackers' JSON line once they stopped by themselves (bounded wait)."""
+    if child is None:
+        return None
+    deadline = asyncio.get_running_loop().time() + seconds + 120
+    line = await fleet.next_line(child, "the attackers' result", deadline, stdout=True)
+    async with asyncio.timeout(fleet.STOP_TIMEOUT_S * 2):
+        await child.proc.wait()  # it ends by itself after its line
+    await child.stop()
+    result: dict[str, Any] = json.loads(line)
+    result["exit_status"] = child.returncode
+    return result
+
+
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     seconds = args.seconds if args.seconds else args.minutes * 60
     rng = random.Random(args.seed)
@@ -369,6 +556,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     proxies: list[FaultProxy] = []
     workdir = Path(args.workdir)
     config = workdir / "soak-router.toml"
+    access_log = workdir / "soak-access.log"
+    access_log.unlink(missing_ok=True)
     try:
         started = await asyncio.gather(
             *(start_instance(children, f"soak-{n}") for n in range(args.instances))
@@ -383,25 +572,41 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 backends[inst.name] = await proxy.start()
             else:
                 backends[inst.name] = f"http://127.0.0.1:{inst.port}"
+        workers = ("--workers", str(args.workers)) if args.workers > 1 else ()
         router, base, admin = await fleet.start_router(
-            children, backends, "--config", str(config),
-            "--access-log", str(workdir / "soak-access.log"),
-        )  # fmt: skip
+            children, backends, "--config", str(config), "--access-log", str(access_log), *workers
+        )
+        cap = max_clients(router)
+        attacker, flood = await start_attackers(children, base, args, seconds, cap)
         say(
             f"soak: {seconds:g} s at {args.rate:g} req/s, {args.instances} instances"
             f" (restart every ~{args.restart_every:g} s), fault rate {args.fault_rate:g};"
-            f" router pid {router.pid} at {base}"
+            f" router pid {router.pid} at {base}, {args.workers} worker(s), max_clients {cap}"
+            + (f"; attackers pid {attacker.pid}, flood {flood}" if attacker else "")
         )
         tally = Tally()
         samples: list[Sample] = []
         restarts: Counter[str] = Counter()
+        exposed = [0]
         stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        zero = loop.time()
+        attacks_done = [0.0]  # s since zero, when they stopped by themselves
+
+        async def attacks_ended() -> dict[str, Any] | None:
+            result = await attackers_result(attacker, seconds)
+            attacks_done[0] = loop.time() - zero
+            return result
+
+        attack_task = asyncio.create_task(attacks_ended())
         watchers = [
             asyncio.create_task(
-                sampler(router.pid, admin, args.sample_every, tally, stop, samples)
+                sampler(
+                    router.pid, args.workers, admin, args.sample_every, tally, stop, samples, zero
+                )
             ),
             asyncio.create_task(
-                chaos(children, instances, args.restart_every, rng, stop, restarts)
+                chaos(children, instances, args.restart_every, rng, stop, restarts, tally, exposed)
             ),
         ]
         progress = asyncio.create_task(report_progress(tally, samples, restarts, stop))
@@ -410,6 +615,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         await asyncio.gather(*watchers, progress)
         elapsed = time.monotonic() - started_at
+        attacks = await attack_task
 
         async with aiohttp.ClientSession() as http:
             in_flight = -1
@@ -424,24 +630,49 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         counted = sum(
             s.value for s in families["prefix_router_requests"].samples if s.name.endswith("_total")
         )
-        final_fds, final_rss = fd_count(router.pid), rss_mib(router.pid)
-        await fleet.stop_checked(router)
+        pids = observed(router.pid, args.workers)
+        final_fds, final_rss = fd_count(pids), rss_mib(pids)
+        await fleet.stop_checked(router)  # the access log is flushed by then
+        ids = logged_ids(access_log)
 
-        flat = flatness(samples, seconds)
+        start, every, _, quiet = attack_plan(
+            seconds, args.client_timeout, flood, args.bursts, args.hold
+        )
+        span = windows(seconds)[1]
+        flat = flatness(samples, seconds, quiet_from=attacks_done[0])
+        if attacker and args.bursts > 1:  # after a burst, against after the next ones
+            before_last = start + (args.bursts - 1) * every
+            again = flatness(samples, seconds, (before_last - quiet, before_last), attacks_done[0])
+            flat = {"first": flat, **again}
         checks = {
             "no violations": tally.outcomes["VIOLATION"] == 0,
             "every request accounted for": tally.ok + tally.failed == tally.sent,
-            "router counted every request": counted == tally.sent,
+            # The attackers' routed requests count too: then the access log tells.
+            "router counted every request": (
+                counted >= tally.sent if attacker else counted == tally.sent
+            ),
+            "access log: every checked request once": (
+                set(ids) == {f"soak-{i}" for i in range(tally.sent)} and max(ids.values()) == 1
+            ),
             "no lease held (stats)": in_flight == 0,
             "no lease held (metrics)": all(v == 0 for v in gauge),
             "fds and RSS flat": flat["ok"],
         }
+        if args.fault_rate == 0:  # otherwise the proxies' faults fail requests too
+            checks["failures only at instance kills"] = tally.failed <= exposed[0]
+        if attacks is not None:
+            checks["attackers: timing-free answers as expected"] = not attackers.unexpected(
+                attacks["kinds"]
+            )
+            checks["attackers stopped by themselves"] = attacks["exit_status"] == 0
         return {
             "seconds": seconds,
             "elapsed_s": round(elapsed, 1),
             "rate": args.rate,
             "achieved_rate": round(tally.sent / elapsed, 1),
             "instances": args.instances,
+            "workers": args.workers,
+            "max_clients": cap,
             "fault_rate": args.fault_rate,
             "seed": args.seed,
             "sent": tally.sent,
@@ -454,6 +685,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "final_rss_mib": round(final_rss, 2),
             "proxy_faults": dict(sum((p.stats for p in proxies), Counter())),
             "flatness": flat,
+            "latency": latency(tally.timings, (0.0, seconds)),
+            "latency_attack_window": latency(tally.timings, (start, seconds - span)),
+            "attackers": attacks,
+            "flood": flood,
             "checks": checks,
             "ok": all(checks.values()),
             "samples": [vars(s) for s in samples],
@@ -501,12 +736,41 @@ def summary(result: dict[str, Any]) -> str:
             f" {flat['rss_mib_median'][1]:.1f} (max {flat['rss_mib_max']:.1f}) |",
             f"| tolerance | {flat['tolerance']} |",
         ]
+        first = flat.get("first")
+        if first and "fds_median" in first:
+            lines.append(
+                f"| windows compared | {flat['windows_s']} (before the attacks:"
+                f" fds {first['fds_median'][0]:g}, RSS {first['rss_mib_median'][0]:.1f} MiB) |"
+            )
     if result["proxy_faults"]:
         lines.append(f"| proxy faults | {result['proxy_faults']} |")
+    for name in ("latency", "latency_attack_window"):
+        lat = result[name]
+        lines.append(
+            f"| {name.replace('_', ' ')} {lat['span_s'][0]:g}-{lat['span_s'][1]:g} s"
+            f" ({lat['requests']:,} ok) | TTFT P50/P99 {lat['ttft_ms'][0]} /"
+            f" {lat['ttft_ms'][1]} ms,"
+            f" latency P50/P99 {lat['latency_ms'][0]} / {lat['latency_ms'][1]} ms |"
+        )
+    attacks = result["attackers"]
+    if attacks is not None:
+        lines.append(
+            f"| attackers | flood {result['flood']:,} of max_clients {result['max_clients']} |"
+        )
+        for kind, got in attacks["kinds"].items():
+            answers = ", ".join(f"{n:,} x {a}" for a, n in sorted(got["answers"].items()))
+            lines.append(
+                f"| attack: {kind} | {got['connections']:,} connections,"
+                f" {got['bytes_sent']:,} B; {answers} |"
+            )
     lines += [
         f"| check: {name} | {'pass' if ok else 'FAIL'} |" for name, ok in result["checks"].items()
     ]
     return "\n".join(lines)
+
+
+def max_body(args: argparse.Namespace) -> int:
+    return int(args.max_body_mib * 1024 * 1024)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -520,6 +784,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--sample-every", type=float, default=2.0, help="seconds")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="the router's --workers")
+    p.add_argument(
+        "--attackers", action="store_true", help="abusive clients beside (loadtests.attackers)"
+    )
+    p.add_argument(
+        "--flood", type=int, default=-1, help="idle connections of the flood (-1: near the cap)"
+    )
+    p.add_argument("--bursts", type=int, default=2, help="attacks in the run")
+    p.add_argument(
+        "--max-body-mib", type=float, default=32.0, help="the router's max_body_bytes (MiB)"
+    )
+    p.add_argument(
+        "--hold", type=float, default=0.0,
+        help="attackers waiting on a router timeout leave after this (0: twice the timeout)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pipelined", type=int, default=attackers.PIPELINED, help="requests in one write"
+    )
+    p.add_argument(
+        "--client-timeout", type=float, default=5.0,
+        help="the router's client_header and client_body (client_send: twice this)",
+    )  # fmt: skip
     p.add_argument("--workdir", default="results", help="config, access log, JSON result")
     args = p.parse_args(argv)
     if args.instances < 2:
@@ -530,7 +816,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    (Path(args.workdir) / "soak-router.toml").write_text(ROUTER_CONFIG)
+    config = ROUTER_CONFIG.format(
+        client=args.client_timeout, send=2 * args.client_timeout, max_body=max_body(args)
+    )
+    (Path(args.workdir) / "soak-router.toml").write_text(config)
     try:
         result = asyncio.run(soak(args))
     except fleet.FleetError as exc:
