@@ -27,10 +27,11 @@ Kinds (the answer the router owes, with the soak's timeouts):
 - ``never read``: streaming chat answers of ``NEVER_READ_TOKENS`` tokens,
   pipelined, on connections with a small receive buffer that read nothing:
   once the router's buffer is full it pauses the backend and resets the
-  client at ``client_send`` (the kernel's send buffer may absorb a slow
-  stream for longer than the attacker stays: then ``left``);
+  client at ``client_send``; but on loopback the kernel's send buffer grows
+  to ``tcp_wmem``'s maximum (4 MiB here) and takes what the router writes,
+  so the router holds nothing and has nothing to time out: then ``left``;
   ``never read: pipelined 400s``: ``PIPELINED`` requests the router answers
-  itself (~5 MB of answers), none read: reset at ``client_send``;
+  itself (~5 MB of answers), none read: the same;
 - ``half-open``: a write side shut at once, after a whole request and after
   half a head: nothing or an answer, then the close;
 - ``flood``: ``--flood`` idle connections at once (the soak sizes it near the
@@ -233,7 +234,9 @@ async def connect(
         sock.close()
         raise
     kind.connections += 1
-    return await asyncio.open_connection(sock=sock, limit=1 << 20)
+    # With a small receive buffer the stream's own buffer is small too: it stops
+    # reading from the socket at twice its limit (a client that reads nothing).
+    return await asyncio.open_connection(sock=sock, limit=rcvbuf or 1 << 20)
 
 
 def send(writer: asyncio.StreamWriter, kind: Kind, data: bytes) -> None:
