@@ -600,6 +600,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "malformed": malformed,
         "half-open": half_open,
     }
+    kinds = {name: attack for name, attack in kinds.items() if args.only in name}
     bursts = []
     for burst in range(args.bursts):
         start = began + args.start_after + burst * args.every
@@ -621,6 +622,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=30.0, help="a burst's rounds start until then")
     p.add_argument("--flood", type=int, default=0, help="idle connections at once (0: none)")
     p.add_argument("--bursts", type=int, default=1, help="attacks, --every seconds apart")
+    p.add_argument("--only", default="", help="the kinds whose name contains this")
     p.add_argument("--every", type=float, default=0.0, help="seconds between two bursts")
     p.add_argument("--pipelined", type=int, default=PIPELINED, help="requests in one write")
     p.add_argument(

@@ -631,10 +631,14 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         progress = asyncio.create_task(report_progress(tally, samples, restarts, stop))
         started_at = time.monotonic()
         await generate(base, args.rate, seconds, args.max_in_flight, args.seed, tally)
-        stop.set()
-        await asyncio.gather(*watchers, progress)
         elapsed = time.monotonic() - started_at
         attacks = await attack_task
+        if attacks_done[0] > seconds - windows(seconds)[1]:
+            # Attackers later than planned (a slow machine): the last window is sampled
+            # once they are gone, for a window's length (a sampling period, not a wait).
+            await asyncio.sleep(windows(seconds)[1])
+        stop.set()
+        await asyncio.gather(*watchers, progress)
 
         async with aiohttp.ClientSession() as http:
             in_flight = -1
@@ -706,6 +710,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "flatness": flat,
             "latency": latency(tally.timings, (0.0, seconds)),
             "latency_attack_window": latency(tally.timings, (start, seconds - span)),
+            # When the tail happened: (started s, TTFT s or None, latency s), slowest first.
+            "slowest": sorted(tally.timings, key=lambda t: -t[2])[:30],
             "attackers": attacks,
             "flood": flood,
             "checks": checks,
