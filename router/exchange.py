@@ -1090,6 +1090,9 @@ class Exchange(LazyDeadline):
             self.choice.release()
         self.flush()
         self.done = True
+        # What was held of the body goes now, not with the exchange: a refused
+        # body can be tens of MB, and the exchange may wait for a collection.
+        self._body = []
         router = self._router
         self.ended = perf_counter()
         self._disarm()
