@@ -160,7 +160,7 @@ class Router:
             self.admission,
             host,
             configured_port if port is None else port,
-            backlog=1024,
+            backlog=self.config.limits.listen_backlog,
             reuse_address=True,
             reuse_port=reuse_port or None,
             ssl=self.tls,

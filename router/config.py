@@ -406,6 +406,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Responses API ids remembered with their backend (router/responses.py), ~180
     # bytes each; 0: follow-ups are routed as any other request.
     response_ids: Annotated[int, Meta(ge=0, le=10_000_000)] = 100_000
+    # Connections the kernel queues for accept (the kernel caps it at
+    # net.core.somaxconn): past it, a SYN is dropped and the client retries it a
+    # second later.  A flood of new connections fills 1,024 in under a second.
+    listen_backlog: Annotated[int, Meta(ge=16, le=65_535)] = 4096
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import subprocess
 from collections.abc import Callable
 
 import pytest
@@ -617,3 +619,23 @@ async def test_a_paused_client_connection_never_buffers_past_one_read_over_the_h
     assert sizes
     print(f"\nrequests reaching the backend: {len(sizes)} of 300; largest buffer {max(sizes):,} B")
     assert max(sizes) <= WRITE_HIGH_WATER + ONE_READ, max(sizes)
+
+
+@pytest.mark.parametrize("backlog", [None, 100])
+async def test_the_listener_queues_as_many_connections_as_listen_backlog_says(
+    backends: StartBackend, start_router: StartRouter, backlog: int | None
+) -> None:
+    # 1,024 before: a flood of new connections (~1,500 a second) overflowed it,
+    # and a client whose SYN was dropped waited a second for its retry.
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("no ss (iproute2) to read a listening socket's backlog")
+    backend = await backends()
+    limits = {} if backlog is None else {"limits": {"listen_backlog": backlog}}
+    router = await start_router([backend.spec], **limits)
+    shown = subprocess.run(
+        [ss, "-ltnH", f"sport = :{router.port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    with open("/proc/sys/net/core/somaxconn") as somaxconn:
+        cap = int(somaxconn.read())
+    assert int(shown[2]) == min(cap, backlog or 4096)  # Send-Q of a listener: its backlog
