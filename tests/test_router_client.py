@@ -633,9 +633,15 @@ async def test_the_listener_queues_as_many_connections_as_listen_backlog_says(
     backend = await backends()
     limits = {} if backlog is None else {"limits": {"listen_backlog": backlog}}
     router = await start_router([backend.spec], **limits)
-    shown = subprocess.run(
-        [ss, "-ltnH", f"sport = :{router.port}"], capture_output=True, text=True, check=True
+    shown, cap = listener_backlog(ss, router.port)
+    assert shown == min(cap, backlog or 4096)
+
+
+def listener_backlog(ss: str, port: int) -> tuple[int, int]:
+    """The backlog of the listener on ``port`` (a listener's Send-Q in ``ss``), and
+    the kernel's cap on any backlog (net.core.somaxconn)."""
+    fields = subprocess.run(
+        [ss, "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
     ).stdout.split()
     with open("/proc/sys/net/core/somaxconn") as somaxconn:
-        cap = int(somaxconn.read())
-    assert int(shown[2]) == min(cap, backlog or 4096)  # Send-Q of a listener: its backlog
+        return int(fields[2]), int(somaxconn.read())
