@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -419,3 +420,55 @@ def test_bad_admission_and_tenant_settings_name_their_field(
 
     with pytest.raises(ConfigError, match=re.escape(path)):
         build_config({section: value})
+
+
+class _Waiting:
+    """What the queue reads of a waiting request (``Exchange``'s queue side), nothing more."""
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant_key = tenant
+        self.pool = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def queue_entered(self, now: float, timer: asyncio.TimerHandle) -> None:
+        self.timer = timer
+
+    def admit(self, now: float) -> bool:
+        return False  # the fleet stays saturated
+
+    def members(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("tenants", [1, 100_000])
+async def test_100000_waiting_requests_leave_in_any_order_in_linear_time(
+    gated: Gated, tenants: int
+) -> None:
+    # 100,000 requests wait (one tenant each, or all of one tenant), then their
+    # clients go away newest first, as a mass disconnect can.  Before, each leave
+    # scanned the tenant's FIFO and the round-robin list: quadratic, minutes of CPU
+    # here (4,000 real clients closing together: 0.27 s of it in one loop pass).
+    gate, router = await gated(max_queued=100_000, max_queued_per_tenant=100_000, max_wait=60)
+    queue = queue_of(router)
+    async with client(router) as via:
+        held = asyncio.create_task(ask(via, "held", "held"))  # the only place, taken
+        await gate.until(lambda: len(gate.arrived) == 1)
+        waiting = [_Waiting(f"t{i % tenants}") for i in range(100_000)]
+        for request in waiting:
+            assert queue.enter(request)  # type: ignore[arg-type]
+        await until(lambda: not queue._scheduled)  # the pump ran: still saturated
+        assert queue.depth == 100_000
+        started = time.perf_counter()
+        for n, request in enumerate(reversed(waiting)):
+            queue.leave(request)  # type: ignore[arg-type]
+            assert request.timer is not None
+            request.timer.cancel()
+            if n % 1000 == 0:  # fail in seconds, not after the quadratic minutes
+                assert time.perf_counter() - started < 2.0, f"{n} left in 2 s"
+        took = time.perf_counter() - started
+        print(f"\n{tenants} tenant(s): 100,000 leaves in {took * 1000:.0f} ms")
+        assert queue.depth == 0
+        assert queue.tenants == 0
+        assert not queue._pools
+        gate.open_all()
+        assert await held == "held"
