@@ -7,6 +7,16 @@ pipeline gave the same line for 6.1 us against 1.5 us this way (measured on
 this machine), so it is kept for lifecycle events (``router.log``) and off
 the request path.
 
+The lines are written by a thread of the log's own (``_Writer``), one chunk at
+a time: a sink that blocks (a pipe nobody reads, a stalled log shipper, a
+slow disk) holds that thread, never the loop.  Meanwhile lines gather, up to
+``MAX_PENDING`` bytes; past that they are dropped, counted (``dropped``) and
+a warning is logged once each time it starts.  A write that fails (disk
+full, the pipe's reader gone) loses that chunk's lines, counted the same
+way.  At shutdown what is left gets ``CLOSE_SECONDS`` to be written.
+Before, ``os.write`` ran on the loop: a full pipe froze every client, the
+admin API and SIGTERM (RELIABILITY.md, defect 29).
+
 Never logged: bodies, header values, tenant keys, query strings.  With
 ``[advisor] key_digests`` a keyed request's line ends with ``key_digests``
 (router.keydigests): digests of its key at several lengths, no text.
@@ -16,11 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from .log import get_logger
 
 if TYPE_CHECKING:
     from .exchange import Exchange
@@ -29,6 +43,12 @@ __all__ = ["AccessLog", "AccessRecord", "RefusedRecord", "prefix_hash"]
 
 BUFFER_BYTES = 64 * 1024
 FLUSH_SECONDS = 1.0
+# Lines waiting while the writer is busy with the last chunk, at most: 16 chunks,
+# ~3,500 lines, seconds of a busy router's lines (more is dropped, counted).
+MAX_PENDING = 16 * BUFFER_BYTES
+CLOSE_SECONDS = 1.0  # at shutdown, for the lines still pending
+
+log = get_logger("router")
 
 
 def prefix_hash(key_hash: int) -> str:
@@ -67,8 +87,74 @@ class RefusedRecord(msgspec.Struct):
     reason: str  # our fixed message, never the client's bytes
 
 
+class _Writer(threading.Thread):
+    """Writes the chunks it is handed to ``fd``, one at a time, off the loop."""
+
+    def __init__(self, fd: int):
+        super().__init__(name="access log", daemon=True)
+        self.fd = fd
+        self.lost = 0  # lines of chunks whose write failed
+        self._cond = threading.Condition()
+        self._chunk: bytes | None = None
+        self._stopping = False
+
+    def offer(self, chunk: bytes) -> bool:
+        """Take ``chunk`` to write; False while the last one is being written."""
+        with self._cond:  # held by the thread only between writes, never during one
+            if self._chunk is not None:
+                return False
+            self._chunk = chunk
+            self._cond.notify_all()
+            return True
+
+    def idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the chunk being written to be done."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._chunk is None, timeout)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._chunk is not None or self._stopping)
+                chunk = self._chunk
+            if chunk is None:
+                return
+            self._write(chunk)
+            with self._cond:
+                self._chunk = None
+                self._cond.notify_all()
+
+    def _write(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            try:
+                written = os.write(self.fd, view)
+            except BlockingIOError:  # a non-blocking sink is full: wait until it is not
+                select.select([], [self.fd], [], FLUSH_SECONDS)
+                continue
+            except OSError:  # disk full, the reader gone: serving matters more than the log
+                self.lost += view.tobytes().count(b"\n")
+                return
+            view = view[written:]
+
+
 class AccessLog:
-    __slots__ = ("_buffer", "_encoder", "_fd", "_owns_fd", "_timer", "enabled")
+    __slots__ = (
+        "_buffer",
+        "_dropping",
+        "_encoder",
+        "_fd",
+        "_owns_fd",
+        "_timer",
+        "_writer",
+        "dropped",
+        "enabled",
+    )
 
     def __init__(self, target: str):
         self.enabled = target != "off"
@@ -82,6 +168,14 @@ class AccessLog:
         self._buffer = bytearray()
         self._encoder = msgspec.json.Encoder()
         self._timer: asyncio.TimerHandle | None = None
+        self._writer: _Writer | None = None  # started at the first flush
+        self._dropping = False  # lines are being dropped (logged once each time)
+        self.dropped = 0  # lines dropped: the writer too far behind
+
+    @property
+    def lost(self) -> int:
+        """Lines never written: dropped while the sink was too slow, or their write failed."""
+        return self.dropped + (self._writer.lost if self._writer is not None else 0)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.enabled:
@@ -136,22 +230,57 @@ class AccessLog:
             self.flush()
 
     def flush(self) -> None:
+        """Hand the pending lines to the writer; if it is still busy, keep them (up
+        to ``MAX_PENDING`` bytes: past that they are dropped and counted)."""
         buffer = self._buffer
-        while buffer:
-            try:
-                written = os.write(self._fd, buffer)
-            except BlockingIOError:
-                return  # a non-blocking sink is full: keep the lines for the next tick
-            except OSError:
-                buffer.clear()  # the sink is gone; serving matters more than the log
-                return
-            del buffer[:written]
+        if not buffer:
+            return
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = _Writer(self._fd)
+            writer.start()
+        if writer.offer(bytes(buffer)):
+            buffer.clear()
+            if self._dropping:
+                self._dropping = False
+                log.info("access log: writing again", dropped=self.dropped)
+            return
+        if len(buffer) > MAX_PENDING:
+            self.dropped += buffer.count(b"\n")
+            buffer.clear()
+            if not self._dropping:
+                self._dropping = True
+                log.warning(
+                    "access log: the sink is not keeping up, dropping lines",
+                    pending_bytes=MAX_PENDING,
+                )
+
+    def sync(self, timeout: float = CLOSE_SECONDS) -> bool:
+        """Flush and wait (blocking, up to ``timeout``) until every pending line is
+        written: for shutdown and tests, never on the request path."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.flush()
+            writer = self._writer
+            if writer is None:
+                return True
+            if not writer.idle(max(0.0, deadline - time.monotonic())):
+                return False  # a sink that blocks
+            if not self._buffer:
+                return True
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self.flush()
+        deadline = time.monotonic() + CLOSE_SECONDS
+        self.sync(CLOSE_SECONDS)  # what is still pending after it is lost
+        writer = self._writer
+        if writer is not None:
+            writer.stop()
+            writer.join(max(0.0, deadline - time.monotonic()))
+            if writer.is_alive():
+                return  # stuck in a write: the fd stays open (the thread is a daemon)
         if self._owns_fd:
             os.close(self._fd)
             self._owns_fd = False

@@ -133,7 +133,7 @@ async def test_access_lines_carry_the_digests_and_no_text(
         await client.send(req(b"GET", b"/v1/models"))
         for _ in range(5):
             assert (await client.response()).status == 200
-    router.access.flush()
+    router.access.sync()
     text = log.read_text()
     assert "Clause" not in text
     lines = [json.loads(line) for line in text.splitlines()]
@@ -185,6 +185,6 @@ async def test_off_by_default_the_line_is_unchanged(
     async with connect(router) as client:
         await client.send(req(b"POST", b"/invocations", body=b"x" * 3000))
         assert (await client.response()).status == 200
-    router.access.flush()
+    router.access.sync()
     [line] = log.read_text().splitlines()
     assert "key_digests" not in json.loads(line)

@@ -147,7 +147,7 @@ async def test_a_client_traceparent_makes_our_span_its_child_and_the_backends_pa
     assert sent_traceparent(seen) == (CLIENT_TRACE, span.span_id.hex(), "01")
     assert seen.values("tracestate") == [b"vendor=abc"]  # passed through
     # The routing attributes are the access log's fields, value for value.
-    router.access.flush()
+    router.access.sync()
     [line] = log.read_text().splitlines()
     record = json.loads(line)
     attrs = received.attributes
