@@ -17,7 +17,12 @@ Contract:
   ``traceparent`` is taken out of the forwarded headers and the backend
   gets ours (same trace id, our span id as parent, our sampled flag),
   added to the upstream head's constant tail: no body byte is copied.
-  ``tracestate`` is forwarded untouched, as today, and recorded on the span.
+  ``tracestate`` is forwarded untouched, as today, and recorded on the span
+  truncated as W3C Trace Context says a vendor may (``truncate_tracestate``:
+  at most ``TRACESTATE_BYTES`` = 512, members over 128 dropped first, then
+  from the end; at most 32 members): before, a client's 32 KiB header went
+  into every span, so its spans took 64 times their share of the export
+  queue's bytes and crowded out everyone else's.
 - ``Tracer.end`` encodes a sampled span at the request's end, from the same
   exchange fields the access log writes (kind, prefix hash as 16 hex digits,
   tenant, backend, ``Choice.label`` as the decision, status, TTFT, bytes),
@@ -64,7 +69,14 @@ if TYPE_CHECKING:
     from .exchange import Exchange
     from .heads import Request
 
-__all__ = ["Span", "Tracer", "TracerCollector", "encode_request", "parse_traceparent"]
+__all__ = [
+    "Span",
+    "Tracer",
+    "TracerCollector",
+    "encode_request",
+    "parse_traceparent",
+    "truncate_tracestate",
+]
 
 log = get_logger("tracing")
 
@@ -79,6 +91,12 @@ RETRYABLE = frozenset({429, 502, 503, 504})  # OTLP/HTTP spec: "retryable respon
 DROP_REASONS = ("queue_full", "export_failed", "rejected")
 SCOPE_NAME = "prefix-router"
 VERSION = "0.1.0"
+
+# W3C Trace Context, "tracestate Limits": at most 32 list members; a vendor that
+# truncates keeps at least 512 characters, dropping members over 128 first.
+TRACESTATE_BYTES = 512
+TRACESTATE_MEMBERS = 32
+TRACESTATE_MEMBER_BYTES = 128
 
 _HEX = frozenset(b"0123456789abcdef")
 _ZERO_TRACE = b"0" * 32
@@ -104,6 +122,25 @@ def parse_traceparent(value: bytes) -> tuple[bytes, bytes, int] | None:
     if len(value) > 55 and value[55:56] != b"-":  # a later version may add fields
         return None
     return trace, parent, int(flags, 16)
+
+
+def truncate_tracestate(value: bytes) -> bytes:
+    """``value`` as the span records it: itself up to TRACESTATE_BYTES, else its
+    first members that fit, members over TRACESTATE_MEMBER_BYTES dropped (the split
+    is bounded: what lies past the 32nd comma is one part, too long to keep)."""
+    if len(value) <= TRACESTATE_BYTES:
+        return value
+    kept: list[bytes] = []
+    size = -1  # the commas between members
+    for part in value.split(b",", TRACESTATE_MEMBERS):
+        member = part.strip(b" \t")
+        if not member or len(member) > TRACESTATE_MEMBER_BYTES:
+            continue
+        if size + 1 + len(member) > TRACESTATE_BYTES or len(kept) == TRACESTATE_MEMBERS:
+            break
+        kept.append(member)
+        size += 1 + len(member)
+    return b",".join(kept)
 
 
 class Span:
@@ -351,6 +388,7 @@ class Tracer:
         rand = self._random.getrandbits
         span_int = rand(64) or 1
         if parent is not None and found == 1:
+            tracestate = truncate_tracestate(tracestate)
             trace_hex, parent_hex, flags = parent
             sampled = bool(flags & 1)
             trace_id = unhexlify(trace_hex)

@@ -24,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from router.config import ConfigError, build_config
-from router.tracing import parse_traceparent
+from router.tracing import parse_traceparent, truncate_tracestate
 from tests.harness.backends import Backend, Seen, StartBackend, echo
 from tests.harness.http import COMPLETION, WAIT, connect, quiet, req
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
@@ -425,3 +425,42 @@ def test_traceparent_values_are_read_as_w3c_trace_context_says(
         assert result[2] == 0
     else:
         assert result == parsed
+
+
+async def test_a_huge_client_tracestate_is_truncated_on_the_span_and_forwarded_whole(
+    backends: StartBackend, start_router: StartRouter, collector: Collector
+) -> None:
+    # A client's tracestate is recorded on every span it starts; before, all of it
+    # (up to max_header_bytes, 32 KiB): 256 such spans filled the 8 MiB export
+    # queue that holds ~16,000 ordinary ones, and everyone else's were dropped.
+    backend = await backends(echo)
+    router = await start_router([backend.spec], otel=otel(collector.url))
+    members = [b"k%02d=%s" % (i, b"v" * 20) for i in range(40)]  # 24 bytes each
+    cases = [
+        b"a=1,big=" + b"x" * 20_000 + b",c=3",  # an oversize member: dropped, the rest kept
+        b",".join(members),  # 999 bytes: the first 20 members (499 bytes)
+        b"z=" + b"x" * 30_000,  # nothing worth keeping
+    ]
+    for tracestate in cases:
+        headers = b"traceparent: %s\r\ntracestate: %s\r\n" % (CLIENT_TRACEPARENT, tracestate)
+        assert await get(router, b"/t", headers) == 200
+    received = await collector.wait(3)
+    assert [r.span.trace_state for r in received] == [
+        "a=1,c=3",
+        ",".join(m.decode() for m in members[:20]),
+        "",
+    ]
+    # The backend gets the client's header untouched, as without tracing.
+    assert [seen.values("tracestate") for seen in backend.requests] == [[c] for c in cases]
+    tracer = router.tracer
+    assert tracer is not None
+    assert tracer.dropped["queue_full"] == 0
+
+
+def test_tracestate_truncation_keeps_w3c_limits() -> None:
+    assert truncate_tracestate(b"a=1, b=2") == b"a=1, b=2"  # short: as sent
+    many = b",".join(b"m%d=1" % i for i in range(200))  # 200 members, 1,089 bytes
+    kept = truncate_tracestate(many).split(b",")
+    assert kept == [b"m%d=1" % i for i in range(32)]  # at most 32 members
+    small, big = b"a=" + b"1" * 126, b"b=" + b"2" * 127  # 128 and 129 bytes
+    assert truncate_tracestate(b" ,".join([small, big] * 5)) == b",".join([small] * 3)
