@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import ssl
 import statistics
 import time
@@ -513,3 +514,42 @@ def test_a_kubeconfig_with_an_exec_plugin_is_refused_with_the_reason(tmp_path: P
     )
     with pytest.raises(ConfigError, match=r"'exec'.*does not support"):
         from_kubeconfig(tmp_path / "config")
+
+
+class _Counted(bytearray):
+    """The watch's line buffer, counting the bytes its newline searches cover."""
+
+    searched = 0
+
+    def find(self, sub: Any, start: Any = 0, *rest: Any) -> int:
+        _Counted.searched += len(self) - (start or 0)
+        return super().find(sub, start, *rest)
+
+
+async def test_a_large_event_from_a_slow_server_is_searched_for_its_end_once(
+    kube: FakeKube,
+    watch: Watch,
+    backends: StartBackend,
+    start_router: StartRouter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A server that sends a 2 MiB event 1 KiB at a time (an overloaded API server, a
+    # large slice): before, each read searched the whole buffer for the line's end
+    # again, 2,048 reads x ~1 MiB; at the 16 MiB a line may have, 256 GB of search
+    # (a slow server making the router's loop do seconds of work for one event).
+    a, b = await backends(echo), await backends(echo)
+    kube.put_slice(slice_for("vllm-a", a))
+    router = await start_router([], **ROUTER)
+    reconciler, _, _ = await watch(router)
+    monkeypatch.setattr("router.discovery.k8s.bytearray", _Counted, raising=False)
+    kube.end_watches()  # the next watch's buffer is counted
+    await kube.wait_for(lambda: kube.watches == 2 and kube.open_watches == 1)
+    _Counted.searched = 0
+    event = slice_for("vllm-b", b)
+    event["metadata"].update(resourceVersion=str(kube.version + 1), namespace="default")
+    event["metadata"]["annotations"] = {"padding": "x" * (2 << 20)}  # read and ignored
+    line = json.dumps({"type": "ADDED", "object": event}).encode() + b"\n"
+    kube.send_raw(line, 1024)
+    await converged(reconciler, lambda: states(router).get(name_of(b)) == "active")
+    assert states(router).get(name_of(a)) == "active"
+    assert _Counted.searched <= 2 * len(line), f"{_Counted.searched:,} bytes searched"

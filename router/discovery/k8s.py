@@ -437,15 +437,21 @@ class K8sSource:
             self.watches += 1
             sink.publish(self.snapshot())  # the source answers again: healthy
             buffer = bytearray()
+            # Only the bytes that came since the last search are searched: an event
+            # that arrives in many small reads (a slow server, a large slice) would
+            # otherwise be searched again from its start at each one, quadratic.
+            scanned = 0
             async for chunk in resp.content.iter_any():
                 buffer += chunk
-                if len(buffer) > _MAX_LINE and b"\n" not in buffer:
-                    raise ApiError("a watch event over 16 MiB")
-                while (end := buffer.find(b"\n")) >= 0:
+                while (end := buffer.find(b"\n", scanned)) >= 0:
                     line = bytes(buffer[:end])
                     del buffer[: end + 1]
+                    scanned = 0
                     if line.strip():
                         self._event(line, sink)
+                scanned = len(buffer)
+                if scanned > _MAX_LINE:
+                    raise ApiError("a watch event over 16 MiB")
 
     def _event(self, line: bytes, sink: Sink) -> None:
         event = _event_decoder.decode(line)

@@ -24,7 +24,8 @@ ownerReferences, generateName; ``addressType``; ``endpoints[]`` with ``addresses
 apiVersion; watch objects do.
 
 Control from the test: ``put_slice``/``delete_slice`` (each one event),
-``bookmark()``, ``end_watches()`` (the server ends every open watch, as at
+``bookmark()``, ``send_raw(data, piece)`` (bytes on the watch streams as they
+are), ``end_watches()`` (the server ends every open watch, as at
 ``timeoutSeconds``), ``compact()``, ``stop()``/``start()`` (an outage: streams cut,
 the port closed, then served again on the same port).  ``requests`` records every
 query; ``open_watches`` counts the streams open now, ``wait_for(predicate)``
@@ -151,7 +152,7 @@ class _Watch:
     def __init__(self, namespace: str, selector: str) -> None:
         self.namespace = namespace
         self.selector = selector
-        self.queue: asyncio.Queue[tuple[str, dict[str, Any]] | str] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[str, dict[str, Any]] | str | bytes] = asyncio.Queue()
 
 
 class FakeKube:
@@ -241,6 +242,13 @@ class FakeKube:
     def bookmark(self) -> None:
         for watch in self._watches:
             watch.queue.put_nowait("bookmark")
+
+    def send_raw(self, data: bytes, piece: int) -> None:
+        """``data`` as it is on every open watch, ``piece`` bytes a write, the loop
+        let run between writes (a slow server: the client reads it in small pieces)."""
+        for watch in self._watches:
+            for start in range(0, len(data), piece):
+                watch.queue.put_nowait(data[start : start + piece])
 
     def end_watches(self) -> None:
         for watch in list(self._watches):
@@ -334,6 +342,10 @@ class FakeKube:
             async with asyncio.timeout(timeout):
                 while True:
                     item = await watch.queue.get()
+                    if isinstance(item, bytes):
+                        await response.write(item)
+                        await asyncio.sleep(0)
+                        continue
                     if item == "end":
                         break
                     if item == "cut":
