@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import openai
@@ -192,3 +193,46 @@ async def test_an_unknown_id_waits_for_another_process_to_share_it(
         with pytest.raises(openai.NotFoundError):
             await via.responses.retrieve("resp_never")
     assert router.responses.counts()["misses"] == 1
+
+
+async def test_many_requests_waiting_for_one_unknown_id_leave_in_linear_time(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    """Any unknown id makes a request wait (shared ids): clients that send many for
+    one id and leave newest first.  Before, each leave scanned a list of the id's
+    waiters: quadratic, 5,000 of them held the loop 0.71 s, 20,000 13.4 s."""
+    sims = await sim_fleet(1)
+    router = await start_router(sims)
+    router.responses.share(wait_s=60.0)  # as a worker does; no timer fires in this test
+    # Real clients: 300 connections, each a GET for the same unknown id, then gone.
+    writers = []
+    for _ in range(300):
+        _, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        writer.write(b"GET /v1/responses/resp_bogus HTTP/1.1\r\nHost: r\r\n\r\n")
+        writers.append(writer)
+    await waiting(router, "resp_bogus", 300)
+    for writer in reversed(writers):
+        writer.transport.abort()
+    async with asyncio.timeout(10):
+        while True:  # each turn of the loop moves the router on
+            if not router.responses.waiting("resp_bogus"):
+                break
+            await asyncio.sleep(0)
+    await router.wait_quiet()
+    # At scale, the same leaves as those clients' exchanges make them: 100,000.
+    callbacks = [_Waiter().routed for _ in range(100_000)]
+    for callback in callbacks:
+        router.responses.wait("resp_bogus", callback)
+    started = time.perf_counter()
+    for n, callback in enumerate(reversed(callbacks)):
+        router.responses.unwait("resp_bogus", callback)
+        if n % 1000 == 0:  # fail in seconds, not after the quadratic minutes
+            assert time.perf_counter() - started < 2.0, f"{n} left in 2 s"
+    print(f"\n100,000 waiters of one id left in {(time.perf_counter() - started) * 1000:.0f} ms")
+    assert router.responses.waiting("resp_bogus") == 0
+    assert router.responses.counts()["misses"] == 0  # nobody waited it out
+
+
+class _Waiter:
+    def routed(self) -> None:
+        raise AssertionError("the id never comes")
