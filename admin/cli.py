@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from router.accesslog import open_target
 from router.cachesalt import Salter
 from router.config import (
     Config,
@@ -523,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         tls = tls_context(config)
         Salter.from_config(config.cache_salt)  # its secret, now rather than in a worker
+        if config.access_log not in ("-", "off"):
+            os.close(open_target(config.access_log))  # a path it cannot write: exit 2 now
         state_file = StateFile(config.state_file) if config.state_file else None
         if state_file is not None:
             state_file.check()  # a missing directory now, not a 500 at the first change

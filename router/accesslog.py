@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from .config import ConfigError
 from .log import get_logger
 
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["AccessLog", "AccessRecord", "RefusedRecord", "prefix_hash"]
+__all__ = ["AccessLog", "AccessRecord", "RefusedRecord", "open_target", "prefix_hash"]
 
 BUFFER_BYTES = 64 * 1024
 FLUSH_SECONDS = 1.0
@@ -143,6 +144,16 @@ class _Writer(threading.Thread):
             view = view[written:]
 
 
+def open_target(target: str) -> int:
+    """The file descriptor of ``access_log`` = a path, opened to append (created if
+    need be); ConfigError naming it and why when it cannot be (``serve`` checks this
+    before starting: exit 2, not a traceback)."""
+    try:
+        return os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot open access_log {target!r}: {exc.strerror}") from None
+
+
 class AccessLog:
     __slots__ = (
         "_buffer",
@@ -162,7 +173,7 @@ class AccessLog:
         if target == "-":
             self._fd = sys.stdout.fileno()
         elif self._owns_fd:
-            self._fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = open_target(target)
         else:
             self._fd = -1
         self._buffer = bytearray()

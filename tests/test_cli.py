@@ -65,6 +65,18 @@ def test_bad_settings_exit_2_naming_the_field(
     assert field in err
 
 
+@pytest.mark.parametrize("where", ["missing/dir/access.log", "."])
+def test_an_access_log_that_cannot_be_opened_exits_2_naming_it(
+    tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a Python traceback from deep in the start-up and exit 1.
+    target = str(tmp_path / where)
+    assert main(["serve", "--backend", "a=http://127.0.0.1:9", "--access-log", target]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid configuration: cannot open access_log {target!r}" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("toml", "field", "floor"),
     [
