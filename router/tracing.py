@@ -87,6 +87,7 @@ EXPORT_ATTEMPTS = 4  # then the batch is dropped
 BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 8.0
 CLOSE_TIMEOUT = 2.0  # the last flush at shutdown
+ANSWER_BYTES = 64 * 1024  # of an export's answer, read at most (an OTLP answer is bytes)
 RETRYABLE = frozenset({429, 502, 503, 504})  # OTLP/HTTP spec: "retryable response codes"
 DROP_REASONS = ("queue_full", "export_failed", "rejected")
 SCOPE_NAME = "prefix-router"
@@ -467,9 +468,9 @@ class Tracer:
             retry_after: float | None = None
             try:
                 async with session.post(self.url, data=body, headers=headers) as resp:
-                    await resp.read()
                     status = resp.status
                     retry_after = _retry_after(resp.headers.get("Retry-After"))
+                    await _skim(resp)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 status, reason = 0, f"{type(exc).__name__}: {exc}"
             else:
@@ -516,6 +517,21 @@ class Tracer:
             self.dropped["export_failed"] += lost
             self._queue.clear()
             self._queued_bytes = 0
+
+
+async def _skim(resp: aiohttp.ClientResponse) -> None:
+    """Read the answer's body (unused) to its end, for the connection's reuse, but
+    no more than ANSWER_BYTES: past that the connection is dropped.  Before, all
+    of it was read: a collector (or whatever the endpoint points at) answering an
+    endless body grew the router's memory until EXPORT_TIMEOUT, every export."""
+    content, left = resp.content, ANSWER_BYTES
+    while left > 0 and not content.at_eof():
+        chunk = await content.read(left)
+        if not chunk:
+            return
+        left -= len(chunk)
+    if not content.at_eof():
+        resp.close()
 
 
 def _retry_after(value: str | None) -> float | None:

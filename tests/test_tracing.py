@@ -464,3 +464,51 @@ def test_tracestate_truncation_keeps_w3c_limits() -> None:
     assert kept == [b"m%d=1" % i for i in range(32)]  # at most 32 members
     small, big = b"a=" + b"1" * 126, b"b=" + b"2" * 127  # 128 and 129 bytes
     assert truncate_tracestate(b" ,".join([small, big] * 5)) == b",".join([small] * 3)
+
+
+async def test_a_collector_answering_an_endless_body_costs_64_kib_an_export(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # Whatever the endpoint points at answers 200 and a body with no end (here 256 MiB
+    # then silence). Before, the exporter read all of it until EXPORT_TIMEOUT (10 s),
+    # each export: the router's memory grew by what loopback carried meanwhile (the
+    # 256 MiB here), and the export failed, retried, its spans dropped.
+    sent = 0
+    over = asyncio.Event()  # the test is over: the handler may return
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "application/x-protobuf"})
+        await response.prepare(request)
+        piece = b"\0" * 65536
+        for _ in range(4096):
+            await response.write(piece)
+            sent += len(piece)
+        await over.wait()  # then nothing, no end while the test runs
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        backend = await backends(echo)
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        router = await start_router([backend.spec], otel=otel(url))
+        tracer = router.tracer
+        assert tracer is not None
+        for n in range(3):
+            assert await get(router, b"/r%d" % n) == 200
+            async with asyncio.timeout(5):
+                while True:  # each export ends once 64 KiB of its answer are read
+                    if tracer.exported == n + 1:
+                        break
+                    await asyncio.sleep(0.01)
+        assert tracer.export_errors == 0
+        assert sent < 4096 * 65536  # each connection dropped before the end came
+    finally:
+        over.set()
+        await runner.cleanup()
