@@ -26,8 +26,9 @@ apiVersion; watch objects do.
 Control from the test: ``put_slice``/``delete_slice`` (each one event),
 ``bookmark()``, ``send_raw(data, piece)`` (bytes on the watch streams as they
 are), ``end_watches()`` (the server ends every open watch, as at
-``timeoutSeconds``), ``compact()``, ``stop()``/``start()`` (an outage: streams cut,
-the port closed, then served again on the same port).  ``requests`` records every
+``timeoutSeconds``), ``cut_watches()`` (every stream reset), ``compact()``,
+``stop()``/``start()`` (an outage: streams cut, the port closed, then served
+again on the same port).  ``requests`` records every
 query; ``open_watches`` counts the streams open now, ``wait_for(predicate)``
 waits (bounded) for a state of the server.
 """
@@ -249,6 +250,11 @@ class FakeKube:
         for watch in self._watches:
             for start in range(0, len(data), piece):
                 watch.queue.put_nowait(data[start : start + piece])
+
+    def cut_watches(self) -> None:
+        """Every open watch stream cut (a reset), the server still serving."""
+        for watch in list(self._watches):
+            watch.queue.put_nowait("cut")
 
     def end_watches(self) -> None:
         for watch in list(self._watches):
