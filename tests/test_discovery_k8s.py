@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import trustme
+from aiohttp import web
 
 from router.app import Router
 from router.config import ConfigError
@@ -577,3 +578,49 @@ async def test_a_watch_cut_after_each_event_resumes_from_its_version_without_a_l
     assert {name for name, state in states(router).items() if state == "active"} == {
         name_of(backend) for backend in fleet[1:]
     }
+
+
+async def test_an_error_answer_with_an_endless_body_is_reported_at_once() -> None:
+    # The API server (or what answers at its address) refuses each watch with a 503
+    # and a body with no end. Before, the whole body was read, until the watch's
+    # client timeout (320 s): the router's memory grew by everything that came, and
+    # the failure was reported only then.
+    over = asyncio.Event()
+
+    async def endpointslices(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") != "1":
+            return web.json_response({"metadata": {"resourceVersion": "7"}, "items": []})
+        response = web.StreamResponse(status=503)
+        await response.prepare(request)
+        piece = b"x" * 65536
+        for _ in range(1024):  # 64 MiB, then no end while the test runs
+            await response.write(piece)
+        await over.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_get(
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", endpointslices
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    source = K8sSource(KubeAuth(server, False, token="t"), "default", service="vllm")
+    sink = RecordingSink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        async with asyncio.timeout(WAIT):
+            while True:  # each turn of the loop moves the source on
+                if sink.failures:
+                    break
+                await asyncio.sleep(0.01)
+        assert sink.failures[0].startswith(f"{source.description}: HTTP 503 from the API server")
+        assert len(sink.failures[0]) < 400  # the body's first 200 bytes at most
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await source.close()
+        over.set()
+        await runner.cleanup()

@@ -82,6 +82,7 @@ log = get_logger("discovery")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _MAX_LINE = 16 << 20  # one watch event; an EndpointSlice holds at most 1,000 endpoints
+_MAX_ERROR = 64 << 10  # of an error answer's body (a Status), read at most
 
 
 class ApiError(Exception):
@@ -399,7 +400,12 @@ class K8sSource:
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
         if resp.status == 200:
             return
-        body = await resp.read()
+        # A Status is small: read no more than _MAX_ERROR of it.  Before, all of it:
+        # a watch answered 503 with an endless body was read for its 320 s timeout,
+        # the router's memory growing by all of it.
+        body = await resp.content.read(_MAX_ERROR)
+        while len(body) < _MAX_ERROR and (more := await resp.content.read(_MAX_ERROR - len(body))):
+            body += more
         try:
             status = _status_decoder.decode(body)
             message = f"{status.reason}: {status.message}" if status.reason else status.message
