@@ -580,6 +580,40 @@ async def test_a_watch_cut_after_each_event_resumes_from_its_version_without_a_l
     }
 
 
+@contextlib.asynccontextmanager
+async def first_failure(
+    endpointslices: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    over: asyncio.Event,
+) -> AsyncIterator[tuple[K8sSource, RecordingSink]]:
+    """A source against an API server that answers with ``endpointslices``, once it
+    has reported its first failure (within WAIT); ``over`` set when it is done."""
+    app = web.Application()
+    app.router.add_get(
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", endpointslices
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    source = K8sSource(KubeAuth(server, False, token="t"), "default", service="vllm")
+    sink = RecordingSink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        async with asyncio.timeout(WAIT):
+            while True:  # each turn of the loop moves the source on
+                if sink.failures:
+                    break
+                await asyncio.sleep(0.01)
+        yield source, sink
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await source.close()
+        over.set()
+        await runner.cleanup()
+
+
 async def test_an_error_answer_with_an_endless_body_is_reported_at_once() -> None:
     # The API server (or what answers at its address) refuses each watch with a 503
     # and a body with no end. Before, the whole body was read, until the watch's
@@ -598,29 +632,31 @@ async def test_an_error_answer_with_an_endless_body_is_reported_at_once() -> Non
         await over.wait()
         return response
 
-    app = web.Application()
-    app.router.add_get(
-        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", endpointslices
-    )
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    server = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    source = K8sSource(KubeAuth(server, False, token="t"), "default", service="vllm")
-    sink = RecordingSink()
-    task = asyncio.create_task(source.run(sink))
-    try:
-        async with asyncio.timeout(WAIT):
-            while True:  # each turn of the loop moves the source on
-                if sink.failures:
-                    break
-                await asyncio.sleep(0.01)
-        assert sink.failures[0].startswith(f"{source.description}: HTTP 503 from the API server")
-        assert len(sink.failures[0]) < 400  # the body's first 200 bytes at most
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await source.close()
-        over.set()
-        await runner.cleanup()
+    async with first_failure(endpointslices, over) as (source, sink):
+        failure = sink.failures[0]
+        assert failure.startswith(f"{source.description}: HTTP 503 from the API server")
+        assert len(failure) < 400  # the body's first 200 bytes at most
+
+
+async def test_a_list_answer_with_no_end_is_refused_at_64_mib() -> None:
+    # The list answered 200 and a body with no end. Before, it was read whole until
+    # the request's 10 s timeout, memory growing by all of it (loopback: gigabytes).
+    over = asyncio.Event()
+    sent = 0
+
+    async def endpointslices(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"metadata": {"resourceVersion": "7"}, "items": [')
+        piece = b" " * (1 << 20)
+        while not over.is_set() and sent < 256 << 20:
+            await response.write(piece)
+            sent += len(piece)
+        await over.wait()
+        return response
+
+    async with first_failure(endpointslices, over) as (source, sink):
+        assert sink.failures[0] == f"{source.description}: a list page over 64 MiB"
+        assert sent < 256 << 20  # the rest was never sent: the connection dropped
+        assert not sink.published  # nothing was taken from it

@@ -17,6 +17,9 @@ Contract:
   the value of the slice's ``model_label`` label when it has one (the
   EndpointSlice controller copies a Service's labels to its slices), else
   ``models``.
+- Bounds: a list page is read up to 64 MiB, a watch event up to 16 MiB, an
+  error answer up to 64 KiB; past the first two the source fails (retried
+  with backoff, membership kept).
 - resourceVersion: the list's starts the watch; every event and BOOKMARK
   moves it on, so a watch that ends (``timeoutSeconds``, a closed stream) is
   re-opened from where it stopped without a re-list.  ``410 Gone`` (an HTTP
@@ -83,6 +86,10 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 _MAX_LINE = 16 << 20  # one watch event; an EndpointSlice holds at most 1,000 endpoints
 _MAX_ERROR = 64 << 10  # of an error answer's body (a Status), read at most
+# One page of the list, at most: 500 slices of 100 endpoints (the EndpointSlice
+# controller's default) are ~20 MB.  Before, a page was read whole whatever its
+# size: an endless answer grew memory for the request's 10 s.
+_MAX_PAGE = 64 << 20
 
 
 class ApiError(Exception):
@@ -296,6 +303,18 @@ _slice_decoder = msgspec.json.Decoder(_Slice)
 _status_decoder = msgspec.json.Decoder(_Status)
 
 
+async def _read_page(resp: aiohttp.ClientResponse) -> bytes:
+    """A list page's body, ApiError past ``_MAX_PAGE`` (counted as it arrives)."""
+    if (resp.content_length or 0) > _MAX_PAGE:
+        raise ApiError(f"a list page of {resp.content_length:,} bytes: over {_MAX_PAGE >> 20} MiB")
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > _MAX_PAGE:
+            raise ApiError(f"a list page over {_MAX_PAGE >> 20} MiB")
+    return bytes(body)
+
+
 class K8sSource:
     def __init__(
         self,
@@ -430,7 +449,7 @@ class K8sSource:
                 params["continue"] = token
             async with self._get(params, timeout) as resp:
                 await self._check(resp)
-                page = _list_decoder.decode(await resp.read())
+                page = _list_decoder.decode(await _read_page(resp))
             for item in page.items or ():
                 slices[item.metadata.name] = self._endpoints(item)
             token = page.metadata.continue_
