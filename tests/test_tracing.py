@@ -9,10 +9,11 @@ the backends record the heads they receive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,16 +85,23 @@ async def collector() -> AsyncIterator[Collector]:
         received.changed.set()
         return web.Response(body=b"", content_type="application/x-protobuf")
 
+    async with receiver(traces) as url:
+        received.url = url
+        yield received
+
+
+@contextlib.asynccontextmanager
+async def receiver(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """An OTLP/HTTP endpoint on 127.0.0.1 whose POST /v1/traces ``handler`` answers: its URL."""
     app = web.Application()
-    app.router.add_post("/v1/traces", traces)
+    app.router.add_post("/v1/traces", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    received.url = f"http://127.0.0.1:{port}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        yield received
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
 
@@ -488,27 +496,20 @@ async def test_a_collector_answering_an_endless_body_costs_64_kib_an_export(
         await over.wait()  # then nothing, no end while the test runs
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/traces", endless)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
+    async with receiver(endless) as url:
         backend = await backends(echo)
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         router = await start_router([backend.spec], otel=otel(url))
         tracer = router.tracer
         assert tracer is not None
-        for n in range(3):
-            assert await get(router, b"/r%d" % n) == 200
-            async with asyncio.timeout(5):
-                while True:  # each export ends once 64 KiB of its answer are read
-                    if tracer.exported == n + 1:
-                        break
-                    await asyncio.sleep(0.01)
-        assert tracer.export_errors == 0
-        assert sent < 4096 * 65536  # each connection dropped before the end came
-    finally:
-        over.set()
-        await runner.cleanup()
+        try:
+            for n in range(3):
+                assert await get(router, b"/r%d" % n) == 200
+                async with asyncio.timeout(5):
+                    while True:  # each export ends once 64 KiB of its answer are read
+                        if tracer.exported == n + 1:
+                            break
+                        await asyncio.sleep(0.01)
+            assert tracer.export_errors == 0
+            assert sent < 4096 * 65536  # each connection dropped before the end came
+        finally:
+            over.set()
