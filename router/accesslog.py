@@ -15,7 +15,7 @@ a warning is logged once each time it starts.  A write that fails (disk
 full, the pipe's reader gone) loses that chunk's lines, counted the same
 way.  At shutdown what is left gets ``CLOSE_SECONDS`` to be written.
 Before, ``os.write`` ran on the loop: a full pipe froze every client, the
-admin API and SIGTERM (RELIABILITY.md, defect 29).
+admin API and SIGTERM (RELIABILITY.md, defect 32).
 
 Never logged: bodies, header values, tenant keys, query strings.  With
 ``[advisor] key_digests`` a keyed request's line ends with ``key_digests``
