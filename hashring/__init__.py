@@ -16,7 +16,7 @@ from .keys import (
     hash_key,
     tenant_seed,
 )
-from .load import Lease, LoadTracker
+from .load import Lease, LoadTracker, Probe
 from .placement import Placement
 from .ring import DEFAULT_VNODES, Ring
 
@@ -31,6 +31,7 @@ __all__ = [
     "Pick",
     "Placement",
     "PrefixHasher",
+    "Probe",
     "Ring",
     "TenantKeyError",
     "hash_key",

@@ -16,6 +16,11 @@ Contract:
   demand with ``refresh(member)`` (True if its count changed); the balancer
   calls it on the member it is about to choose.  Here both are no-ops: a
   plain tracker is the count itself.
+- ``probes`` is ``refresh``'s fast path, for a caller that inlines it (the
+  balancer, once per decision): member -> ``(now, then, now, then)``,
+  buffers that compare equal pairwise while nothing the member's count was
+  made from has moved.  Then ``refresh`` would return False; otherwise, or
+  for a member without a probe, call it.  Empty here.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-__all__ = ["Lease", "LoadTracker"]
+__all__ = ["Lease", "LoadTracker", "Probe"]
+
+# ``LoadTracker.probes``: (now, then, now, then), equal pairwise while nothing moved.
+Probe = tuple[memoryview, memoryview, memoryview, memoryview]
 
 
 class Lease:
@@ -64,6 +72,7 @@ class LoadTracker:
     # Whether ``refresh`` can change a count (the contract): a class attribute,
     # read on every decision.
     refreshes = False
+    probes: Mapping[str, Probe] = MappingProxyType({})
 
     def get(self, member: str) -> int:
         return self._counts.get(member, 0)

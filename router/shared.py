@@ -53,10 +53,15 @@ Contract:
   all rows after ``fold``, and ``on_idle`` fires from ``fold`` when a
   backend's fleet-wide count falls to zero (a drain across workers waits on
   it); ``in_flight(name)`` sums the column right now, without a fold.
-- ``refresh(name)`` re-reads one backend's cells in the other rows now (one
-  ``sum`` over a strided view of its column) and updates the view; the
-  balancer calls it on the backend it is about to choose and walks again if
-  the count moved (``refreshes``: the table has another row). So a worker
+- ``refresh(name)`` re-reads one backend's cells in the other rows now and
+  updates the view; the balancer calls it on the backend it is about to
+  choose and walks again if the count moved (``refreshes``: the table has
+  another row).  The tracker keeps the other rows' cells as it last read them
+  (a fold or a refresh; each slot's count from the others is their sum), so
+  the common case, nothing moved, is two memoryview comparisons of the
+  backend's cells now with those (``probes``: the own row splits the column
+  in two strided views), which the balancer makes inline; only cells that
+  differ are summed and kept.  So a worker
   does not add a request to a place another worker took since the last fold:
   a bound that counts requests not yet answered (ConcurrencyScope PREFILL)
   turns over faster than any fold period (on ``sysprompt`` with
@@ -106,7 +111,7 @@ from array import array
 from collections.abc import Callable
 from itertools import compress
 
-from hashring import Lease, LoadTracker
+from hashring import Lease, LoadTracker, Probe
 
 __all__ = [
     "CHANGED_CELL",
@@ -311,14 +316,17 @@ class SharedLoadTracker(LoadTracker):
         "_names",
         "_others",
         "_own",
+        "_read",
         "_seen",
         "_slot",
         "_span",
+        "_split",
         "_starts",
         "_writes",
         "on_change",
         "on_fold",
         "plane",
+        "probes",
         "refreshes",
         "row",
         "table",
@@ -344,8 +352,19 @@ class SharedLoadTracker(LoadTracker):
         self._starts = [table.index(r, plane) * CELL for r in range(table.rows) if r != row]
         self.refreshes = bool(self._starts)  # a table of one row has nothing to read again
         # name -> its slot's cells in every row of this plane (this worker's own
-        # included): what ``refresh`` sums, one view per assigned backend.
+        # included): what ``in_flight`` sums, one view per assigned backend.
         self._columns: dict[str, memoryview] = {}
+        # The other rows' cells as this tracker last read them (a fold or a refresh),
+        # one block of ``table.slots`` cells per other row in ``_starts``' order (a
+        # fold copies each row in one piece).  Each slot's count from the other rows
+        # (``_others``) is the sum of its column here, so cells of the table that
+        # compare equal to it have not moved.
+        self._read = bytearray(len(self._starts) * table.slots * CELL)
+        self._split = table.rows if row is None else row  # the other rows before the own
+        # name -> (the other rows before the own row, their cells as read, the rows
+        # after it, theirs as read): LoadTracker's ``probes``, two pairs because a
+        # strided view cannot skip the own row.
+        self.probes: dict[str, Probe] = {}
         self._span = 0  # slots folded: the highest assigned at least (grown twofold)
         self._seen = [b""] * len(self._starts)  # each row's bytes at the last fold
         self._ints = [0] * len(self._starts)  # the same, each as one integer
@@ -362,23 +381,28 @@ class SharedLoadTracker(LoadTracker):
 
     def acquire(self, member: str) -> Lease:
         slot = self._writes.get(member)
-        if slot is not None:
-            self._mine[slot] += 1
-            if self.on_change is not None:
-                self.on_change()
-        elif self.row is None:
-            raise TypeError("a read-only SharedLoadTracker (row=None) cannot acquire")
-        else:
-            own = self._own
-            own[member] = own.get(member, 0) + 1
+        if slot is None:
+            return self._acquire_own(member)
+        self._mine[slot] += 1
+        if self.on_change is not None:
+            self.on_change()
         counts = self._counts
         counts[member] = counts.get(member, 0) + 1
         self.total += 1
-        return Lease(self, member)
+        return _CellLease(self, member)
+
+    def _acquire_own(self, member: str) -> Lease:
+        """A lease on a backend without a slot: counted in the own dict."""
+        if self.row is None:
+            raise TypeError("a read-only SharedLoadTracker (row=None) cannot acquire")
+        own = self._own
+        own[member] = own.get(member, 0) + 1
+        return super().acquire(member)
 
     def _release(self, member: str) -> None:
         # LoadTracker._release's first lines, inlined (a call fewer per request);
-        # on_idle here follows the own count, not the fleet-wide one.
+        # on_idle here follows the own count, not the fleet-wide one.  A lease taken
+        # with a slot releases through ``_CellLease.release``, the same steps.
         counts = self._counts
         left = counts[member] - 1
         if left:
@@ -447,6 +471,7 @@ class SharedLoadTracker(LoadTracker):
             self.on_change()  # leases held before the slot count in the row now
         self._slot[name] = slot
         self._columns[name] = self.table.column(self.plane, slot)
+        self.probes[name] = self._probe(slot)
         self._names[slot] = name
         others = self._others[slot]
         self.total += others
@@ -458,6 +483,8 @@ class SharedLoadTracker(LoadTracker):
             raise KeyError(f"{name!r} has no slot")
         slot = self._slot.pop(name)
         self._columns.pop(name).release()
+        for view in self.probes.pop(name):
+            view.release()
         self._names[slot] = None
         own = self._mine[slot]
         self._mine[slot] = 0
@@ -470,6 +497,20 @@ class SharedLoadTracker(LoadTracker):
 
     def slot_of(self, name: str) -> int | None:
         return self._slot.get(name)
+
+    def _probe(self, slot: int) -> Probe:
+        table = self.table
+        step = table.planes * table.stride
+        first = table.index(0, self.plane, slot)
+        end = first + table.rows * step
+        split = self._split
+        read = memoryview(self._read).cast("q")[slot :: table.slots]
+        return (
+            table.cells[first : first + split * step : step],
+            read[:split],
+            table.cells[first + (split + 1) * step : end : step],
+            read[split:],
+        )
 
     def _set(self, name: str, count: int) -> None:
         if count:
@@ -490,12 +531,15 @@ class SharedLoadTracker(LoadTracker):
         span_bytes = self._span * CELL
         mm = self.table._mm
         seen, ints = self._seen, self._ints
+        read, width = self._read, self.table.slots * CELL
         changed = False
         for i, start in enumerate(self._starts):
             raw = mm[start : start + span_bytes]
             if raw != seen[i]:
                 seen[i] = raw
                 ints[i] = int.from_bytes(raw, sys.byteorder)
+                # What the counts are made from is what was read (``probes``).
+                read[i * width : i * width + span_bytes] = raw
                 changed = True
         if not changed:
             return False
@@ -530,26 +574,34 @@ class SharedLoadTracker(LoadTracker):
 
     def refresh(self, name: str) -> bool:
         """Re-read ``name``'s cells in the other rows now; True if its count changed
-        (the contract).  Keeps ``fold``'s bookkeeping: the lane of ``_folded`` moves
-        with the count, and the next fold reads every row again (a row whose bytes
-        went back to those of the last fold would otherwise be skipped, and with it
-        the lane this refresh moved)."""
-        column = self._columns.get(name)  # only an assigned backend has one
-        if column is None:
+        (the contract).  Cells equal to those read last (``probes``) are the count
+        as it is: nothing else is touched.  Keeps ``fold``'s bookkeeping: the lane
+        of ``_folded`` moves with the count, and the next fold reads every row again
+        (a row whose bytes went back to those of the last fold would otherwise be
+        skipped, and with it the lane this refresh moved)."""
+        probe = self.probes.get(name)  # only an assigned backend has one
+        if probe is None:
             return False
-        count = sum(column)  # the fleet-wide count: the column holds this worker's cell too
-        if count == self._counts.get(name, 0):
-            return False  # the common case: nothing moved since the fold
+        before, read_before, after, read_after = probe
+        if before == read_before and after == read_after:
+            return False  # the common case: nothing moved since it was read
+        read_before[:] = before  # read once: what is summed is what is kept
+        read_after[:] = after
+        # The next fold reads (and copies) every row again: what was read of them
+        # is no longer the rows' bytes of the last fold.
+        self._seen = [b""] * len(self._starts)
+        value = sum(read_before) + sum(read_after)
         slot = self._slot[name]
-        value = count - self._mine[slot]
         others = self._others
         old = others[slot]
+        if value == old:
+            return False  # cells moved, not their sum
         others[slot] = value
         lane = slot if _LITTLE else self._span - 1 - slot
         self._folded += (value - old) << (64 * lane)
-        self._seen[0] = b""  # a refresh implies another row: there is a first
         self.total += value - old
         counts = self._counts
+        count = self._mine[slot] + value
         if count:
             counts[name] = count
         elif counts.pop(name, 0) and self.row is None and self.on_idle is not None:
@@ -593,6 +645,42 @@ class SharedLoadTracker(LoadTracker):
         if self.row is not None:
             self._mine.release()
             self._mine = _zeros(self.table.slots)
+
+
+class _CellLease(Lease):
+    """A lease taken on a backend with a slot.  ``release`` does the tracker's part
+    itself, ``SharedLoadTracker._release``'s steps: a call fewer per request than
+    ``Lease.release`` -> ``_release``.  A backend forgotten since (no slot now)
+    goes through ``_release``, which counts it down in the own dict."""
+
+    __slots__ = ()
+    _tracker: SharedLoadTracker | None
+
+    def release(self) -> bool:
+        tracker = self._tracker
+        if tracker is None:
+            return False
+        self._tracker = None
+        member = self.member
+        slot = tracker._writes.get(member)
+        if slot is None:
+            tracker._release(member)
+            return True
+        counts = tracker._counts
+        left = counts[member] - 1
+        if left:
+            counts[member] = left
+        else:
+            del counts[member]
+        tracker.total -= 1
+        mine = tracker._mine
+        n = mine[slot] - 1
+        mine[slot] = n
+        if tracker.on_change is not None:
+            tracker.on_change()
+        if not n and tracker.on_idle is not None:
+            tracker.on_idle(member)
+        return True
 
 
 class SharedDeadline:

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hashring import Lease
 from router.balancer import Balancer
@@ -494,6 +496,53 @@ def test_refresh_reads_one_backend_now_and_the_next_fold_keeps_the_rows_truth(
         held.release()
     me.fold()
     assert (dict(me.counts), me.total) == ({}, 0)
+
+
+# One step of the next test: (who, what, backend): who 0-3 is a tracker of a table
+# of 4 rows, 4 the read-only one; what 0 acquire, 1 release, 2 fold, 3 refresh,
+# 4 forget or assign again.
+_STEPS = st.lists(
+    st.tuples(st.integers(0, 4), st.integers(0, 4), st.sampled_from(NAMES[:3])), max_size=60
+)
+
+
+@given(steps=_STEPS)
+@settings(max_examples=150)
+def test_a_backend_whose_cells_compare_equal_to_those_read_has_the_count_of_its_column(
+    steps: list[tuple[int, int, str]],
+) -> None:
+    """``probes`` (what the balancer compares instead of calling ``refresh``): for every
+    tracker, a middle row's too (the own row splits the column in two views), a
+    backend whose probe compares equal has the count its column sums to now, and
+    ``refresh`` makes it so, whatever folds, refreshes and slot changes came between."""
+    table = SharedTable.create(rows=4, slots=SLOTS)
+    trackers = [worker(table, row) for row in range(4)] + [reader(table)]
+    held: list[Lease] = []
+    for who, what, name in steps:
+        tracker = trackers[who]
+        if what == 0 and tracker.row is not None:
+            held.append(tracker.acquire(name))
+        elif what == 1 and held:
+            held.pop(len(held) // 2).release()
+        elif what == 2:
+            tracker.fold()
+        elif what == 3:
+            tracker.refresh(name)
+            assert tracker.get(name) == tracker.in_flight(name)
+        elif what == 4 and tracker.slot_of(name) is not None:
+            tracker.forget(name)
+        elif what == 4:
+            tracker.assign(name, NAMES.index(name))
+        for each in trackers:
+            assert each.total == sum(each.counts.values())
+            for member, (now, then, now_after, then_after) in each.probes.items():
+                if now == then and now_after == then_after:
+                    assert each.get(member) == each.in_flight(member)
+    for lease in held:
+        lease.release()
+    for tracker in trackers:
+        tracker.close()
+    table.close()
 
 
 def test_a_forgotten_backend_is_not_read_again_and_the_table_closes_after_its_trackers() -> None:
