@@ -191,6 +191,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument("--etcd-prefix", metavar="P", help="the keys under P (/prefix-router/)")
     serve.add_argument("--replica-id", metavar="ID", help="this replica's key (random)")
     serve.add_argument(
+        "--etcd-apply-wait",
+        metavar="S",
+        type=float,
+        help="an admin write waits this long for the watch to apply it, then 503 (10)",
+    )
+    serve.add_argument(
         "--replica-listen",
         metavar="HOST:PORT",
         help="with --etcd: take the other replicas' in-flight counts by UDP here, a"
@@ -322,6 +328,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["etcd_prefix"] = args.etcd_prefix
     if args.replica_id is not None:
         data["replica_id"] = args.replica_id
+    if args.etcd_apply_wait is not None:
+        data["etcd_apply_wait"] = args.etcd_apply_wait
     if args.replica_listen is not None:
         data["replica_listen"] = args.replica_listen
     discover = dict(data.get("discover", {}))

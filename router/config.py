@@ -615,6 +615,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # prefix, in-flight counts shared through it (router.replicas).
     etcd: list[str] = msgspec.field(default_factory=list)  # client URLs
     etcd_prefix: str = "/prefix-router/"
+    # How long an admin write waits for this replica's watch to bring the change
+    # back (seconds).  The watch takes milliseconds; one that is re-connecting
+    # waits out its backoff (at most 2 s) first.  Past this it is stuck: a 503
+    # saying the change was made, not a request that never ends.  The default is
+    # as long as the seed's wait at start (admin.daemon.SEED_WAIT_S).
+    etcd_apply_wait: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     replica_id: str | None = None  # this replica's name in etcd; random when unset
     # UDP rows: the others' in-flight counts a millisecond after they change, sent
     # to this address (router.udprows); unset: through etcd only, every 0.1 s.

@@ -11,7 +11,8 @@ Contract (see router/control/__init__.py for the interface):
   watch's delay.
 - etcd unreachable for a write: ``Unavailable`` (503), nothing changed.  A
   write made in etcd that the watch has not brought back here within
-  ``APPLY_WAIT_S``: ``Unavailable`` (503) too, saying the change was made.
+  ``etcd_apply_wait`` (10 s unless configured): ``Unavailable`` (503) too,
+  saying the change was made.
   Reads keep answering from the last membership; ``ready()`` is False once
   the store has been cut off for its bound (the replica keeps routing).
 - Drain: ``remove_backend`` sets the backend draining in etcd; the replica
@@ -49,15 +50,9 @@ if TYPE_CHECKING:
     from ..supervisor import Workers
     from .etcd import EtcdStore
 
-__all__ = ["APPLY_WAIT_S", "ReplicatedControl"]
+__all__ = ["ReplicatedControl"]
 
 log = get_logger("admin")
-
-# How long an admin write waits for the watch to bring its change back here.  The
-# watch takes milliseconds; a watch that is re-connecting waits out its backoff
-# (at most 2 s) first.  Longer than this, it is stuck: the answer is a 503 rather
-# than a request that never ends.  As long as the seed's wait (admin.daemon).
-APPLY_WAIT_S = 10.0
 
 
 class _Drain:
@@ -165,13 +160,14 @@ class ReplicatedControl(RouterControl):
             ) from None
         except EtcdError as exc:
             raise Unavailable(f"etcd is unreachable, nothing was changed: {exc}") from None
+        wait = self._router.config.etcd_apply_wait
         try:
-            async with asyncio.timeout(APPLY_WAIT_S):
+            async with asyncio.timeout(wait):
                 await store.applied(revision)
         except TimeoutError:
             raise Unavailable(
                 f"the change was made in etcd (revision {revision}) but this replica has not"
-                f" applied it within {APPLY_WAIT_S:g} s: its etcd watch is behind; read it"
+                f" applied it within {wait:g} s: its etcd watch is behind; read it"
                 " back before retrying"
             ) from None
 
