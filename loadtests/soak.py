@@ -105,6 +105,7 @@ client_body = {client}
 client_send = {send}
 [limits]
 max_body_bytes = {max_body}
+listen_backlog = {backlog}
 [health]
 interval = 0.5
 timeout = 1.0
@@ -833,6 +834,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--client-timeout", type=float, default=5.0,
         help="the router's client_header and client_body (client_send: twice this)",
     )  # fmt: skip
+    p.add_argument(
+        "--listen-backlog", type=int, default=4096,
+        help="the router's limits.listen_backlog (1024 before it was configurable)",
+    )  # fmt: skip
     p.add_argument("--workdir", default="results", help="config, access log, JSON result")
     args = p.parse_args(argv)
     if args.instances < 2:
@@ -844,7 +849,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     config = ROUTER_CONFIG.format(
-        client=args.client_timeout, send=2 * args.client_timeout, max_body=max_body(args)
+        client=args.client_timeout,
+        send=2 * args.client_timeout,
+        max_body=max_body(args),
+        backlog=args.listen_backlog,
     )
     (Path(args.workdir) / "soak-router.toml").write_text(config)
     try:
