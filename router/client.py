@@ -35,7 +35,9 @@ Contract:
 - Deadlines, one lazy timer per connection (``LazyDeadline``): a new connection or an idle
   keep-alive one must start a request within ``client_header`` /
   ``keepalive`` seconds; a started head must complete within
-  ``client_header`` (slowloris); a body must not stall for ``client_body``;
+  ``client_header`` (slowloris); a body must not stall for ``client_body``,
+  nor (with ``client_request`` set) take longer than that in all, the time
+  reading was paused by us (a backend not taking the body) not counted;
   a client must not leave its answer unread (our write buffer above its
   high-water mark) for ``client_send``, whatever else is going on.
 - Malformed requests (llhttp is strict: CL+TE, duplicate CL, bad chunk
@@ -141,6 +143,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_next_scheduled",
         "_parsing",
         "_paused",
+        "_paused_for",
+        "_paused_since",
         "_queue",
         "_refusal",
         "_send_since",
@@ -171,6 +175,10 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._header_bytes = 0
         self._header_count = 0
         self._paused = 0
+        # With timeouts.client_request: how long reading was paused during the
+        # current body (ours, not the client's), and since when it is paused now.
+        self._paused_for = 0.0
+        self._paused_since = 0.0
         self._closing = False
         # A refused request pipelined behind others: (status, message), answered
         # once the requests before it are; nothing after it is read.
@@ -542,15 +550,23 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
     # -- flow control ----------------------------------------------------------
 
     def _pause(self, reason: int) -> None:
-        if not self._paused and not self._closing:
-            self.transport.pause_reading()
+        if not self._paused:
+            if not self._closing:
+                self.transport.pause_reading()
+            if self._watch == BODY and self.router.config.timeouts.client_request:
+                self._paused_since = self.router.loop.time()
         self._paused |= reason
 
     def _resume(self, reason: int) -> None:
         if self._paused & reason:
             self._paused &= ~reason
-            if not self._paused and not self._closing:
-                self.transport.resume_reading()
+            if not self._paused:
+                if not self._closing:
+                    self.transport.resume_reading()
+                limit = self.router.config.timeouts.client_request
+                if self._watch == BODY and limit:
+                    self._paused_for += self.router.loop.time() - self._paused_since
+                    self._arm(self._watch_since + self._paused_for + limit)
 
     # -- deadlines -------------------------------------------------------------
 
@@ -559,6 +575,10 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._watch = what
         self._watch_since = now
         self._watch_timeout = timeout
+        if what == BODY and self.router.config.timeouts.client_request:
+            self._paused_for = 0.0
+            self._paused_since = now  # (read only while paused)
+            timeout = min(timeout, self.router.config.timeouts.client_request)
         self._arm(now + timeout)
 
     def _deadline(self) -> None:
@@ -573,21 +593,27 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
                 return
             due = send_due
         if not self._closing and self._watch != NOTHING:
+            whole_due = float("inf")
+            limit = self.router.config.timeouts.client_request
             if self._watch == BODY:
                 if self._paused:  # we stopped reading: the client did not stall
                     self._last_data = now
                 watch_due = self._last_data + self._watch_timeout
+                if limit and not self._paused:  # (paused, the time is ours)
+                    whole_due = self._watch_since + self._paused_for + limit
             else:
                 watch_due = self._watch_since + self._watch_timeout
-            if now >= watch_due:
+            if now >= min(watch_due, whole_due):
                 if self._watch == IDLE:
                     self._close(lingering=False)
                 elif self._watch == HEAD:
                     self._refuse(408, "request head not received in time")
+                elif now >= whole_due:
+                    self._refuse(408, f"request body not received within {limit:g} s")
                 else:
                     self._refuse(408, "request body stalled")
                 return
-            due = min(due, watch_due)
+            due = min(due, watch_due, whole_due)
         if due != float("inf"):
             self._arm(due)
 

@@ -388,6 +388,11 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     idle: Seconds = 120.0  # between two reads of a response body
     client_header: Seconds = 10.0  # request line + headers (slowloris)
     client_body: Seconds = 60.0  # between two reads of a request body
+    # A request body in all, from the end of its head (0: no bound).  A body
+    # trickled just under client_body holds its place and a backend connection
+    # for as long as it lasts; this bounds that (slow POST).  Time the router
+    # spends not reading it (the backend not taking it) is not counted.
+    client_request: Annotated[float, Meta(ge=0, le=86_400)] = 0.0
     keepalive: Seconds = 75.0  # idle client connection between requests
     client_send: Seconds = 60.0  # a client that reads none of the response for this long
     # uvicorn (vLLM, SGLang) closes idle connections after 5 s: reuse ours for less.

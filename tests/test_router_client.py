@@ -536,6 +536,38 @@ async def test_a_stalled_request_body_gets_408_and_frees_the_lease(
     await still_serves(router, backend)
 
 
+@pytest.mark.parametrize("whole", [None, 0.4])
+async def test_a_body_trickled_under_the_stall_timeout_is_bounded_by_client_request(
+    backends: StartBackend, start_router: StartRouter, whole: float | None
+) -> None:
+    # A slow POST: a byte every 50 ms never stalls for client_body (1 s), so it
+    # held its lease and backend connection for as long as the client liked.
+    # With client_request set, the body has that long in all: a 408.
+    backend = await backends()
+    timeouts = {"client_body": 1.0} | ({} if whole is None else {"client_request": whole})
+    router = await start_router([backend.spec], timeouts=timeouts)
+    body = NATIVE_BODY[:4200] + b"x" * 20  # past PrefixLength: routed, then 20 more bytes
+    head = b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    async with connect(router) as client:
+        await client.send(head % len(body), body[:4200])
+        answer = asyncio.ensure_future(client.response())
+        for i in range(4200, len(body)):  # ~1 s of trickling, unless answered first
+            done, _ = await asyncio.wait([answer], timeout=0.05)
+            if done:
+                break
+            with contextlib.suppress(ConnectionError):
+                await client.send(body[i : i + 1])
+        resp = await answer
+    if whole is None:
+        assert resp.status == 200
+        assert [len(seen.body) for seen in backend.requests] == [len(body)]
+    else:
+        error = assert_error(resp, 408)
+        assert error["message"] == "request body not received within 0.4 s"
+        assert backend.requests == []  # never completed upstream
+    await quiet(router)
+
+
 async def test_an_idle_keep_alive_client_is_closed(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
