@@ -98,20 +98,10 @@ async def test_a_full_fleet_refuses_one_more_backend_with_409_and_saves_nothing(
             assert state.read_bytes() == before  # nothing persisted: it still restarts
             status, _ = await admin_call(http, proc, "GET", "/admin/backends/extra")
             assert status == 404
-
-            # A removed backend's column is taken by the next one.
-            status, body = await admin_call(
-                http, proc, "DELETE", "/admin/backends/b0?wait=true&timeout=0"
-            )
-            assert status == 200, body
-            status, body = await admin_call(http, proc, "POST", "/admin/backends", extra)
-            assert status == 201, body
             status, body = await admin_call(http, proc, "GET", "/admin/stats")
             assert [w["restarts"] for w in body["workers"]] == [0, 0]  # type: ignore[index, union-attr]
-        names = {b["name"] for b in json.loads(state.read_bytes())["backends"]}
-        assert len(names) == SLOTS
-        assert "extra" in names
-        assert "b0" not in names
+        # A freed column taken by the next backend: the etcd tests below, at SLOTS
+        # patched small (each change rebuilds a ring of 8,192 in every process, ~4 s).
     finally:
         await stop(proc)
 
