@@ -1092,7 +1092,8 @@ class Exchange(LazyDeadline):
         self.done = True
         # What was held of the body goes now, not with the exchange: a refused
         # body can be tens of MB, and the exchange may wait for a collection.
-        self._body = []
+        # (The list is the exchange's own: the key worker and salting copy it.)
+        self._body.clear()
         router = self._router
         self.ended = perf_counter()
         self._disarm()
