@@ -1,4 +1,4 @@
-"""Admission: a cap on client connections, so the router keeps working at its fd limit.
+"""Admission: caps on client connections, the router's own at its fd limit and one per address.
 
 Contract:
 - Every client connection costs one file descriptor, and one more for its
@@ -26,6 +26,22 @@ Contract:
 - The counting is exact and cheap: +1 when the protocol is built (in the
   accept callback, before ``connection_made``, so a burst of accepts in one
   loop iteration is counted as it happens), -1 in ``connection_lost``.
+- ``[limits] client_connections`` (0: off, the default) caps what one client
+  address holds open at once, as nginx's ``limit_conn`` or HAProxy's
+  ``sc_conn_cur``: without it one client can take every place under the cap
+  above and lock the others out.  The count is per address (IPv4, or IPv6 to
+  the /128), kept from ``connection_made`` (the factory is not given the
+  peer) to ``connection_lost``; an address's entry goes at zero, so the table
+  holds one entry per address with a connection open.  A connection past it
+  is refused as a request is (``ClientConnection._refuse``): a 429 with
+  ``Retry-After: 1``, a ``refused`` access-log line and
+  ``prefix_router_refused_requests_total{status="429"}``, a lingering close;
+  it still counts against the cap above until it closes.  A reload applies
+  to the connections opened after it (those open before a limit was set
+  are not counted against it).  With ``--workers N`` each worker counts its
+  own connections: the kernel spreads one client's connections over the
+  workers (``SO_REUSEPORT`` hashes the 4-tuple), so a host lets one address
+  hold between the limit and N times it, never more.
 - ``raise_nofile()`` lifts the soft limit to the hard one (start-up only).
 """
 
@@ -100,10 +116,25 @@ def client_cap(nofile: int, backends: int, max_idle: int) -> int:
 
 
 class _Client(ClientConnection):
-    __slots__ = ()
+    __slots__ = ("_counted",)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._counted = self.router.admission.opened(self.peer_ip)
+        if self._counted is None:
+            limit = self.router.config.limits.client_connections
+            self._refuse(
+                429,
+                f"this client address has {limit} connections open to the router, the limit "
+                "per address ([limits] client_connections); retry after 1 s",
+                extra=b"retry-after: 1\r\n",
+            )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.router.admission.clients -= 1
+        admission = self.router.admission
+        admission.clients -= 1
+        if self._counted:
+            admission.closed(self.peer_ip)
         super().connection_lost(exc)
 
 
@@ -143,7 +174,16 @@ class _Refusal(asyncio.Protocol):
 class Admission:
     """The protocol factory of the client listener, with its connection cap."""
 
-    __slots__ = ("_backends", "cap", "clients", "full", "nofile", "refusing", "router")
+    __slots__ = (
+        "_backends",
+        "by_address",
+        "cap",
+        "clients",
+        "full",
+        "nofile",
+        "refusing",
+        "router",
+    )
 
     def __init__(self, router: Router, nofile: int | None):
         self.router = router
@@ -151,6 +191,8 @@ class Admission:
         self.clients = 0  # open client connections (counted from the accept)
         self.refusing = 0  # refusals still lingering
         self.full = False  # at the cap (logged once each time it is reached)
+        # address -> its client connections counted against client_connections
+        self.by_address: dict[bytes, int] = {}
         self._backends = -1
         self.cap = 0
         self._update()
@@ -182,3 +224,26 @@ class Admission:
             )
         self.refusing += 1
         return _Refusal(self)
+
+    def opened(self, address: bytes) -> bool | None:
+        """A client connection from ``address`` is made: True if it is counted
+        against ``client_connections``, False if not (no limit, no address), None
+        if the address is at the limit (refuse it)."""
+        limit = self.router.config.limits.client_connections
+        if not limit or not address:
+            return False
+        by_address = self.by_address
+        open_now = by_address.get(address, 0)
+        if open_now >= limit:
+            return None
+        by_address[address] = open_now + 1
+        return True
+
+    def closed(self, address: bytes) -> None:
+        """A connection ``opened`` counted is lost."""
+        by_address = self.by_address
+        left = by_address[address] - 1
+        if left:
+            by_address[address] = left
+        else:
+            del by_address[address]

@@ -182,7 +182,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._closing = False
         # A refused request pipelined behind others: (status, message), answered
         # once the requests before it are; nothing after it is read.
-        self._refusal: tuple[int, str] | None = None
+        self._refusal: tuple[int, str, bytes] | None = None  # status, message, header lines
         self._feeding = False  # inside parser.feed_data: heads not yet fully checked
         self._next_scheduled = False  # _start_next is due (call_soon)
         self._body_pieces: list[bytes] = []  # body bytes of the read being fed, not yet handed on
@@ -512,8 +512,9 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if self._queue:
             self._start_queued()
         elif self._refusal is not None:
-            status, message = self._refusal
-            self.write(error_response(status, message, close=True, date=self.router.date.value))
+            status, message, extra = self._refusal
+            date = self.router.date.value
+            self.write(error_response(status, message, close=True, date=date, extra=extra))
             self._close(lingering=True)
         else:
             self._go_idle()
@@ -626,7 +627,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
 
     # -- endings ---------------------------------------------------------------
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, extra: bytes = b"") -> None:
         """A request we will not serve: answer if we still can, then close.
 
         Requests before it on the connection were good: they are answered
@@ -645,7 +646,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._in_head = False
         if status != 500:  # our own failure is logged where it happened, not a refusal
             self.router.request_refused(status, message)
-        self._refusal = (status, message)
+        self._refusal = (status, message, extra)
         self._watch = NOTHING  # nothing more is read from this client
         self._pause(PIPELINE)
         self._schedule_next()

@@ -415,6 +415,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # net.core.somaxconn): past it, a SYN is dropped and the client retries it a
     # second later.  A flood of new connections fills 1,024 in under a second.
     listen_backlog: Annotated[int, Meta(ge=16, le=65_535)] = 4096
+    # Client connections one address may hold open at once, per worker process
+    # (router.admission); past it a 429.  0: no limit, the default: behind a
+    # proxy or a NAT every client shares one address.
+    client_connections: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

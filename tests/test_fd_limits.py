@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -67,14 +68,14 @@ class Router:
 
 
 @pytest.fixture
-async def limited_router() -> AsyncIterator[Callable[[str], Awaitable[Router]]]:
+async def limited_router() -> AsyncIterator[Callable[..., Awaitable[Router]]]:
     procs: list[asyncio.subprocess.Process] = []
 
-    async def start(backend_url: str) -> Router:
+    async def start(backend_url: str, *flags: str) -> Router:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", LIMITED, "serve", "--listen", "127.0.0.1:0",
             "--admin-listen", "127.0.0.1:0", "--access-log", "off", "--no-health-checks",
-            "--backend", f"b={backend_url}",
+            "--backend", f"b={backend_url}", *flags,
             cwd=ROOT, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
@@ -94,7 +95,7 @@ def port_of(event: dict[str, object]) -> int:
 
 async def test_at_the_fd_limit_clients_get_a_503_and_the_admin_api_stays_up(
     backends: Callable[..., Awaitable[Backend]],
-    limited_router: Callable[[str], Awaitable[Router]],
+    limited_router: Callable[..., Awaitable[Router]],
 ) -> None:
     release = asyncio.Event()
 
@@ -175,3 +176,55 @@ async def test_at_the_fd_limit_clients_get_a_503_and_the_admin_api_stays_up(
                 statuses.append(resp.status)
     assert set(statuses) <= {200, 503}
     assert statuses[-1] == 200
+
+
+async def test_one_address_cannot_take_every_place_with_client_connections_set(
+    backends: Callable[..., Awaitable[Backend]],
+    limited_router: Callable[..., Awaitable[Router]],
+    tmp_path: Path,
+) -> None:
+    """Without the limit one address fills the cap above and every other client
+    gets a 503 (the test before); with it, that address gets a 429 at its limit
+    and another address is still served."""
+    release = asyncio.Event()
+
+    async def held(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        await release.wait()
+        return await echo(backend, seen, writer)
+
+    limit = 8
+    cap = client_cap(HARD, backends=1, max_idle=64)
+    assert limit < cap - 1
+    config = tmp_path / "router.toml"
+    config.write_text(f"[limits]\nclient_connections = {limit}\n")
+    backend = await backends(held)
+    router = await limited_router(backend.url, "--config", str(config))
+    await router.until("admin listening")
+    port = port_of(router.events["listening"])
+    clients = []
+    try:
+        for _ in range(limit):  # each with a request held at the backend
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            clients.append((reader, writer))
+            writer.write(REQUEST)
+        await backend.wait_for(lambda: len(backend.heads) == limit)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        clients.append((reader, writer))
+        async with asyncio.timeout(WAIT):
+            status, body = await answer(reader)
+        assert status == 429, body
+        assert "client_connections" in json.loads(body)["error"]["message"]
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        clients.append((reader, writer))
+        writer.write(REQUEST)
+        await backend.wait_for(lambda: len(backend.heads) == limit + 1)  # let in and forwarded
+        release.set()
+        for reader, _ in clients[:limit] + clients[-1:]:
+            async with asyncio.timeout(WAIT):
+                assert (await answer(reader))[0] == 200
+    finally:
+        release.set()
+        for _, writer in clients:
+            writer.close()

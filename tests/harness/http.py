@@ -220,9 +220,15 @@ class Client:
 
 
 @contextlib.asynccontextmanager
-async def connect(router: Router, *, rcvbuf: int | None = None) -> AsyncIterator[Client]:
+async def connect(
+    router: Router, *, rcvbuf: int | None = None, source: str | None = None
+) -> AsyncIterator[Client]:
+    """A raw client connection to ``router``, from ``source`` if given (any
+    127.0.0.0/8 address is this host's on Linux: another client address)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if source is not None:
+        sock.bind((source, 0))
     if rcvbuf is not None:  # before connect: no window autotuning
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)

@@ -1,0 +1,106 @@
+"""``[limits] client_connections``: what one client address may hold open
+(``router/admission.py``), over real loopback sockets.
+
+One address past its limit gets a 429 with ``Retry-After`` and its connection
+closed, while its open connections and every other address are served; a
+place frees when one of its connections closes.  With ``--workers N`` each
+worker counts its own: one address holds between the limit and N times it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.harness.backends import StartBackend
+from tests.harness.http import WAIT, Client, assert_error, connect, req
+from tests.harness.processes import spawn_router, stop
+from tests.harness.routers import StartRouter
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def served(client: Client) -> int:
+    """One request on ``client``'s connection: the answer's status."""
+    await client.send(req(b"GET", b"/health"))
+    return (await client.response()).status
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    async with asyncio.timeout(WAIT):
+        while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
+            await asyncio.sleep(0.01)
+
+
+async def test_an_address_past_its_limit_gets_a_429_and_the_others_are_served(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec], limits={"client_connections": 2})
+    async with connect(router) as first:
+        async with connect(router) as second:
+            assert await served(first) == 200
+            assert await served(second) == 200
+            async with connect(router) as third:
+                # Answered at once, before it sends anything, then closed.
+                resp = await third.response()
+                error = assert_error(resp, 429)
+                assert "[limits] client_connections" in error["message"]
+                assert resp.value("retry-after") == b"1"
+                assert resp.value("connection") == b"close"
+                async with asyncio.timeout(WAIT):
+                    assert await third.reader.read() == b""
+            assert router.recorder.refused[429] == 1
+            # Another address (any of 127.0.0.0/8 is this host) has its own count.
+            async with connect(router, source="127.0.0.2") as elsewhere:
+                assert await served(elsewhere) == 200
+            assert await served(first) == 200  # the open ones keep being served
+        # The second one left: its place is free again.
+        await until(lambda: router.admission.by_address == {b"127.0.0.1": 1})
+        async with connect(router) as again:
+            assert await served(again) == 200
+    await until(lambda: not router.admission.by_address)
+    assert router.recorder.refused[429] == 1
+
+
+async def test_without_a_limit_an_address_is_not_counted(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec])
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(connect(router)) for _ in range(20)]
+        assert [await served(client) for client in clients] == [200] * 20
+        assert router.admission.by_address == {}
+
+
+async def test_with_two_workers_an_address_holds_between_the_limit_and_twice_it(
+    backends: StartBackend, tmp_path: Path
+) -> None:
+    limit, workers, tries = 2, 2, 8
+    backend = await backends()
+    config = tmp_path / "router.toml"
+    config.write_text(f"[limits]\nclient_connections = {limit}\n")
+    proc, port = await spawn_router(
+        "--config", str(config), "--workers", str(workers), "--no-health-checks",
+        "--backend", f"{backend.name}={backend.url}",
+    )  # fmt: skip
+    try:
+        statuses: list[int] = []
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(tries):  # each held open, kept alive, while the next connects
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                stack.callback(writer.close)
+                client = Client(reader, writer)
+                statuses.append(await served(client))
+        assert set(statuses) <= {200, 429}, statuses
+        accepted = statuses.count(200)
+        # The kernel spreads the connections over the workers, each counting its own.
+        assert limit <= accepted <= workers * limit, statuses
+        assert statuses[:limit] == [200] * limit  # no worker can be full before that
+    finally:
+        await stop(proc)
