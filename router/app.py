@@ -71,7 +71,10 @@ class Router:
             b"\r\nx-forwarded-proto: https" if tls else b"\r\nx-forwarded-proto: http"
         )
         self.fleet = Fleet(
-            config.backends, vnodes=config.vnodes, slow_start=config.health.slow_start_seconds
+            config.backends,
+            vnodes=config.vnodes,
+            slow_start=config.health.slow_start_seconds,
+            panic=config.health.panic,
         )
         self.balancer = Balancer(self.fleet, config.routing, seed=config.seed)
         self.responses = ResponseIds(config.limits.response_ids)

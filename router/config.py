@@ -441,6 +441,9 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # discovery, or up again after being down, gets its ring share over this
     # window; seconds, "60s", "2m", or 0/"off" (the default: at once).
     slow_start: float | str = 0.0
+    # Panic (router.fleet): where every backend a request could go to is down,
+    # route to them all the same rather than answer 503.
+    panic: bool = True
 
     def __post_init__(self) -> None:
         parse_duration(self.slow_start)  # a ValueError names the value

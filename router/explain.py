@@ -557,7 +557,7 @@ class _Answer:
             if len(self.walk) == self.k:
                 break
             backend = fleet.backends.get(name)
-            if backend is None or not backend.available:
+            if backend is None or name in fleet.unavailable:  # panic: a down one taken
                 state: Literal["available", "down", "draining"] = (
                     "draining"
                     if backend is None or backend.state is AdminState.DRAINING

@@ -35,6 +35,19 @@ Contract:
   (on a running loop) and rebuilds the ring only when a step changes; its
   configured ``weight`` is what everything else reads.  ``effective_weight``
   and ``ramps`` are for the admin API.
+- Panic (``panic``, ``[health] panic``): a backend marked down whose every
+  pool (the fleet, where no model is declared) has no backend up is routed
+  to all the same (``rescued``), as Envoy's panic threshold and nginx's
+  reset of an upstream whose servers all failed: when health says every
+  backend a request could go to is down, health is more likely wrong (a
+  mistyped health path, ``/health`` too slow under peak load) than every
+  engine dead, and a request tried is better than a 503 for certain; a
+  backend really dead fails the request over to the next (``retries``).  A
+  backend that shares a pool with one that is up is never rescued: that
+  pool's traffic goes to the backend up.  Draining backends are not
+  rescued.  Decided on each refresh (a health or membership change), never
+  per request; every process of a host decides the same from the same
+  health, each replica from its own.
 """
 
 from __future__ import annotations
@@ -49,9 +62,12 @@ from hashring.ring import check_weight
 
 from .cachecheck import backend_tag
 from .config import BackendSpec
+from .log import get_logger
 from .slowstart import Ramp, fraction, next_change
 
 __all__ = ["ANY_MODEL", "AdminState", "Backend", "Fleet", "ModelPool"]
+
+log = get_logger("health")
 
 # The key of ``any_model`` among pools: not a model name (those are never empty).
 ANY_MODEL = ""
@@ -206,8 +222,10 @@ class Fleet:
         "cum_weights",
         "derive",
         "loads",
+        "panic",
         "pools",
         "ramps",
+        "rescued",
         "ring",
         "slow_start",
         "unavailable",
@@ -226,9 +244,14 @@ class Fleet:
         *,
         vnodes: int = DEFAULT_VNODES,
         slow_start: float = 0.0,
+        panic: bool = False,
         clock: Callable[[], float] = time.time,
     ):
         self.backends: dict[str, Backend] = {}
+        # Panic (the contract): whether to route to down backends where all are
+        # down, and which backends are routed to so now.
+        self.panic = panic
+        self.rescued: frozenset[str] = frozenset()
         # Slow start: the window of a recovery ramp (0: none), the clock ramps are
         # read on (unix seconds: every process of a host and every replica share
         # it), the ramps under way and the step each is at.
@@ -404,15 +427,41 @@ class Fleet:
 
     def _refresh(self) -> None:
         backends = self.backends
-        available = tuple(b for b in backends.values() if b.available)
+        rescued = self._rescue() if self.panic else frozenset()
+        if rescued != self.rescued:
+            if rescued:
+                log.warning(
+                    "panic: no backend is up for these backends' requests; routing to them anyway",
+                    backends=sorted(rescued),
+                )
+            else:
+                log.info("panic over: routing to backends up only")
+            self.rescued = rescued
+        available = tuple(b for b in backends.values() if b.available or b.name in rescued)
         self._available = available
-        unavailable = {n for n, b in backends.items() if not b.available}
+        unavailable = {n for n, b in backends.items() if not b.available and n not in rescued}
         if self._applied != self._changes:
             # Removed, but still on the ring until the rebuild is published.
             unavailable.update(n for n in self.ring.weights if n not in backends)
         self.unavailable = frozenset(unavailable)
         self.cum_weights = _cum_weights(available)
         self._refresh_pools(available)
+
+    def _rescue(self) -> frozenset[str]:
+        """The backends down that panic routes to (the contract): active, and every
+        pool they serve without a backend up."""
+        backends = self.backends
+        down = [b.name for b in backends.values() if not b.healthy and b.state is AdminState.ACTIVE]
+        if not down:
+            return frozenset()
+        # Without a model declared, the fleet is the one pool.
+        pools: Mapping[str, Mapping[str, object]] = self._pool_weights() or {ANY_MODEL: backends}
+        served = [
+            members
+            for members in pools.values()
+            if any(backends[name].available for name in members)
+        ]
+        return frozenset(name for name in down if not any(name in m for m in served))
 
     def _refresh_pools(self, available: tuple[Backend, ...]) -> None:
         """The pools of the models the backends declare now, on the rings published."""

@@ -429,6 +429,12 @@ def _small_families(router: Router) -> Iterator[Metric]:
         "prefix_router_ring_members", "Backends on the hash ring.", value=len(router.fleet.ring)
     )
     yield GaugeMetricFamily(
+        "prefix_router_panic_backends",
+        "Backends down that are routed to all the same: every pool they serve has"
+        " none up ([health] panic).",
+        value=len(router.fleet.rescued),
+    )
+    yield GaugeMetricFamily(
         "prefix_router_claim_spread",
         "Claim spreading's c: the walk's threshold is lowered by a draw in 0..c-1 so"
         " that replicas do not all claim one freed place (1: off, one replica).",

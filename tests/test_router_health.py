@@ -11,6 +11,9 @@ from aiohttp import web
 
 from loadtests.simserver import SimServer
 from router.app import Router
+from router.config import BackendSpec
+from router.control.live import RouterControl
+from router.fleet import AdminState, Fleet, ModelPool
 from tests.harness.routers import FAST_HEALTH, SimFleet, StartRouter
 
 # Detection must happen within the configured time: thresholds x interval plus
@@ -109,7 +112,9 @@ async def test_5xx_answers_count_as_failures(start_router: StartRouter) -> None:
     await site.start()
     try:
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        router = await start_router([("broken", url)], health={**FAST_HEALTH, "active": False})
+        # Without panic (below): the one backend down, nothing is tried.
+        health = {**FAST_HEALTH, "active": False, "panic": False}
+        router = await start_router([("broken", url)], health=health)
         async with aiohttp.ClientSession() as http:
             for _ in range(3):
                 async with http.post(
@@ -123,6 +128,108 @@ async def test_5xx_answers_count_as_failures(start_router: StartRouter) -> None:
                 assert resp.status == 503  # nothing healthy left
     finally:
         await runner.cleanup()
+
+
+# -- panic: every backend a request could go to is down -----------------------------
+
+
+def test_panic_routes_to_down_backends_only_where_their_pools_have_none_up() -> None:
+    def fleet(*backends: tuple[str, list[str]], panic: bool = True) -> Fleet:
+        specs = [BackendSpec(name=n, url="http://127.0.0.1:9", models=m) for n, m in backends]
+        return Fleet(specs, panic=panic)
+
+    def names(members: Fleet | ModelPool | None) -> set[str]:
+        assert members is not None
+        return {b.name for b in members.available}
+
+    one = fleet(("a", []), ("b", []), ("c", []))
+    one.set_healthy("a", False)
+    assert (one.rescued, one.unavailable) == (frozenset(), {"a"})
+    one.set_healthy("b", False)
+    one.set_healthy("c", False)
+    assert one.rescued == {"a", "b", "c"}
+    assert not one.unavailable
+    assert names(one) == {"a", "b", "c"}
+    one.set_state("c", AdminState.DRAINING)  # draining is the operator's word: kept out
+    assert (one.rescued, one.unavailable) == ({"a", "b"}, {"c"})
+    one.set_healthy("b", True)  # one up again: the panic is over
+    assert (one.rescued, one.unavailable) == (frozenset(), {"a", "c"})
+
+    # x serves m1, y m1 and m2, z m2, w any model (it is in every pool).
+    pools = fleet(("x", ["m1"]), ("y", ["m1", "m2"]), ("z", ["m2"]), ("w", []))
+    for name in ("x", "y"):
+        pools.set_healthy(name, False)
+    assert not pools.rescued  # w serves m1
+    pools.set_healthy("w", False)
+    # m1 has none up: x, which serves only m1, takes it; y and w serve m2 too, up on z.
+    assert pools.rescued == {"x"}
+    assert names(pools.members_for("m1")) == {"x"}
+    assert names(pools.members_for("m2")) == {"z"}
+    assert pools.unavailable == {"y", "w"}
+    # A request of no model goes to w alone, down: not rescued, since m2's traffic
+    # would then go to it too (the contract).
+    assert names(pools.members_for(None)) == set()
+
+    off = fleet(("a", []), panic=False)
+    off.set_healthy("a", False)
+    assert (off.rescued, off.unavailable, names(off)) == (frozenset(), {"a"}, set())
+
+
+async def test_when_every_health_check_fails_requests_are_still_served(
+    start_router: StartRouter,
+) -> None:
+    """A health path that fails while the engines serve (mistyped, or too slow under
+    load): every backend goes down, and with panic (the default) traffic goes on;
+    once one is up, only it is routed to.  Without panic: 503."""
+    up: set[str] = set()
+
+    async def start(name: str) -> tuple[web.AppRunner, str]:
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200 if name in up else 404)
+
+        async def completion(request: web.Request) -> web.Response:
+            return web.json_response({"choices": []}, headers={"x-served-by": name})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completion)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    started = [await start(name) for name in ("a", "b")]
+    try:
+        specs = [(name, url) for name, (_, url) in zip("ab", started, strict=True)]
+        router = await start_router(specs, health=FAST_HEALTH)
+        strict = await start_router(specs, health={**FAST_HEALTH, "panic": False})
+        for name in "ab":
+            await healthy_is(router, name, False)
+            await healthy_is(strict, name, False)
+
+        async def post(target: Router, i: int) -> tuple[int, str]:
+            url = f"http://127.0.0.1:{target.port}/v1/completions"
+            async with http.post(url, json={"prompt": f"document {i} " * 50}) as resp:
+                await resp.read()
+                return resp.status, resp.headers.get("x-served-by", "")
+
+        async with aiohttp.ClientSession() as http:
+            answers = [await post(router, i) for i in range(20)]
+            assert {status for status, _ in answers} == {200}
+            assert {status for status, _ in [await post(strict, i) for i in range(5)]} == {503}
+            stats = await RouterControl(router).stats()
+            assert stats.panic == ["a", "b"]
+            metrics = (await router.collector.render_async()).decode()
+            assert "prefix_router_panic_backends 2.0" in metrics
+
+            up.add("b")
+            await healthy_is(router, "b", True)
+            assert not router.fleet.rescued
+            assert {await post(router, i) for i in range(20)} == {(200, "b")}
+    finally:
+        for runner, _ in started:
+            await runner.cleanup()
 
 
 async def test_backend_metrics_are_scraped_for_stats(

@@ -254,6 +254,9 @@ class Stats(msgspec.Struct, frozen=True):
     # Members etcd lists that this replica has no column for (past the workers' slots),
     # by key: each is added, in this order, as a removal frees a column.
     not_added: list[str] = msgspec.field(default_factory=list)
+    # Backends down that are routed to all the same: every pool they serve has none
+    # up ([health] panic, router.fleet).
+    panic: list[str] = msgspec.field(default_factory=list)
 
 
 class Control(Protocol):

@@ -222,6 +222,7 @@ class RouterControl:
             experiment=router.balancer.arms.view() if router.balancer.arms is not None else None,
             replicas=self.replicas.view() if self.replicas is not None else None,
             not_added=sorted(self._unslotted),
+            panic=sorted(router.fleet.rescued),
         )
 
     async def experiment(self) -> ExperimentView:
