@@ -17,6 +17,16 @@ way.  At shutdown what is left gets ``CLOSE_SECONDS`` to be written.
 Before, ``os.write`` ran on the loop: a full pipe froze every client, the
 admin API and SIGTERM (RELIABILITY.md, defect 32).
 
+A log that is a regular file is followed, as ``tail -F`` and Python's
+``WatchedFileHandler`` do: before each chunk the writer checks (``stat``, in
+its thread) that the path still names the file it holds, and opens the path
+again when logrotate has renamed or removed it, so rotation needs no signal
+and loses no line: what was written before goes to the rotated file, the
+next chunk to the new one.  ``copytruncate`` works as well (the descriptor
+appends).  Every process writing the log (each worker of ``--workers N``)
+follows it on its own, within a flush (a second) of its next line.  A path
+that cannot be opened again keeps the old file (counted, logged once).
+
 Never logged: bodies, header values, tenant keys, query strings.  With
 ``[advisor] key_digests`` a keyed request's line ends with ``key_digests``
 (router.keydigests): digests of its key at several lengths, no text.
@@ -27,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import stat
 import sys
 import threading
 import time
@@ -89,12 +100,20 @@ class RefusedRecord(msgspec.Struct):
 
 
 class _Writer(threading.Thread):
-    """Writes the chunks it is handed to ``fd``, one at a time, off the loop."""
+    """Writes the chunks it is handed to ``fd``, one at a time, off the loop;
+    with ``path``, the file there (the module's docstring: a rotated file is
+    followed)."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, path: str | None):
         super().__init__(name="access log", daemon=True)
         self.fd = fd
         self.lost = 0  # lines of chunks whose write failed
+        self.reopened = 0  # the path opened again: it named another file
+        self.reopen_failed = 0  # ... and could not be
+        self._path = path
+        self._identity = _identity(os.fstat(fd)) if path is not None else None
+        if self._identity is None:
+            self._path = None  # a pipe or a device: nothing to follow
         self._cond = threading.Condition()
         self._chunk: bytes | None = None
         self._stopping = False
@@ -130,7 +149,26 @@ class _Writer(threading.Thread):
                 self._chunk = None
                 self._cond.notify_all()
 
+    def _follow(self, path: str) -> None:
+        """Open ``path`` again if it names another file than the one written to."""
+        try:
+            if _identity(os.stat(path)) == self._identity:
+                return
+        except OSError:
+            pass  # removed (rotated without ``create``): make it again
+        try:
+            fd = open_target(path)
+        except ConfigError:
+            self.reopen_failed += 1
+            return
+        old, self.fd = self.fd, fd
+        self._identity = _identity(os.fstat(fd))
+        os.close(old)
+        self.reopened += 1
+
     def _write(self, chunk: bytes) -> None:
+        if self._path is not None:
+            self._follow(self._path)
         view = memoryview(chunk)
         while view:
             try:
@@ -142,6 +180,11 @@ class _Writer(threading.Thread):
                 self.lost += view.tobytes().count(b"\n")
                 return
             view = view[written:]
+
+
+def _identity(status: os.stat_result) -> tuple[int, int] | None:
+    """A regular file's (device, inode); None for anything else."""
+    return (status.st_dev, status.st_ino) if stat.S_ISREG(status.st_mode) else None
 
 
 def open_target(target: str) -> int:
@@ -161,6 +204,8 @@ class AccessLog:
         "_encoder",
         "_fd",
         "_owns_fd",
+        "_path",
+        "_reopened",
         "_timer",
         "_writer",
         "dropped",
@@ -182,6 +227,8 @@ class AccessLog:
         self._writer: _Writer | None = None  # started at the first flush
         self._dropping = False  # lines are being dropped (logged once each time)
         self.dropped = 0  # lines dropped: the writer too far behind
+        self._path = target if self._owns_fd else None  # a file to follow through rotations
+        self._reopened = (0, 0)  # the writer's (reopened, reopen_failed) as last logged
 
     @property
     def lost(self) -> int:
@@ -248,8 +295,10 @@ class AccessLog:
             return
         writer = self._writer
         if writer is None:
-            writer = self._writer = _Writer(self._fd)
+            writer = self._writer = _Writer(self._fd, self._path)
             writer.start()
+        if (writer.reopened, writer.reopen_failed) != self._reopened:
+            self._log_reopens(writer)
         if writer.offer(bytes(buffer)):
             buffer.clear()
             if self._dropping:
@@ -265,6 +314,17 @@ class AccessLog:
                     "access log: the sink is not keeping up, dropping lines",
                     pending_bytes=MAX_PENDING,
                 )
+
+    def _log_reopens(self, writer: _Writer) -> None:
+        """Say on the loop what the writer's thread did since the last time."""
+        reopened, failed = self._reopened
+        if writer.reopened != reopened:
+            log.info("access log reopened: its path names a new file", path=self._path)
+        if writer.reopen_failed != failed and not failed:  # once, not per chunk
+            log.warning(
+                "access log: cannot open its path again; writing to the old file", path=self._path
+            )
+        self._reopened = (writer.reopened, writer.reopen_failed)
 
     def sync(self, timeout: float = CLOSE_SECONDS) -> bool:
         """Flush and wait (blocking, up to ``timeout``) until every pending line is
@@ -293,5 +353,5 @@ class AccessLog:
             if writer.is_alive():
                 return  # stuck in a write: the fd stays open (the thread is a daemon)
         if self._owns_fd:
-            os.close(self._fd)
+            os.close(writer.fd if writer is not None else self._fd)  # the writer's: followed
             self._owns_fd = False
