@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from router import backendtls
 from router.accesslog import open_target
 from router.cachesalt import Salter
 from router.config import (
@@ -449,6 +450,8 @@ def _check_config(path: str) -> int:
         if config.admin_listen != "off":
             parse_address(config.admin_listen, "admin_listen")
         tls_context(config)
+        if backendtls.files(config.backend_tls):
+            backendtls.context(config.backend_tls)
         Salter.from_config(config.cache_salt)
         state = StateFile(config.state_file).load() if config.state_file else None
         replicated = bool(config.etcd) and config.discover is None  # etcd's, not the file's
@@ -531,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                     " token (--admin-token-file or PREFIX_ROUTER_ADMIN_TOKEN)"
                 )
         tls = tls_context(config)
+        if backendtls.files(config.backend_tls):  # now rather than in a worker
+            backendtls.context(config.backend_tls)
         Salter.from_config(config.cache_salt)  # its secret, now rather than in a worker
         if config.access_log not in ("-", "off"):
             os.close(open_target(config.access_log))  # a path it cannot write: exit 2 now

@@ -21,8 +21,9 @@ Contract:
   with a warning (remove the name, add a new one): the fleet holds a
   backend's spec as it was added.
 - Everything else (listeners, TLS, workers, etcd, state file, access log,
-  health checks, vnodes, seed, cache_salt, advisor) needs a restart: a reload that changes one
-  logs ``config fields need a restart`` naming them and applies the rest.
+  health checks, vnodes, seed, cache_salt, advisor, backend_tls) needs a
+  restart: a reload that changes one logs ``config fields need a restart``
+  naming them and applies the rest.
 - Connections are never dropped: nothing here touches a listener, and a
   drained backend finishes its requests.
 """
@@ -54,6 +55,7 @@ RESTART_FIELDS = (
     "admin_listen",
     "tls_cert",
     "tls_key",
+    "backend_tls",
     "workers",
     "etcd",
     "etcd_prefix",

@@ -32,6 +32,7 @@ import msgspec
 from .abreport import ArmCollector
 from .accesslog import AccessLog
 from .admission import Admission, nofile_limit
+from .backendtls import BackendTLS
 from .balancer import Balancer
 from .cachecheck import Repeats
 from .cachesalt import Salter
@@ -81,6 +82,7 @@ class Router:
         self.sessions = SessionRule(config.routing.prefix_aware)  # router.sessions
         self.salter = Salter.from_config(config.cache_salt)  # None: off (router.cachesalt)
         self.pools: dict[str, Pool] = {}
+        self.backend_tls = BackendTLS(config.backend_tls)  # https:// backends, built when used
         self.connections: set[ClientConnection] = set()
         self.date = DateHeader()
         self.access = AccessLog(config.access_log)
@@ -100,7 +102,7 @@ class Router:
         health = config.health
         if config.engine_signals.enabled and not health.scrape_metrics:
             health = msgspec.structs.replace(health, scrape_metrics=True)  # what it reads
-        self.health = HealthMonitor(self.fleet, health)
+        self.health = HealthMonitor(self.fleet, health, self.backend_tls)
         # [engine_signals]: engine queues and KV use break routing ties (router.signals).
         self.signals: EngineSignals | None = None
         if config.engine_signals.enabled:
@@ -169,6 +171,10 @@ class Router:
             ssl=self.tls,
         )
         self.access.start(self.loop)
+        if not self.config.backend_tls.verify:
+            log.warning(
+                "backend_tls.verify is off: any certificate is taken from https:// backends"
+            )
         if self.config.otel.endpoint is not None and self.tracer is None:
             from .tracing import Tracer, TracerCollector  # imported only when tracing is on
 
@@ -264,6 +270,7 @@ class Router:
             backend.port,
             max_idle=limits.max_idle_upstream,
             keepalive=timeouts.upstream_keepalive,
+            tls=self.backend_tls if backend.tls else None,
         )
 
     def add_backend(self, spec: BackendSpec, ramp: Ramp | None = None) -> Backend:

@@ -46,6 +46,7 @@ __all__ = [
     "ArmPrefixAware",
     "ArmRouting",
     "BackendSpec",
+    "BackendTLS",
     "CacheSaltConfig",
     "Config",
     "ConfigError",
@@ -337,6 +338,11 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
     def address(self) -> tuple[str, int]:
         return backend_address(self.url)
 
+    @property
+    def tls(self) -> bool:
+        """An ``https://`` backend (the scheme is checked case-blind, as urlsplit reads it)."""
+        return self.url[:6].lower() == "https:"
+
 
 # One DNS label (RFC 1123, plus "_" for container service names), and a name of them.
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
@@ -344,7 +350,7 @@ _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 
 def backend_address(url: str) -> tuple[str, int]:
-    """(host, port) of a backend url ``http://HOST[:PORT][/]``, or ValueError saying why.
+    """(host, port) of a backend url ``http[s]://HOST[:PORT][/]``, or ValueError saying why.
 
     Credentials are refused without being quoted back: the message would carry
     them into logs and API answers.
@@ -363,8 +369,8 @@ def backend_address(url: str) -> tuple[str, int]:
         port = parts.port
     except ValueError:
         raise ValueError(f"backend url {url!r} has an invalid host or port") from None
-    if parts.scheme != "http":
-        raise ValueError(f"backend url {url!r} must start with http://")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"backend url {url!r} must start with http:// or https://")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(f"backend url {url!r} must not have a path or query")
     host = parts.hostname
@@ -379,7 +385,9 @@ def backend_address(url: str) -> tuple[str, int]:
             raise ValueError(f"backend url {url!r} has an invalid IPv6 address") from None
     elif len(host) > 253 or not _HOSTNAME.fullmatch(host):
         raise ValueError(f"backend url {url!r} has an invalid host name")
-    return host, 80 if port is None else port
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    return host, port
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -598,6 +606,22 @@ def parse_address(text: str, what: str = "address") -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class BackendTLS(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How the router speaks TLS to ``https://`` backends (requests, health checks,
+    metric scrapes); ``http://`` backends are not affected."""
+
+    ca_file: str | None = (
+        None  # PEM bundle the backends' certificates chain to; unset: the system's
+    )
+    verify: bool = True  # false: any certificate, any name (a warning at start-up)
+    cert_file: str | None = None  # the router's client certificate (mutual TLS), PEM
+    key_file: str | None = None  # its private key, PEM
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("backend_tls: cert_file and key_file go together")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     listen: str = "127.0.0.1:8080"
     backends: list[BackendSpec] = msgspec.field(default_factory=list)
@@ -609,6 +633,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_file: str | None = None
     tls_cert: str | None = None  # PEM certificate chain for the client listener
     tls_key: str | None = None  # its private key (PEM)
+    backend_tls: BackendTLS = msgspec.field(default_factory=BackendTLS)  # https:// backends
     # Other backends tried when one cannot be reached.
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
     vnodes: Annotated[int, Meta(ge=1, le=65_536)] = 1024
@@ -746,5 +771,5 @@ def backend_flag(text: str) -> dict[str, Any]:
                 spec["models"] = models
             return spec
     raise ConfigError(
-        f"--backend {text!r} must look like NAME=http://HOST:PORT[,weight=W][,model=M ...]"
+        f"--backend {text!r} must look like NAME=http[s]://HOST:PORT[,weight=W][,model=M ...]"
     )

@@ -96,6 +96,7 @@ class Backend:
         "state",
         "tag",
         "tie_breaks",
+        "tls",
         "url",
         "weight",
     )
@@ -105,6 +106,7 @@ class Backend:
         self.name = spec.name
         self.url = spec.url
         self.host, self.port = spec.address()
+        self.tls = spec.tls
         self.weight = spec.weight
         self.state = AdminState.ACTIVE
         self.healthy = True

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -36,11 +37,13 @@ from typing import TYPE_CHECKING
 from prometheus_client.parser import text_string_to_metric_families
 
 from .cachecheck import CacheCheck
+from .config import ConfigError
 from .log import get_logger
 
 if TYPE_CHECKING:
     import aiohttp
 
+    from .backendtls import BackendTLS
     from .config import HealthConfig
     from .fleet import Backend, Fleet
     from .signals import EngineSignals
@@ -107,9 +110,10 @@ class _Watch:
 
 
 class HealthMonitor:
-    def __init__(self, fleet: Fleet, config: HealthConfig):
+    def __init__(self, fleet: Fleet, config: HealthConfig, tls: BackendTLS | None = None):
         self.fleet = fleet
         self.config = config
+        self.tls = tls  # for https:// backends (router.backendtls); None: the default
         self.transitions: Counter[tuple[str, str]] = Counter()  # (backend, "up"/"down")
         self.scraped: dict[str, Scraped] = {}
         self.cache = CacheCheck(config.scrape_metrics)
@@ -257,11 +261,20 @@ class HealthMonitor:
                 backend.url.rstrip("/") + path,
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 allow_redirects=False,
+                ssl=await self._ssl(backend),
             ) as response:
                 await response.read()
                 return 200 <= response.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except (aiohttp.ClientError, TimeoutError, OSError, ConfigError):
             return False
+
+    async def _ssl(self, backend: Backend) -> ssl.SSLContext | bool:
+        """What aiohttp's ``ssl`` takes for ``backend``: the router's context for an
+        ``https://`` one (router.backendtls), else its default (unused for http)."""
+        tls = self.tls
+        if not backend.tls or tls is None:
+            return True
+        return tls.built or await tls.get()
 
     def _set(self, backend: Backend, healthy: bool, reason: str) -> None:
         if backend.name not in self.fleet.backends or backend.healthy == healthy:
@@ -322,12 +335,14 @@ class HealthMonitor:
 
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
         try:
-            async with self._session.get(url, timeout=timeout) as response:
+            async with self._session.get(
+                url, timeout=timeout, ssl=await self._ssl(backend)
+            ) as response:
                 if response.status != 200:
                     return False
                 self._parse(name, await response.text())
                 return True
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, ConfigError):
             return False  # the health checks report an unreachable backend; keep the last figures
 
     def _parse(self, name: str, text: str) -> None:

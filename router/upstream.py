@@ -28,6 +28,9 @@ Contract:
 - Reading is paused while either reason holds (``pause``/``resume``): the
   client does not drain (``CLIENT``), or the rest of a read waits
   (``UNFED``).  A connection given back to its pool reads again.
+- An ``https://`` backend's pool connects over TLS (``router.backendtls``):
+  the handshake is part of the connect and its timeout; the pooled
+  connection is reused as a plain one is.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import httptools
 from .log import get_logger
 
 if TYPE_CHECKING:
+    from .backendtls import BackendTLS
     from .exchange import Exchange
 
 __all__ = ["Pool", "UpstreamConnection"]
@@ -321,7 +325,17 @@ class UpstreamConnection(asyncio.Protocol):
 class Pool:
     """Idle keep-alive connections to one backend, most recently used first."""
 
-    __slots__ = ("_idle", "authority", "closed", "host", "keepalive", "loop", "max_idle", "port")
+    __slots__ = (
+        "_idle",
+        "authority",
+        "closed",
+        "host",
+        "keepalive",
+        "loop",
+        "max_idle",
+        "port",
+        "tls",
+    )
 
     def __init__(
         self,
@@ -331,10 +345,12 @@ class Pool:
         *,
         max_idle: int,
         keepalive: float,
+        tls: BackendTLS | None = None,
     ):
         self.loop = loop
         self.host = host
         self.port = port
+        self.tls = tls  # an https:// backend: its name is the server name checked
         # The Host of clients that sent none (HTTP/1.0); an IPv6 literal in brackets.
         self.authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
         self.max_idle = max_idle
@@ -365,7 +381,16 @@ class Pool:
 
     async def _open(self) -> UpstreamConnection:
         factory: Callable[[], UpstreamConnection] = lambda: UpstreamConnection(self)  # noqa: E731
-        _, conn = await self.loop.create_connection(factory, self.host, self.port)
+        tls = self.tls
+        if tls is None:
+            _, conn = await self.loop.create_connection(factory, self.host, self.port)
+            return conn
+        # The connect timeout (``connect``) covers building the context (the first
+        # time: router.backendtls) and the handshake too.
+        context = tls.built or await tls.get()
+        _, conn = await self.loop.create_connection(
+            factory, self.host, self.port, ssl=context, server_hostname=self.host
+        )
         return conn
 
     def give_back(self, conn: UpstreamConnection) -> None:

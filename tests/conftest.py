@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,8 +103,10 @@ async def backends() -> AsyncIterator[StartBackend]:
     (``tests/harness/backends.py``); request it before ``start_router``."""
     started: list[Backend] = []
 
-    async def start(handler: Handler = echo, name: str = "hand") -> Backend:
-        backend = Backend(handler, f"{name}-{len(started)}")
+    async def start(
+        handler: Handler = echo, name: str = "hand", tls: ssl.SSLContext | None = None
+    ) -> Backend:
+        backend = Backend(handler, f"{name}-{len(started)}", tls)
         await backend.start()
         started.append(backend)
         return backend

@@ -38,7 +38,7 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
         (["--concurrency-threshold", "2000"], "ConcurrencyThreshold"),
         (["--balance-factor", "0.5"], "BalanceFactor"),
         (["--strategy", "ROUND_ROBIN"], "RoutingStrategy"),
-        (["--backend", "a=https://x:1"], "backends[0]"),
+        (["--backend", "a=ftp://x:1"], "backends[0]"),
         (["--backend", "bad name=http://x:1"], "backends[0].name"),
         (["--backend", "a=http://x:0"], "port from 1 to 65535"),
         (["--backend", "a=http://user:pw@x:1"], "credentials"),

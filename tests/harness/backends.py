@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -120,9 +121,10 @@ class _Parse:
 class Backend:
     """An HTTP/1.1 server on 127.0.0.1 that records what it receives."""
 
-    def __init__(self, handler: Handler, name: str):
+    def __init__(self, handler: Handler, name: str, tls: ssl.SSLContext | None = None):
         self.handler = handler
         self.name = name
+        self.tls = tls  # a server context: an https:// backend
         self.connections = 0  # accepted
         self.closed = 0  # ended, either side
         self.heads: list[Seen] = []  # every request head, complete or not
@@ -136,7 +138,8 @@ class Backend:
     @property
     def url(self) -> str:
         assert self._server is not None
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     @property
     def spec(self) -> tuple[str, str]:
@@ -152,7 +155,7 @@ class Backend:
                 await self._event.wait()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
 
     async def close(self) -> None:
         assert self._server is not None
