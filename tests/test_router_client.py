@@ -5,7 +5,7 @@ What its contract promises: requests are parsed from any split of the bytes;
 pipelined requests are answered in order, those before a refused one first;
 heads, trailers and chunk framing are counted against the limits as they
 arrive; malformed framing (smuggling) gets a 400 and never reaches a backend;
-the ``client_header`` / ``client_body`` / ``keepalive`` / ``client_send``
+the ``client_header`` / ``client_body`` / ``client_request`` / ``keepalive`` / ``client_send``
 deadlines; a client that reads nothing holds a bounded buffer.
 
 Raw-socket clients and recording backends (``tests/harness/``): exact bytes both ways.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import socket
 import subprocess
 from collections.abc import Callable
 
@@ -565,6 +566,91 @@ async def test_a_body_trickled_under_the_stall_timeout_is_bounded_by_client_requ
         error = assert_error(resp, 408)
         assert error["message"] == "request body not received within 0.4 s"
         assert backend.requests == []  # never completed upstream
+    await quiet(router)
+
+
+async def test_time_a_backend_does_not_take_a_body_is_not_counted_against_client_request(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    # A native body whose backend takes its head, then reads nothing for longer
+    # than client_request while the client keeps sending: the router's reading
+    # is paused (backpressure), its time, not the client's; the request is
+    # served.  The control, a body the router waits for over that same stretch
+    # with reading on, gets the 408.
+    limit = 1.0
+    loop = asyncio.get_running_loop()
+    stopped = asyncio.Event()  # the backend has stopped reading the held body
+    full = asyncio.Event()  # since then, the client's send buffer filled: nobody takes its bytes
+    stop = asyncio.Event()
+
+    async def hold_the_first_body(seen: Seen) -> None:
+        if seen.connection == 1:  # the held request's; the control's is read on
+            stopped.set()
+            await backend.release.wait()
+
+    backend = await backends()
+    backend.body_read = hold_the_first_body
+    router = await start_router(
+        [backend.spec], timeouts={"client_body": 30.0, "client_request": limit}
+    )
+    head = b"POST /invocations HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    piece = b"x" * 65536
+    frame = b"%x\r\n%s\r\n" % (len(piece), piece)
+
+    async def keep_sending(sock: socket.socket) -> int:
+        """Chunks until ``stop``; the body's length once ended (or cut off)."""
+        sent = len(NATIVE_BODY)
+        try:
+            while not stop.is_set():
+                try:
+                    taken = sock.send(frame)
+                except BlockingIOError:
+                    taken = 0
+                if taken < len(frame):  # the kernel's buffer is full
+                    full.set()
+                    await loop.sock_sendall(sock, memoryview(frame)[taken:])
+                sent += len(piece)
+                await asyncio.sleep(0)  # the router's turn: it keeps up unless paused
+            await loop.sock_sendall(sock, b"0\r\n\r\n")
+        except ConnectionError:  # refused: the answer says why
+            pass
+        return sent
+
+    first = b"%x\r\n%s\r\n" % (len(NATIVE_BODY), NATIVE_BODY)  # past PrefixLength: routed
+    async with connect(router) as client:
+        # Sent through a second descriptor of the client's socket, by hand: a send
+        # the kernel does not take in full says its buffer is full.
+        with socket.fromfd(
+            client.writer.get_extra_info("socket").fileno(), socket.AF_INET, socket.SOCK_STREAM
+        ) as sock:
+            sock.setblocking(False)
+            await client.send(head, first)
+            async with asyncio.timeout(WAIT):
+                await stopped.wait()
+            # The held body's head has reached the backend, so the router's body
+            # watch began before this (the loop's clock is the router's).
+            began = loop.time()
+            sender = asyncio.create_task(keep_sending(sock))
+            try:
+                async with asyncio.timeout(WAIT):
+                    await full.wait()
+                async with connect(router) as control:  # the same, then nothing more
+                    await control.send(head, first)
+                    error = assert_error(await control.response(), 408)
+                assert error["message"] == "request body not received within 1 s"
+                held = loop.time() - began
+                assert held > limit  # the held body has been under way longer than that
+                stop.set()
+                backend.release.set()
+                async with asyncio.timeout(WAIT):
+                    sent = await sender
+            finally:
+                sender.cancel()
+        resp = await client.response()
+    print(f"\nheld {held:.2f} s against client_request {limit:g} s; body {sent:,} B")
+    assert resp.status == 200, resp.body
+    assert resp.json()["length"] == sent
+    assert [len(seen.body) for seen in backend.requests] == [sent]
     await quiet(router)
 
 

@@ -4,7 +4,9 @@ request head and body they receive (``Seen``) and answer with exact bytes.
 A ``Handler`` writes the answer (or not) and says whether to keep the connection;
 ``echo`` answers JSON naming the method, target and body length, ``hold`` does so
 once the test sets ``backend.release``; ``reset`` ends a
-connection with a TCP RST.  The ``backends`` fixture (conftest) starts them.
+connection with a TCP RST.  ``backend.body_read``, when a test sets it, is awaited
+before each read in the middle of a request body: a backend that takes a head and
+then holds off reading the body.  The ``backends`` fixture (conftest) starts them.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ class Backend:
         self.requests: list[Seen] = []  # complete requests
         self.errors: list[str] = []  # what the backend's parser rejected
         self.release = asyncio.Event()  # handlers that hold wait on this
+        # Awaited before each read while a request's body is incomplete (None: read on).
+        self.body_read: Callable[[Seen], Awaitable[None]] | None = None
         self._event = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -181,6 +185,9 @@ class Backend:
         try:
             keep = True
             while keep:
+                seen = parse.current
+                if self.body_read is not None and seen is not None and not seen.complete:
+                    await self.body_read(seen)  # meanwhile the socket's buffers fill
                 data = await reader.read(65536)
                 if not data:
                     break
