@@ -1,6 +1,12 @@
 """One request crossing the router: route it, stream it both ways, account for it.
 
-Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
+``Exchange`` is what ``ClientConnection`` drives: the request side (the head
+checked, the body keyed and forwarded, the backend chosen and connected, the
+retries) and the one ending every path goes through.  Its base,
+``router.relay.Relay``, holds its state and relays the response.
+
+Contract (the rules of ../shared/DESIGN.md "Request flow", in code; the
+response half is ``router.relay``'s):
 - The key is computed from the head and as much body as routing needs:
   nothing for passthroughs, the whole (bounded) body for OpenAI kinds, the
   first ``PrefixLength`` bytes for native kinds, hashed as they arrive
@@ -33,11 +39,6 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   dies before any response byte is replaced by a fresh one to the same
   backend, but only when the router still holds the whole request.  Nothing
   is replayed once the backend may have started on it otherwise.
-- Errors before any response byte reached the client become a JSON error
-  (502/503/504); after that, the client connection is closed so a truncated
-  response never looks complete: with a FIN where the framing shows the cut
-  (a short ``Content-Length``, no last chunk), with a reset where it cannot
-  (an HTTP/1.0 client reading until the close).
 - Heads are checked before anything is routed: one ``Host`` (required on
   HTTP/1.1), at most one tenant header, no transfer coding but ``chunked``
   (501), no fragment, no ``Via`` entry of this router (508: a backend URL
@@ -47,10 +48,6 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   escapes its limits and key rule.  Every forwarded request carries our
   ``Via`` entry, and with tracing on our ``traceparent`` (``router.tracing``:
   ``span`` is None while it is off, the only thing checked then).
-- Opt-in (``decision_header``): proxied responses carry
-  ``X-Prefix-Router-Decision: decision=<the access log's>; key=<its prefix_hash>``
-  (``; backend=<name>`` only with ``decision_header_backend``); answers the
-  router makes itself (errors, ``/v1/models``) do not.
 - Opt-in (``[advisor] key_digests``, ``router.keydigests``): a keyed
   request's access line gets the digests of its prompt's key at several
   lengths: an OpenAI body's from the one decode (and its key, when that holds
@@ -72,12 +69,6 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", in code):
   backend at its bound (or others of its pool already waiting) waits in the
   queue (``queue_entered``) until ``admit`` places it, or is answered 429 with
   ``Retry-After`` (``reject``); leaving while queued frees its place.
-- One read deadline at a time, re-armed lazily (``LazyDeadline``): ``first_byte`` from the
-  moment the request head is sent to the response head (any progress either
-  way, such as body bytes still being forwarded, defers it), then ``idle``
-  between reads.  Time the client spends not reading (so that we stopped
-  reading the backend) is the client's, bounded by ``client_send`` (the
-  client connection's deadline).
 """
 
 from __future__ import annotations
@@ -89,12 +80,10 @@ from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
-from .accesslog import prefix_hash
 from .balancer import SATURATED
 from .cachecheck import MIN_KEY_BYTES
 from .cachesalt import salted_body
 from .config import MAX_MODEL_NAME
-from .deadline import LazyDeadline
 from .extract import (
     BadRequest,
     conversation_id,
@@ -103,35 +92,24 @@ from .extract import (
     model_name,
     prompt_key,
 )
-from .heads import (
-    CHUNKED,
-    NO_BODY,
-    TENANT_HEADER,
-    UNTIL_CLOSE,
-    Kind,
-    read_request,
-    read_response,
-    upstream_head,
-)
+from .heads import TENANT_HEADER, Kind, upstream_head
 from .queue import QUEUE_FULL
-from .responses import IdScanner, response_id_of
+from .relay import Relay
+from .responses import response_id_of
 from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
 from .upstream import CLIENT
-from .wire import CHUNKED_END, CONTINUE_100, error_response, json_response
+from .wire import CHUNKED_END, CONTINUE_100
 
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 if TYPE_CHECKING:
     from msgspec import Raw
 
-    from .arms import Arm, Experiment
+    from .arms import Experiment
     from .balancer import Balancer, Choice, Members
-    from .client import ClientConnection
     from .fleet import ModelPool
-    from .keydigests import KeyDigests, NativeDigests
     from .keyworker import Keyed
     from .queue import AdmissionQueue
-    from .tracing import Span
     from .upstream import UpstreamConnection
 
 __all__ = ["Exchange"]
@@ -144,151 +122,8 @@ MODELS_PATH = b"/v1/models"
 OWNED_BY = "prefix-router"
 
 
-class Exchange(LazyDeadline):
-    __slots__ = (
-        "_attempts",
-        "_body",
-        "_chunk",
-        "_client_paused",
-        "_conn",
-        "_connecting",
-        "_digesting",
-        "_entered",
-        "_framing",
-        "_hasher",
-        "_head_sent",
-        "_id_wait",
-        "_last_read",
-        "_listing",
-        "_out",
-        "_queue_timer",
-        "_read_timeout",
-        "_replayable",
-        "_request",
-        "_response_id",
-        "_router",
-        "_scan",
-        "_stale_retried",
-        "_tried",
-        "_upstream_bytes",
-        "_upstream_framed",
-        "arm",
-        "bytes_in",
-        "bytes_out",
-        "choice",
-        "client_keep_alive",
-        "done",
-        "ended",
-        "http10",
-        "key_bytes",
-        "key_digests",
-        "key_hash",
-        "key_source",
-        "kind",
-        "method",
-        "model",
-        "path",
-        "pool",
-        "queue_wait",
-        "queued",
-        "rejected",
-        "repeat",
-        "request_complete",
-        "request_id",
-        "reset_client",
-        "span",
-        "started",
-        "status",
-        "tenant",
-        "tenant_key",
-        "ttft",
-        "upstream",
-    )
-
-    def __init__(
-        self,
-        conn: ClientConnection,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
-        keep_alive: bool,
-        http10: bool,
-    ):
-        self._conn = conn
-        self._router = conn.router
-        self.method = method
-        # The head's meaning, decided now (pure); acted on when the exchange starts.
-        self._request = read_request(
-            method,
-            target,
-            headers,
-            http10=http10,
-            via_name=conn.router.via_name,
-            session_header=conn.router.sessions.header,
-        )
-        self.path = self._request.path  # as the backend's framework will see it
-        self.client_keep_alive = keep_alive
-        self.http10 = http10
-        self.kind = self._request.kind
-        self.started = 0.0
-        self.ended = 0.0
-        self.ttft = 0.0
-        self.status = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.key_hash: int | None = None
-        self.key_source: str | None = None  # router.sessions.SOURCES, once keyed
-        self.key_bytes = 0  # the key's length (router.cachecheck counts long ones only)
-        self.repeat = False  # its key was sent to the chosen backend before (cachecheck)
-        self.model: str | None = None  # the body's, where the fleet declares models
-        self.pool: str | None = None  # the model pool it was routed over (ANY_MODEL too)
-        self.arm: Arm | None = None  # its A/B experiment arm, once routed (router.arms)
-        self._listing = False  # GET /v1/models of a fleet that declares models: ours
-        self.tenant = False
-        self.tenant_key: str | None = None  # who the request is for (metrics, the queue)
-        tenant_header = conn.router.tenant_header
-        if tenant_header is not None:
-            for name, value in headers:
-                if name.lower() == tenant_header:
-                    self.tenant_key = value.decode("latin-1")
-                    break
-        self.queued = False  # waited in the admission queue
-        self.queue_wait: float | None = None  # seconds, once admitted
-        self.rejected: int | None = None  # answered 429 by the queue (REJECT_REASONS index)
-        self._queue_timer: asyncio.TimerHandle | None = None  # set while waiting in the queue
-        self._entered = 0.0
-        self.request_id = b""
-        self.choice: Choice | None = None
-        self.upstream: UpstreamConnection | None = None
-        self.done = False
-        self.request_complete = False
-        self.reset_client = False  # cut short where the framing cannot show it: reset
-        self.span: Span | None = None  # tracing on: this request's trace context
-        # body pieces held: not yet sent, or kept to resend
-        self._body: list[bytes | bytearray | memoryview] = []
-        self._out: list[bytes] = []  # response bytes gathered during one upstream read
-        self._chunk: list[bytes] = []  # ... and the body pieces of it still to frame as a chunk
-        self._replayable = True  # _body holds every body piece sent upstream so far
-        self._hasher: PrefixHasher | None = None
-        # [advisor] key_digests on (router.keydigests): the access line's field, and
-        # the native body's digests as its pieces arrive.
-        self.key_digests: KeyDigests | NativeDigests | None = None
-        self._digesting: NativeDigests | None = None
-        self._connecting = False
-        self._head_sent = False  # to the client
-        self._framing = NO_BODY
-        self._tried: set[str] = set()  # backends that could not be reached
-        self._attempts = 0
-        LazyDeadline.__init__(self, conn.router.loop)  # the read deadline: first_byte, then idle
-        self._last_read = 0.0
-        self._read_timeout = 0.0
-        self._upstream_bytes = False
-        self._stale_retried = False
-        self._upstream_framed = False  # the backend's response has a length or chunks
-        self._client_paused = False  # the client's write buffer is full: the backend is not read
-        self._response_id: str | None = None  # a Responses API id: route to its backend
-        self._id_wait: asyncio.TimerHandle | None = None  # waiting for that id to be shared
-        self._scan: IdScanner | None = None  # reading a new response's id (router.responses)
+class Exchange(Relay):
+    __slots__ = ()
 
     # -- request side (driven by ClientConnection) ------------------------------
 
@@ -784,190 +619,7 @@ class Exchange(LazyDeadline):
             upstream.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
         self._last_read = self._router.loop.time()  # progress either way defers the deadline
 
-    # -- response side (driven by UpstreamConnection) ---------------------------
-
-    def upstream_read(self) -> None:
-        self._upstream_bytes = True
-        self._last_read = self._router.loop.time()
-
-    def response_head(
-        self, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
-    ) -> None:
-        if self.done:
-            return
-        self.status = status
-        self._use_read_timeout(self._router.config.timeouts.idle)
-        response = read_response(
-            status,
-            headers,
-            method=self.method,
-            http10=self.http10,
-            # the backend may answer before reading it all: then the connection ends
-            keep_alive=self.client_keep_alive and self.request_complete,
-            request_id=self.request_id,
-            extra=self._decision() if self._router.decision_header else b"",
-        )
-        if response is None:
-            self._fail(502, "the backend used a transfer coding an HTTP/1.0 client cannot take")
-            return
-        self._framing = response.framing
-        self._upstream_framed = response.framed
-        if (
-            status < 300
-            and self.kind is Kind.OPENAI
-            and self.path == b"/v1/responses"
-            and self._router.responses.enabled
-        ):
-            self._scan = IdScanner()
-        self.client_keep_alive = response.keep_alive
-        self._head_sent = True
-        self._out.append(response.head)
-        if self.method == b"HEAD":
-            # httptools cannot be told that a response answers HEAD and would
-            # wait for a body that never comes: end here, on a fresh parser.
-            assert self.upstream is not None
-            self.upstream.expect_new_response()
-            self._finish(upstream_reusable=keep_alive and self.request_complete)
-
-    def _decision(self) -> bytes:
-        """X-Prefix-Router-Decision (opt-in): the access log's decision and key digest,
-        and the backend's name only where ``decision_header_backend`` says so."""
-        choice = self.choice
-        assert choice is not None
-        line = b"x-prefix-router-decision: decision=" + choice.label.encode()
-        if self.key_hash is not None:
-            line += b"; key=" + prefix_hash(self.key_hash).encode()
-        if self._router.decision_header == 2:
-            line += b"; backend=" + choice.backend.name.encode()
-        return line + b"\r\n"
-
-    def response_body(self, data: bytes) -> None:
-        if self.done:
-            return
-        if not self.ttft:
-            self.ttft = perf_counter()
-            # The first body byte, not the head: vLLM and SGLang send a streaming
-            # head before prefill, their first SSE event after it.
-            assert self.choice is not None
-            self.choice.first_byte()  # ConcurrencyScope PREFILL lets go of its lease
-            if self.arm is not None:  # its engine has counted its prefix-cache hits by now
-                self.arm.stats.prefilled(self.choice.backend.name, self.status, self.bytes_in)
-        self.bytes_out += len(data)
-        if self._scan is not None:
-            self._learn(self._scan, data)
-        if self._framing == CHUNKED:
-            self._chunk.append(data)  # one chunk per upstream read: _seal_chunk
-        else:
-            self._out.append(data)
-
-    def _learn(self, scan: IdScanner, data: bytes) -> None:
-        found = scan.feed(data)
-        if found is None:
-            return
-        self._scan = None
-        responses = self._router.responses
-        if found:
-            assert self.choice is not None
-            responses.learn(found, self.choice.backend.name)
-        else:
-            responses.unread += 1
-
-    def response_end(self, keep_alive: bool) -> None:
-        if self.done:
-            return
-        if self._scan is not None:  # ended before the id could be read
-            self._scan = None
-            self._router.responses.unread += 1
-        if self._framing == CHUNKED:
-            self._seal_chunk()
-            self._out.append(CHUNKED_END)
-        choice = self.choice
-        assert choice is not None
-        if self.repeat and 200 <= self.status < 300:
-            choice.backend.repeats_answered += 1  # the engine has counted its hits by now
-        self._router.backend_answered(choice.backend, self.status)
-        self._finish(upstream_reusable=keep_alive and self.request_complete)
-
-    def upstream_lost(self, reason: str | None) -> None:
-        """The backend connection ended (or sent garbage) before the response did."""
-        if self.done:
-            return
-        upstream, self.upstream = self.upstream, None
-        if self._head_sent and not self._upstream_framed and reason is None:
-            # A response without length or chunks ends when the backend closes.
-            if self._framing == CHUNKED:
-                self._seal_chunk()
-                self._out.append(CHUNKED_END)
-            assert self.choice is not None
-            self._router.backend_answered(self.choice.backend, self.status)
-            self._finish(upstream_reusable=False)
-            return
-        choice = self.choice
-        assert choice is not None
-        assert upstream is not None
-        if (
-            not self._head_sent
-            and upstream.reused
-            and not self._upstream_bytes
-            and self._replayable
-            and self.request_complete
-            and not self._stale_retried
-        ):
-            # The stale keep-alive race: the backend closed an idle connection as
-            # we wrote to it.  We hold the whole request: resend it on a new one.
-            self._stale_retried = True
-            self._connect()
-            return
-        self._router.backend_failed(choice.backend, reason or "connection closed")
-        name = choice.backend.name
-        if self._head_sent:
-            self._truncate()
-        elif reason is not None and reason.startswith("invalid"):
-            self._fail(502, f"backend {name} sent an {reason}")
-        else:
-            self._fail(502, f"backend {name} closed the connection before responding")
-
-    # -- deadlines ----------------------------------------------------------------
-
-    def _arm_read_deadline(self) -> None:
-        timeouts = self._router.config.timeouts
-        self._last_read = self._router.loop.time()
-        # Set the timer for the shorter of the two timeouts: when the head comes,
-        # the switch to ``idle`` then needs no new timer (one timer per request).
-        self._use_read_timeout(timeouts.first_byte, min(timeouts.first_byte, timeouts.idle))
-
-    def _use_read_timeout(self, timeout: float, wake: float | None = None) -> None:
-        """Switch the read deadline; move the timer only if it must fire earlier."""
-        self._read_timeout = timeout
-        self._arm(self._last_read + (timeout if wake is None else wake))
-
-    def _deadline(self) -> None:
-        if self.done:
-            return
-        loop = self._router.loop
-        now = loop.time()
-        if self._client_paused:
-            # We stopped reading the backend because the client does not read:
-            # the client's stall, not the backend's (the client connection
-            # bounds it by client_send).
-            self._last_read = now
-            self._arm(now + self._read_timeout)
-            return
-        due = self._last_read + self._read_timeout
-        if now < due:  # there was progress since the timer was set
-            self._arm(due)
-            return
-        assert self.choice is not None
-        backend = self.choice.backend
-        self._router.backend_failed(backend, "timeout")
-        if self._head_sent:
-            self._truncate()
-        else:
-            self._fail(
-                504, f"backend {backend.name} did not answer within {self._read_timeout:g} s"
-            )
-
-    # -- endings: every path comes through _finish exactly once ---------------------
+    # -- the fleet's models (router.fleet), answered by the router ----------------
 
     def _list_models(self) -> None:
         """``GET /v1/models`` (the declared models) or ``/v1/models/{id}`` (one)."""
@@ -983,102 +635,7 @@ class Exchange(LazyDeadline):
     def _unknown_model(self, model: str) -> None:
         self._fail(404, f"The model `{_shown(model)}` does not exist.", code="model_not_found")
 
-    def _reply(self, body: object) -> None:
-        """Answer 200 with ``body`` as JSON, from the router itself."""
-        self.status = 200
-        keep_alive = self.client_keep_alive and self.request_complete
-        self.client_keep_alive = keep_alive
-        router = self._router
-        self._out.append(  # written by _finish, after the lease is released
-            json_response(
-                200,
-                body,
-                close=not keep_alive,
-                date=router.date.value,
-                request_id=self.request_id,
-            )
-        )
-        self._finish(upstream_reusable=False)
-
-    def _fail(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        extra: bytes = b"",
-    ) -> None:
-        """Answer with a JSON error; only possible before the response head left."""
-        if self._head_sent:
-            self._truncate()
-            return
-        self.status = status
-        if self.span is not None:
-            self.span.error = message
-        keep_alive = self.client_keep_alive and self.request_complete and status < 500
-        self.client_keep_alive = keep_alive
-        self._out.append(  # written by _finish, after the lease is released
-            error_response(
-                status,
-                message,
-                param=param,
-                code=code,
-                close=not keep_alive,
-                date=self._router.date.value,
-                request_id=self.request_id,
-                extra=extra,
-            )
-        )
-        self._finish(upstream_reusable=False)
-
-    def _truncate(self) -> None:
-        """The response already started: close so the client sees it incomplete.
-
-        A response read until the close (HTTP/1.0 without a length) would
-        look complete after a FIN: that one is ended with a reset.
-        """
-        self.client_keep_alive = False
-        self.reset_client = self._framing == UNTIL_CLOSE
-        if self.span is not None:
-            self.span.error = "the response was cut short"
-        self._finish(upstream_reusable=False)
-
-    def abort_request(self, status: int, message: str) -> None:
-        """The client's request went wrong mid-way (malformed, stalled)."""
-        if not self.done:
-            self._fail(status, message)
-
-    def client_gone(self) -> None:
-        if not self.done:
-            self.client_keep_alive = False
-            self.status = self.status or 499  # nginx's "client closed request"
-            self._finish(upstream_reusable=False)
-
-    def flush(self) -> None:
-        """Write what the response gathered during one upstream read, in one call.
-
-        Head, body chunks and terminator that arrive in the same read leave in
-        one ``writelines`` (one system call) instead of one write each; each
-        upstream read still reaches the client before the next is parsed, so
-        SSE events are never held back.  The body pieces of a chunked
-        response leave as one chunk: a backend that sends 2-byte chunks costs
-        the client connection one chunk per read, not one per piece.
-        """
-        if self._chunk:
-            self._seal_chunk()
-        out = self._out
-        if out:
-            self._out = []
-            transport = self._conn.transport
-            if not transport.is_closing():
-                transport.writelines(out)
-
-    def _seal_chunk(self) -> None:
-        pieces = self._chunk
-        if pieces:
-            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            pieces.clear()
-            self._out += (b"%x\r\n" % len(data), data, b"\r\n")
+    # -- the one ending: every path comes through _finish exactly once ------------
 
     def _finish(self, upstream_reusable: bool) -> None:
         if self.done:
@@ -1111,25 +668,6 @@ class Exchange(LazyDeadline):
                 upstream.close()
         router.exchange_finished(self)
         self._conn.exchange_done(self)
-
-    # -- flow control ----------------------------------------------------------
-
-    def upstream_write_paused(self) -> None:
-        self._conn.pause_reading_for_upstream(True)
-
-    def upstream_write_resumed(self) -> None:
-        self._conn.pause_reading_for_upstream(False)
-
-    def client_write_paused(self) -> None:
-        self._client_paused = True
-        if self.upstream is not None:
-            self.upstream.pause(CLIENT)
-
-    def client_write_resumed(self) -> None:
-        self._client_paused = False
-        if self.upstream is not None:
-            self._last_read = self._router.loop.time()
-            self.upstream.resume(CLIENT)
 
 
 def _lists_models(path: bytes) -> bool:
