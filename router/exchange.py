@@ -1,30 +1,31 @@
 """One request crossing the router: route it, stream it both ways, account for it.
 
 ``Exchange`` is what ``ClientConnection`` drives: the request side (the head
-checked, the body keyed and forwarded, the backend chosen and connected, the
-retries) and the one ending every path goes through.  Its base,
-``router.relay.Relay``, holds its state and relays the response.
+checked, the body keyed and forwarded) and the one ending every path goes
+through.  It is built in three layers, one module each, with no call between
+them that a single class would not make:
+
+  router.relay.Relay        the state (every slot), the response side, errors
+  router.routing.Routing    the backend chosen, waited for, connected, retried
+  router.exchange.Exchange  the request side and ``_finish``
 
 Contract (the rules of ../shared/DESIGN.md "Request flow", in code; the
-response half is ``router.relay``'s):
+routing's and the response's halves are stated in their modules):
 - The key is computed from the head and as much body as routing needs:
   nothing for passthroughs, the whole (bounded) body for OpenAI kinds, the
   first ``PrefixLength`` bytes for native kinds, hashed as they arrive
   (``PrefixHasher``), never gathered.  Body pieces are forwarded as the
   objects they arrived in; the only body copies are the ones asyncio makes
   when a socket cannot take a write at once.
-- ``Balancer.choose`` takes the lease in the same step as the pick; the
-  lease is released exactly once, in ``_finish``, which every ending path
-  (complete, error, timeout, client gone) goes through once, before the
-  response's last bytes are written: a client that has its whole answer
-  finds its place free.
+- The lease taken by the routing is released exactly once, in ``_finish``,
+  which every ending path (complete, error, timeout, client gone) goes
+  through once, before the response's last bytes are written: a client that
+  has its whole answer finds its place free.  ``_finish`` also ends what the
+  request may be waiting in (an id's wait, the admission queue).
 - Responses API follow-ups (``router.responses``): a request naming a
   response id (``previous_response_id`` of ``POST /v1/responses``, from the
   same decode as the key; or ``/v1/responses/{id}[/...]``, then routed by the
-  id alone) goes to that response's backend when it is known and available
-  (with shared ids, an unknown one is waited for, bounded), else by the
-  strategy; the 2xx answers to ``POST /v1/responses`` are read for their id
-  in their first bytes only.
+  id alone) is routed to that response's backend (``router.routing``).
 - Session keys (``router.sessions``): the affinity key is the first of the
   configured sources the request carries (``prompt_cache_key``, the session
   header, the Responses API ``conversation``, the prefix), salted by the
@@ -33,12 +34,6 @@ response half is ``router.relay``'s):
 - Cache salt (``router.cachesalt``, only when on): an OpenAI body is
   forwarded with its tenant's ``cache_salt`` member inserted, as views of the
   body held (no copy), its length adjusted.
-- Retries: a connect failure moves on to the next backend of the walk
-  (``avoid``), at most ``retries`` times (a new connection already lost when
-  its connect's callback runs is one: nothing was sent on it); a reused keep-alive connection that
-  dies before any response byte is replaced by a fresh one to the same
-  backend, but only when the router still holds the whole request.  Nothing
-  is replayed once the backend may have started on it otherwise.
 - Heads are checked before anything is routed: one ``Host`` (required on
   HTTP/1.1), at most one tenant header, no transfer coding but ``chunked``
   (501), no fragment, no ``Via`` entry of this router (508: a backend URL
@@ -55,35 +50,24 @@ response half is ``router.relay``'s):
   objects that are forwarded.  Off, one attribute is checked per body piece.
 - Models (``router.fleet``, "Model pools"): where the fleet declares models,
   an OpenAI request's ``model`` (read from the one decode of its body) picks
-  the pool it routes over, retries included; a model no backend serves is
-  answered 404 in OpenAI's shape (``code: model_not_found``), and ``GET
-  /v1/models`` (and ``/v1/models/{id}``) by the router: the declared models.
+  the pool it routes over (``router.routing``), and ``GET /v1/models`` (and
+  ``/v1/models/{id}``) is answered by the router: the declared models.
   Where it declares none, nothing of this happens (no read of ``model``).
-- A/B experiments (``router.arms``): a keyed request is assigned its arm once,
-  by its key, when it is first routed (``arm``), and every attempt (retries,
-  the admission queue, a follow-up) routes with that arm's balancer.
 - Tenants (``router.tenants``, ``router.queue``, ``router.cachesalt``): ``tenant_key`` is the
   ``[tenants] header`` when configured and sent, else the routing salt's key
-  (``prompt_cache_key`` or the SageMaker header), else None.  With the
-  admission queue on, a keyed request's first routing attempt that finds every
-  backend at its bound (or others of its pool already waiting) waits in the
-  queue (``queue_entered``) until ``admit`` places it, or is answered 429 with
-  ``Retry-After`` (``reject``); leaving while queued frees its place.
+  (``prompt_cache_key`` or the SageMaker header), else None; the admission
+  queue, when on, orders waiting requests by it (``router.routing``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 from time import perf_counter
 from typing import TYPE_CHECKING
 
 from hashring import PrefixHasher, TenantKeyError, hash_key, tenant_seed
 
-from .balancer import SATURATED
-from .cachecheck import MIN_KEY_BYTES
 from .cachesalt import salted_body
-from .config import MAX_MODEL_NAME
 from .extract import (
     BadRequest,
     conversation_id,
@@ -92,25 +76,17 @@ from .extract import (
     model_name,
     prompt_key,
 )
-from .heads import TENANT_HEADER, Kind, upstream_head
-from .queue import QUEUE_FULL
-from .relay import Relay
+from .heads import TENANT_HEADER, Kind
 from .responses import response_id_of
+from .routing import Routing
 from .sessions import CONVERSATION, HEADER, PREFIX, conversation_key, header_key
-from .upstream import CLIENT
 from .wire import CHUNKED_END, CONTINUE_100
-
-_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 if TYPE_CHECKING:
     from msgspec import Raw
 
-    from .arms import Experiment
-    from .balancer import Balancer, Choice, Members
     from .fleet import ModelPool
     from .keyworker import Keyed
-    from .queue import AdmissionQueue
-    from .upstream import UpstreamConnection
 
 __all__ = ["Exchange"]
 
@@ -122,7 +98,9 @@ MODELS_PATH = b"/v1/models"
 OWNED_BY = "prefix-router"
 
 
-class Exchange(Relay):
+class Exchange(Routing):
+    """One request and its response (see the module): what ``ClientConnection`` drives."""
+
     __slots__ = ()
 
     # -- request side (driven by ClientConnection) ------------------------------
@@ -352,273 +330,6 @@ class Exchange(Relay):
             self.tenant_key = key if isinstance(key, str) else key.decode("latin-1")
         return seed
 
-    # -- routing and connecting ------------------------------------------------
-
-    def _route(self) -> None:
-        router = self._router
-        model = self.model
-        members = None if model is None else router.fleet.members_for(model)
-        if model is not None:
-            if members is None:
-                self._unknown_model(model)
-                return
-            self.pool = members.model
-        choice = None
-        balancer = router.balancer
-        if balancer.arms is not None and self.key_hash is not None:
-            balancer = self._arm_balancer(balancer.arms)  # an A/B experiment's arm's
-        response_id = self._response_id
-        if response_id is not None and not self._tried:
-            name = router.responses.backend_of(response_id)
-            if name is None and self._wait_for(response_id):
-                return  # routed when the id arrives or the wait ends
-            if members is not None and name not in members.ring:
-                name = None  # held by a backend of another model: this one's pool decides
-            choice = self._follow(name)
-        if choice is None:
-            queue = router.queue
-            if queue is not None and self.key_hash is not None and not self._tried:
-                # Others of this pool wait: behind them.  Else wait if saturated, or
-                # if only the places kept for tenants under their share are free.
-                now = router.loop.time()
-                queue.asked(self.tenant_key, now)
-                if queue.busy(self.pool) or queue.holds_back(self.tenant_key, members, now):
-                    self._enqueue(queue)
-                    return
-                choice = balancer.choose(self.key_hash, self._tried, members, queue=True)
-                if choice is SATURATED:
-                    self._enqueue(queue)
-                    return
-            else:
-                choice = balancer.choose(self.key_hash, self._tried, members)
-        if choice is None:
-            serving = "" if model is None else f" for model `{_shown(model)}`"
-            if self._tried:
-                self._fail(502, f"no backend{serving} could be reached")
-            else:
-                self._fail(503, f"no backend{serving} is available")
-            return
-        self._dispatch(choice)
-
-    def _arm_balancer(self, arms: Experiment) -> Balancer:
-        """A keyed request's arm's balancer: its arm assigned once (again if retired)."""
-        arm = self.arm
-        if arm is None or arm.retired:
-            assert self.key_hash is not None
-            arm = self.arm = arms.assign(self.key_hash)
-        return arm.balancer
-
-    def _dispatch(self, choice: Choice) -> None:
-        self.choice = choice
-        router = self._router
-        key_hash = self.key_hash
-        if key_hash is not None and self.key_bytes >= MIN_KEY_BYTES:
-            self.repeat = router.repeats.sent(key_hash, choice.backend)
-        conn = router.pools[choice.backend.name].take()
-        if conn is not None:
-            self._attach(conn)
-        else:
-            self._connect()
-
-    # -- the admission queue (router.queue) ----------------------------------
-
-    def _enqueue(self, queue: AdmissionQueue) -> None:
-        if not queue.enter(self):
-            self.reject(QUEUE_FULL, queue.retry_after(self.tenant_key))
-
-    def queue_entered(self, now: float, timer: asyncio.TimerHandle) -> None:
-        """Waiting from ``now``; ``timer`` ends the wait (429)."""
-        self.queued = True
-        self._entered = now
-        self._queue_timer = timer
-        if not self.request_complete:
-            # A native body still streaming: hold what came, read no more meanwhile.
-            self._conn.pause_reading_for_upstream(True)
-
-    def members(self) -> Members | None:
-        """What this request routes over (None: its model is served no more)."""
-        fleet = self._router.fleet
-        return fleet if self.model is None else fleet.members_for(self.model)
-
-    def admit(self, now: float) -> bool:
-        """The queue offers a place: route now if a backend is below its bound.
-        False: still saturated (stays queued); True: it left the queue."""
-        router = self._router
-        model = self.model
-        members = None if model is None else router.fleet.members_for(model)
-        if model is not None and members is None:
-            self._stop_queue_timer()
-            self._unknown_model(model)
-            return True
-        balancer = router.balancer
-        if balancer.arms is not None and self.key_hash is not None:
-            balancer = self._arm_balancer(balancer.arms)
-        choice = balancer.choose(self.key_hash, self._tried, members, queue=True)
-        if choice is SATURATED:
-            return False
-        self._stop_queue_timer()
-        self.queue_wait = now - self._entered
-        if choice is None:
-            serving = "" if model is None else f" for model `{_shown(model)}`"
-            self._fail(503, f"no backend{serving} is available")
-        else:
-            self._dispatch(choice)
-        return True
-
-    def reject(self, reason: int, retry_after: int) -> None:
-        """Answer 429 for the queue: full (``QUEUE_FULL``) or waited too long."""
-        self._stop_queue_timer()
-        self.rejected = reason
-        if reason == QUEUE_FULL:
-            message = "too many requests of this tenant are waiting for a backend"
-            code = "queue_full"
-        else:
-            waited = self._router.config.admission.max_wait
-            message = f"no backend was below its bound within {waited:g} s"
-            code = "queue_timeout"
-        self._fail(
-            429,
-            f"{message}; retry after {retry_after} s",
-            code=code,
-            extra=b"retry-after: %d\r\n" % retry_after,
-        )
-
-    def _stop_queue_timer(self) -> None:
-        timer = self._queue_timer
-        if timer is not None:
-            timer.cancel()
-            self._queue_timer = None
-
-    def _wait_for(self, response_id: str) -> bool:
-        """Wait (once, bounded) for an id another process may be sharing right now;
-        False: a miss, counted."""
-        responses = self._router.responses
-        if self._id_wait is not None or not responses.wait_s:
-            responses.misses += 1
-            return False
-        responses.wait(response_id, self._id_shared)
-        self._id_wait = self._router.loop.call_later(responses.wait_s, self._id_shared)
-        return True
-
-    def _id_shared(self) -> None:
-        """The awaited id arrived, or the wait is over: route now."""
-        self._stop_waiting()
-        if not self.done:
-            self._route()
-
-    def _stop_waiting(self) -> None:
-        timer = self._id_wait
-        if timer is not None and not timer.cancelled():
-            timer.cancel()
-            assert self._response_id is not None
-            self._router.responses.unwait(self._response_id, self._id_shared)
-
-    def _follow(self, name: str | None) -> Choice | None:
-        """The backend that holds the response, if known and available (counted)."""
-        if name is None:
-            return None
-        router = self._router
-        responses = router.responses
-        choice = router.balancer.pin(name)
-        if choice is None:
-            responses.fallbacks += 1
-        else:
-            responses.hits += 1
-        return choice
-
-    def _connect(self) -> None:
-        assert self.choice is not None
-        router = self._router
-        pool = router.pools.get(self.choice.backend.name)
-        if pool is None:  # removed (a forced drain) since this request was routed to it
-            self._connect_failed("backend removed")
-            return
-        self._connecting = True
-        self._conn.pause_reading_for_upstream(True)  # hold the body until we can send it
-        pool.connect(router.config.timeouts.connect).add_done_callback(self._connected)
-
-    def _connected(self, future: asyncio.Future[UpstreamConnection]) -> None:
-        self._connecting = False
-        exc = None if future.cancelled() else future.exception()
-        if self.done:  # the client left while we were connecting
-            if exc is None and not future.cancelled():
-                conn = future.result()
-                conn.pool.give_back(conn)
-            return
-        if isinstance(exc, OSError) and exc.errno in _OUT_OF_DESCRIPTORS:
-            # Our limit, not the backend's fault: it must not count against its
-            # health, and every other backend would fail the same way.
-            self._fail(503, "the router is out of file descriptors")
-            return
-        if future.cancelled() or exc is not None:
-            assert self.choice is not None
-            self._router.backend_failed(self.choice.backend, f"connect failed: {exc!r}")
-            self._connect_failed("could not connect to backend")
-            return
-        upstream = future.result()
-        if not upstream.open:
-            # Lost between the connect and this callback, a few loop turns later (a
-            # backend dying as it accepted: a reset).  Its connection_lost found no
-            # owner, so nothing would ever end an exchange attached to it now; and
-            # nothing was sent: the next backend of the walk may take the request.
-            assert self.choice is not None
-            self._router.backend_failed(self.choice.backend, "connection lost at once")
-            self._connect_failed("could not connect to backend")
-            return
-        self._attach(upstream)
-
-    def _connect_failed(self, reason: str) -> None:
-        """Give the lease back and try the next backend of the walk (bounded)."""
-        choice = self.choice
-        assert choice is not None
-        choice.release()
-        self._tried.add(choice.backend.name)
-        self._attempts += 1
-        self.choice = None
-        if self._attempts > self._router.config.retries:
-            self._fail(502, f"{reason} {choice.backend.name}")
-        else:
-            self._route()
-
-    def _attach(self, upstream: UpstreamConnection) -> None:
-        upstream.attach(self)
-        self.upstream = upstream
-        if self._client_paused:
-            upstream.pause(CLIENT)
-        self._upstream_bytes = False
-        span = self.span
-        pieces: list[bytes | bytearray | memoryview] = [
-            upstream_head(
-                self._request,
-                host=upstream.pool.authority,
-                client_ip=self._conn.peer_ip,
-                tail=self._router.head_tail if span is None else span.tail,
-                request_id=self.request_id,
-            )
-        ]
-        if self._request.chunked:
-            for piece in self._body:
-                if piece:
-                    pieces += (b"%x\r\n" % len(piece), piece, b"\r\n")
-            if self.request_complete:
-                pieces.append(CHUNKED_END)
-        else:
-            pieces += self._body
-        upstream.transport.writelines(pieces)
-        if not self.request_complete and not self._request.bodiless:
-            # The rest streams through; what was sent cannot be replayed.
-            self._replayable = False
-            self._body = []
-        self._arm_read_deadline()
-        self._conn.pause_reading_for_upstream(False)
-
-    def _write_body(self, upstream: UpstreamConnection, data: bytes) -> None:
-        if not self._request.chunked:
-            upstream.transport.write(data)
-        elif data:
-            upstream.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        self._last_read = self._router.loop.time()  # progress either way defers the deadline
-
     # -- the fleet's models (router.fleet), answered by the router ----------------
 
     def _list_models(self) -> None:
@@ -631,9 +342,6 @@ class Exchange(Relay):
             self._reply(_model(fleet.pools[name]))
         else:
             self._unknown_model(name)
-
-    def _unknown_model(self, model: str) -> None:
-        self._fail(404, f"The model `{_shown(model)}` does not exist.", code="model_not_found")
 
     # -- the one ending: every path comes through _finish exactly once ------------
 
@@ -677,8 +385,3 @@ def _lists_models(path: bytes) -> bool:
 def _model(pool: ModelPool) -> dict[str, object]:
     """A model as OpenAI's ``GET /v1/models`` lists it."""
     return {"id": pool.model, "object": "model", "created": pool.created, "owned_by": OWNED_BY}
-
-
-def _shown(model: str) -> str:
-    """A client's model name as an answer quotes it: at most a model name's length."""
-    return model if len(model) <= MAX_MODEL_NAME else model[:MAX_MODEL_NAME] + "..."

@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from .app import Router
     from .balancer import Members
     from .config import AdmissionConfig
-    from .exchange import Exchange
+    from .routing import Routing
     from .shared import SharedDeadline
 
 __all__ = ["QUEUE_FULL", "WAIT_TIMEOUT", "AdmissionQueue"]
@@ -100,7 +100,7 @@ class _Tenant:
         # expires) takes its request out without a scan; with a deque each leave
         # scanned the tenant's requests, 4,000 clients of one tenant closing together
         # stalled the loop 0.46 s (RELIABILITY.md, the admission queue's defects).
-        self.items: OrderedDict[Exchange, None] = OrderedDict()
+        self.items: OrderedDict[Routing, None] = OrderedDict()
         self.deficit = 0.0
         self.granted = False  # its quantum for the current turn has been added
 
@@ -170,7 +170,7 @@ class AdmissionQueue:
         """Requests of tenant ``key`` waiting (all pools)."""
         return self._counts.get(key, 0)
 
-    def enter(self, exchange: Exchange) -> bool:
+    def enter(self, exchange: Routing) -> bool:
         """Queue ``exchange`` (its tenant and pool); False if a bound refuses it."""
         key = exchange.tenant_key
         config = self.config
@@ -196,7 +196,7 @@ class AdmissionQueue:
         self.wake()  # a place may be free already (a newcomer behind others)
         return True
 
-    def leave(self, exchange: Exchange) -> None:
+    def leave(self, exchange: Routing) -> None:
         """Take a waiting request out (gone, expired); no-op if it is not waiting."""
         pool = self._pools.get(exchange.pool)
         tenant = None if pool is None else pool.tenants.get(exchange.tenant_key)
@@ -219,7 +219,7 @@ class AdmissionQueue:
             if not pool.tenants:
                 del self._pools[next(k for k, p in self._pools.items() if p is pool)]
 
-    def _expire(self, exchange: Exchange) -> None:
+    def _expire(self, exchange: Routing) -> None:
         self.leave(exchange)
         exchange.reject(WAIT_TIMEOUT, self.retry_after(exchange.tenant_key))
 
@@ -334,7 +334,7 @@ class AdmissionQueue:
             if not tenant.items:
                 tenant.deficit = 0.0
 
-    def _held(self, exchange: Exchange, now: float) -> bool:
+    def _held(self, exchange: Routing, now: float) -> bool:
         members = exchange.members()
         return members is not None and self.holds_back(exchange.tenant_key, members, now)
 
@@ -353,5 +353,5 @@ class AdmissionQueue:
                 self._left(pool, tenant)
         self._recheck_later(now)
 
-    def _took(self, exchange: Exchange, now: float) -> None:
+    def _took(self, exchange: Routing, now: float) -> None:
         self._admitted.append(now)

@@ -1,10 +1,10 @@
-"""The response side of an exchange, its deadlines and its one ending.
+"""The response side of an exchange: relayed, flushed, timed, answered on error.
 
-``Relay`` is the base of ``router.exchange.Exchange``: it holds what one
-request crossing the router is (every slot, set in ``__init__``), relays the
-backend's response to the client as ``UpstreamConnection`` parses it, and ends
-the exchange.  The request side, which keys and routes it, is
-``router.exchange``.
+``Relay`` is the base of ``router.exchange.Exchange`` (through
+``router.routing.Routing``): it holds what one request crossing the router
+is (every slot, set in ``__init__``), relays the backend's response to the
+client as ``UpstreamConnection`` parses it (the only surface that connection
+sees), and ends the exchange on an error, a timeout or the client's leaving.
 
 Contract (the rules of ../shared/DESIGN.md "Request flow", response half):
 - Every ending here (the response complete, an error, a timeout, the client
@@ -17,8 +17,8 @@ Contract (the rules of ../shared/DESIGN.md "Request flow", response half):
   2xx answers to ``POST /v1/responses`` are read for their id in their first
   bytes only (``router.responses``).
 - A reused keep-alive connection that dies before any response byte is
-  replaced by a fresh one to the same backend (``_connect``, the request
-  side's), but only when the router still holds the whole request.
+  replaced by a fresh one to the same backend (``_connect``, the
+  routing's), but only when the router still holds the whole request.
 - Errors before any response byte reached the client become a JSON error
   (502/503/504); after that, the client connection is closed so a truncated
   response never looks complete: with a FIN where the framing shows the cut
@@ -214,9 +214,9 @@ class Relay(LazyDeadline):
         self._scan: IdScanner | None = None  # reading a new response's id (router.responses)
 
     if TYPE_CHECKING:
-        # The request side's (router.exchange), called from here: a stale keep-alive
-        # connection is replaced; every ending goes through _finish, which also
-        # undoes what only the request side starts (waiting for an id, the queue).
+        # The layers above's, called from here: a stale keep-alive connection is
+        # replaced (router.routing); every ending goes through _finish
+        # (router.exchange), which also ends the waits only routing starts.
         def _connect(self) -> None: ...
         def _finish(self, upstream_reusable: bool) -> None: ...
 

@@ -47,7 +47,7 @@ from .log import get_logger
 
 if TYPE_CHECKING:
     from .backendtls import BackendTLS
-    from .exchange import Exchange
+    from .relay import Relay
 
 __all__ = ["Pool", "UpstreamConnection"]
 
@@ -99,7 +99,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set at once
         self.parser = httptools.HttpResponseParser(self)
-        self.exchange: Exchange | None = None
+        self.exchange: Relay | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._in_head = False  # a response head has begun and not ended
@@ -139,7 +139,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._stale = False
         self._feed(exchange, data)
 
-    def _feed(self, exchange: Exchange, data: bytes | memoryview, whole: bool = False) -> None:
+    def _feed(self, exchange: Relay, data: bytes | memoryview, whole: bool = False) -> None:
         """Parse ``data`` a slice at a time; keep the rest past ``FEED_EVENTS``
         (``whole``: parse it all now, the connection is gone)."""
         size = len(data)
@@ -167,7 +167,7 @@ class UpstreamConnection(asyncio.Protocol):
                 break
         exchange.flush()
 
-    def _feed_slice(self, exchange: Exchange, data: bytes | memoryview) -> bool:
+    def _feed_slice(self, exchange: Relay, data: bytes | memoryview) -> bool:
         """Parse one slice; False if the connection was given up."""
         self._body_in_read = False
         try:
@@ -217,7 +217,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not self._paused and self.open:
             self.transport.resume_reading()
 
-    def _give_up(self, exchange: Exchange, reason: str) -> None:
+    def _give_up(self, exchange: Relay, reason: str) -> None:
         self.exchange = None
         self.close()
         exchange.upstream_lost(reason)
@@ -308,7 +308,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- ownership -------------------------------------------------------------
 
-    def attach(self, exchange: Exchange) -> None:
+    def attach(self, exchange: Relay) -> None:
         self.exchange = exchange
 
     def detach(self) -> None:
