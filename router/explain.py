@@ -4,13 +4,14 @@ Contract:
 - ``explain(router, request, k)`` reads a request as a client would send it
   to the data port (``DryRequest``: method, path, headers, body) and says
   where the router would send it now and why (``Explanation``).  It runs
-  the data path's own pieces in the data path's order (``exchange.py``):
-  ``heads.read_request`` (kind, refusals, tenant and session headers),
-  ``extract`` (``decode_openai``, ``prompt_key``, ``model_name``,
-  ``conversation_id``), the session rule (``router.sessions``:
-  ``openai_source``, ``header_key``, ``conversation_key``), ``hashring``
-  (``tenant_seed``, ``hash_key``, ``PrefixHasher``), the model pool, the
-  Responses API id, then the admission queue's tests (``AdmissionQueue.busy``,
+  the data path's own pieces in the data path's order (``exchange.py``
+  then ``routing.py``): ``heads.read_request`` (kind, refusals, tenant and
+  session headers), ``extract`` (``decode_openai``, ``prompt_key``,
+  ``model_name``, ``conversation_id``), the session rule
+  (``router.sessions``: ``openai_source``, ``header_key``,
+  ``conversation_key``), ``hashring`` (``tenant_seed``, ``hash_key``,
+  ``PrefixHasher``), the model pool, the Responses API id, then the
+  admission queue's tests (``AdmissionQueue.busy``,
   ``Balancer.saturated``, ``AdmissionQueue.full``) and ``Balancer.peek``: no
   second parser.  The key's ``source`` is the access log's ``key_source`` and
   its digest the access log's ``prefix_hash`` (``accesslog.prefix_hash``).
