@@ -17,7 +17,7 @@ ours or the CPU's flatters the figure.
 
 With ``--arms N`` it then prints what an A/B experiment of N arms (router.arms)
 adds: the decision with the key's arm assigned and routed by that arm's
-balancer (as ``Exchange._balancer``), against the same decision without an
+balancer (as ``Routing._arm_balancer``), against the same decision without an
 experiment, alternated pair by pair; and the assignment alone.
 """
 
