@@ -4,8 +4,11 @@ shared in-flight table.
 The admin API and start-up are run at the real limit, as an operator meets it:
 the real daemon, from a state file of 8,192 backends (the batch path: one at a
 time through the API would take far longer).  Its start builds the ring three
-times over (supervisor and each worker, ~3 s each on a quiet 2-core VM), so
-these tests give it ``START`` seconds.  etcd's membership, which no admin call
+times over (supervisor and each worker), so these tests give it ``START``
+seconds, and run it with one virtual node per backend (``SMALL_RING``): the
+limit counts backends, one column each, not ring points; at the default 1,024
+(capped at 2**21 points) each build took ~3 s on a quiet 2-core VM and the full
+fleet's test 30-47 s beside the rest of the suite.  etcd's membership, which no admin call
 checks, is driven through a real etcd to a real ``ReplicatedControl`` with real
 worker processes, the limit lowered as other tests lower module constants:
 8,193 keys through the watch would add one backend at a time, a ring rebuild
@@ -49,6 +52,9 @@ from tests.harness.routers import router_config
 pytestmark = pytest.mark.timeout(600)
 
 START = 240.0  # the daemon's start with SLOTS backends beside other work on 2 cores
+# The ring's size is vnodes x backends (hashring.ring.MAX_POINTS at most); the
+# limit and the table are per backend whatever it is.
+SMALL_RING = "vnodes = 1\n"
 FULL = (
     f"the fleet is full: at most {SLOTS} backends with --workers (one column each in the"
     " shared in-flight table); remove one first"
@@ -88,7 +94,10 @@ async def test_a_full_fleet_refuses_one_more_backend_with_409_and_saves_nothing(
     state = tmp_path / "state.json"
     write_state(state, SLOTS)
     before = state.read_bytes()
-    flags = ("--workers", "2", "--no-health-checks", "--state-file", str(state))
+    config = tmp_path / "router.toml"
+    config.write_text(SMALL_RING)
+    flags = ("--config", str(config), "--workers", "2", "--no-health-checks")
+    flags += ("--state-file", str(state))
     proc, _ = await spawn_router(*flags, within=START)
     extra = {"name": "extra", "url": "http://127.0.0.1:9"}
     try:
@@ -111,8 +120,11 @@ async def test_a_state_file_past_the_limit_stops_start_up_with_exit_2_naming_it(
 ) -> None:
     state = tmp_path / "state.json"
     write_state(state, SLOTS + 1)
+    config = tmp_path / "router.toml"
+    config.write_text(SMALL_RING)  # the ring is built before the fleet's size is checked
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "admin", "serve", "--workers", "2", "--no-health-checks",
+        sys.executable, "-m", "admin", "serve", "--config", str(config),
+        "--workers", "2", "--no-health-checks",
         "--listen", "127.0.0.1:0", "--admin-listen", "off", "--access-log", "off",
         "--state-file", str(state),
         cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
