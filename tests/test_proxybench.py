@@ -28,7 +28,7 @@ def test_smoke_run_produces_tables_with_sane_fields(tmp_path: Path) -> None:
         sys.executable, "-m", "loadtests.proxybench",
         "--targets", "direct,aiohttp,prefix-router,prefix-router-w2", "--workloads", "a,b",
         "--generator", "python", "--seconds", "0.5", "--warmup", "0",
-        "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0",
+        "--probe-seconds", "0.2", "--probe-rate", "200", "--probe-fraction", "0", "--pause", "0",
         "--ttfb-connections", "1", "--connections", "8", "--keys", "4", "--rounds", "1",
         "--results", str(tmp_path),
     ]  # fmt: skip

@@ -43,7 +43,7 @@ Contract:
   was, how busy CPU 0 was (generator + backends + this script: near 100 %, the
   client side was the limit, not the proxy), how much CPU other processes took
   meanwhile, peak RSS of the proxy's tree, how requests split over the
-  backends, and errors.
+  backends, and errors.  Then ``--pause`` s (0.5) idle before the next run.
 - Probes, our client, in the last round: (a) paced open loop at
   ``--probe-rate`` (1,000/s) and at ``--probe-fraction`` of direct's (a) rate,
   latency from the moment a request is due; (b) time to first body byte in a

@@ -55,6 +55,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured run before it (2)")
     p.add_argument("--probe-seconds", type=float, default=5.0, help="each latency probe (5)")
     p.add_argument(
+        "--pause",
+        type=float,
+        default=0.5,
+        help="idle after each workload, for the proxy to settle (0.5; the tests' smoke run: 0)",
+    )
+    p.add_argument(
         "--probe-rate",
         type=float,
         default=1000.0,
@@ -92,8 +98,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=ROOT / "results", help="JSON goes here")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin CPUs")
     opt = p.parse_args(argv)  # fmt: skip
-    if opt.seconds <= 0 or opt.warmup < 0 or opt.probe_seconds < 0 or opt.connections < 1:
-        p.error("--seconds must be > 0, --warmup/--probe-seconds >= 0, --connections >= 1")
+    if min(opt.warmup, opt.probe_seconds, opt.pause) < 0:
+        p.error("--warmup, --probe-seconds and --pause must be >= 0")
+    if opt.seconds <= 0 or opt.connections < 1:
+        p.error("--seconds must be > 0, --connections >= 1")
     if min(opt.keys, opt.backends, opt.streams, opt.events, opt.rounds) < 1:
         p.error("--keys, --backends, --streams, --events and --rounds must be >= 1")
     return opt

@@ -182,7 +182,7 @@ async def measure_target(
         except (ChildError, OSError, TimeoutError) as exc:
             rows[workload] = {"error": f"{type(exc).__name__}: {exc}"}
         say(f"    {_brief(rows[workload])}")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(ctx.opt.pause)
     return rows
 
 
