@@ -63,7 +63,9 @@ Contract:
   not the fleet, is part of what the figures measure.
 - Output: a progress line while running, the markdown tables of
   ``loadtests.report`` on stdout, and ``results.json`` plus PNG plots in
-  ``--out``.  Every process started is stopped by PID, on errors and Ctrl-C.
+  ``--out`` (no plots with ``--no-plots``: the tests that read only the JSON
+  and the logs skip matplotlib's seconds of CPU).  Every process started is
+  stopped by PID, on errors and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -662,7 +664,7 @@ async def main_async(args: argparse.Namespace) -> int:
     }
     write_json(runs, out / "results.json", meta=meta)
     (out / "results.md").write_text(table + "\n")
-    for path in plots([r for r in runs if r.samples], out):
+    for path in plots([r for r in runs if r.samples], out) if args.plots else ():
         say(f"plot: {path}")
     say(f"results: {out}")
     return 0
@@ -725,6 +727,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
     p.add_argument("--out", type=Path, help="results folder (default: results/DATE-WORKLOAD)")
+    p.add_argument(
+        "--no-plots", dest="plots", action="store_false", help="results.json and .md only"
+    )
     args = p.parse_args(argv)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in args.strategies if s not in OURS and s not in PEERS]

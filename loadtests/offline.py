@@ -3,7 +3,8 @@
 ``python -m loadtests.offline --workload long --instances 7 --strategies random,least,prefix
 --duration 3600 [--seed S] [--rate R] [--prefix-length N --concurrency-threshold N
 --balance-factor C] [--replicas R [--replica-threshold each|split]
-[--share-loads PERIOD_S [--share-placement none|homes|log]]] [--form openai|native] [--out DIR]``
+[--share-loads PERIOD_S [--share-placement none|homes|log]]] [--form openai|native]
+[--out DIR [--no-plots]]``
 
 Contract
 --------
@@ -544,6 +545,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--capacity-blocks", type=int, default=None, help="override the fleet's")
     p.add_argument("--form", choices=("openai", "native"), default="openai")
     p.add_argument("--out", type=Path, default=None, help="write results.json and PNGs here")
+    p.add_argument(
+        "--no-plots", dest="plots", action="store_false", help="with --out: the JSON only"
+    )
     return p.parse_args(argv)
 
 
@@ -641,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(runs, path, meta=meta)
         written = [path]
         try:
-            written += report.plots(runs, args.out, prefix=f"offline-{args.workload}-")
+            if args.plots:
+                written += report.plots(runs, args.out, prefix=f"offline-{args.workload}-")
         except ImportError:
             print("matplotlib is not installed: no plots", file=sys.stderr)
         for item in written:

@@ -52,7 +52,8 @@ def run(module: str, *args: str) -> None:
 def test_prefix_aware_beats_random_live_and_offline_agrees(tmp_path: Path) -> None:
     live_out, offline_out = tmp_path / "live", tmp_path / "offline"
     run("loadtests.bench", *CASE, "--duration", "6", "--time-scale", "0.05", "--out", str(live_out))
-    run("loadtests.offline", *CASE, "--duration", "120", "--out", str(offline_out))
+    # The offline run's JSON only: matplotlib's seconds of CPU for PNGs nobody reads.
+    run("loadtests.offline", *CASE, "--duration", "120", "--no-plots", "--out", str(offline_out))
     live = summaries(live_out / "results.json")
     offline = summaries(next(offline_out.glob("*.json")))
 
@@ -87,10 +88,13 @@ def access_ids(log: Path) -> list[str]:
 
 
 def two_replicas(out: Path, *more: str) -> subprocess.CompletedProcess[str]:
-    """The bench on REPLICAS_CASE: target prefix, 2 router processes, more flags."""
+    """The bench on REPLICAS_CASE: target prefix, 2 router processes, more flags.
+
+    No plots: these tests read the JSON and the access logs; the live test above
+    checks the PNGs (matplotlib took ~5 s of CPU a run here)."""
     return subprocess.run(
         [sys.executable, "-m", "loadtests.bench", *REPLICAS_CASE, "--strategies", "prefix",
-         "--replicas", "2", *more, "--out", str(out)],
+         "--replicas", "2", *more, "--no-plots", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
 
