@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import errno
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,18 +179,22 @@ class _Recorded:
 
 
 async def test_a_huge_answer_is_read_in_linear_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The system resolver answers 10,000 addresses, twice each (A records a server
+    # The system resolver answers 50,000 addresses, twice each (A records a server
     # controls; a 64 KiB answer over TCP holds ~4,000). Before, each address was
-    # searched for in the list made so far: 4,000 held the loop 148 ms, 20,000 4 s.
+    # searched for in the list made so far: 4,000 held the loop 148 ms, 20,000 4 s,
+    # and these 32 s; read in linear time, ~0.7 s. The bound is on this thread's CPU
+    # time, 8 s: what other processes take of the machine does not count (wall
+    # time did: 0.84 s against a 0.5 s bound once, beside a loaded suite), and no
+    # timeout can stop a loop held by one call.
     infos = [
         (
             socket.AF_INET,
             socket.SOCK_STREAM,
             socket.IPPROTO_TCP,
             "",
-            (f"10.0.{i >> 8}.{i & 255}", 80),
+            (f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", 80),
         )
-        for i in range(10_000)
+        for i in range(50_000)
     ] * 2
 
     async def getaddrinfo(*args: Any, **kwargs: Any) -> list[Any]:
@@ -199,17 +204,17 @@ async def test_a_huge_answer_is_read_in_linear_time(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
     source = DnsSource("vllm.example", 80, interval=3600)
     sink = _Recorded()
-    started = loop.time()
+    cpu = time.thread_time()
     task = asyncio.create_task(source.run(sink))
     try:
         async with asyncio.timeout(WAIT):
             await sink.changed.wait()
-        took = loop.time() - started
+        cpu = time.thread_time() - cpu
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
     [published] = sink.published
-    assert len(published) == 10_000
-    assert "10.0.39.15:80" in published
-    assert took < 0.5, f"{took:.2f} s for one lookup"
+    assert len(published) == 50_000
+    assert "10.0.195.79:80" in published
+    assert cpu < 8.0, f"{cpu:.1f} s of CPU for one lookup: not linear"
