@@ -36,7 +36,10 @@ Contract:
   is refused as a request is (``ClientConnection._refuse``): a 429 with
   ``Retry-After: 1``, a ``refused`` access-log line and
   ``prefix_router_refused_requests_total{status="429"}``, a lingering close;
-  it still counts against the cap above until it closes.  A reload applies
+  it still counts against the cap above until it closes, so at most
+  ``MAX_REFUSING`` of these and the cap's refusals linger at once, the rest
+  are closed as soon as answered (else an address that keeps connecting
+  fills the cap with its refusals).  A reload applies
   to the connections opened after it (those open before a limit was set
   are not counted against it).  With ``--workers N`` each worker counts its
   own connections: the kernel spreads one client's connections over the
@@ -116,25 +119,42 @@ def client_cap(nofile: int, backends: int, max_idle: int) -> int:
 
 
 class _Client(ClientConnection):
-    __slots__ = ("_counted",)
+    __slots__ = ("_counted", "_lingering")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._counted = self.router.admission.opened(self.peer_ip)
+        admission = self.router.admission
+        self._lingering = False
+        self._counted = admission.opened(self.peer_ip)
         if self._counted is None:
             limit = self.router.config.limits.client_connections
-            self._refuse(
-                429,
+            message = (
                 f"this client address has {limit} connections open to the router, the limit "
-                "per address ([limits] client_connections); retry after 1 s",
-                extra=b"retry-after: 1\r\n",
+                "per address ([limits] client_connections); retry after 1 s"
             )
+            extra = b"retry-after: 1\r\n"
+            if admission.refusing >= MAX_REFUSING:
+                # A lingering refusal holds its place under the cap for up to
+                # LINGER_SECONDS: unbounded, an address that keeps connecting
+                # would fill the cap with its refusals, the lock-out this limit
+                # exists to prevent.  So at most MAX_REFUSING linger (shared with
+                # the cap's own), the rest are answered and closed at once.
+                self.router.request_refused(429, message)
+                date = self.router.date.value
+                self.write(error_response(429, message, close=True, date=date, extra=extra))
+                self._close(lingering=False)
+                return
+            admission.refusing += 1
+            self._lingering = True
+            self._refuse(429, message, extra=extra)
 
     def connection_lost(self, exc: Exception | None) -> None:
         admission = self.router.admission
         admission.clients -= 1
         if self._counted:
             admission.closed(self.peer_ip)
+        if self._lingering:
+            admission.refusing -= 1
         super().connection_lost(exc)
 
 

@@ -26,6 +26,7 @@ from tests.harness.processes import ROOT
 
 WAIT = 10.0
 SOFT, HARD = 128, 256
+CAP = client_cap(HARD, backends=1, max_idle=64)  # the limited router's, one backend
 
 # Sets the limit in the child itself, then runs the router: no preexec_fn,
 # which is unsafe in a process with threads.
@@ -178,14 +179,20 @@ async def test_at_the_fd_limit_clients_get_a_503_and_the_admin_api_stays_up(
     assert statuses[-1] == 200
 
 
+@pytest.mark.parametrize("refused", [1, CAP], ids=["one-refused", "cap-refused"])
 async def test_one_address_cannot_take_every_place_with_client_connections_set(
     backends: Callable[..., Awaitable[Backend]],
     limited_router: Callable[..., Awaitable[Router]],
     tmp_path: Path,
+    refused: int,
 ) -> None:
     """Without the limit one address fills the cap above and every other client
     gets a 503 (the test before); with it, that address gets a 429 at its limit
-    and another address is still served."""
+    and another address is still served.  Even when it goes on connecting and
+    never closes (``cap-refused``: as many refusals as the cap has places): at
+    most ``MAX_REFUSING`` of its 429s linger, the rest are closed at once, so
+    they never fill the cap (before, each lingered 2 s, counted against it, and
+    the other address got a 503)."""
     release = asyncio.Event()
 
     async def held(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
@@ -193,8 +200,7 @@ async def test_one_address_cannot_take_every_place_with_client_connections_set(
         return await echo(backend, seen, writer)
 
     limit = 8
-    cap = client_cap(HARD, backends=1, max_idle=64)
-    assert limit < cap - 1
+    assert limit + MAX_REFUSING < CAP - 1
     config = tmp_path / "router.toml"
     config.write_text(f"[limits]\nclient_connections = {limit}\n")
     backend = await backends(held)
@@ -208,12 +214,14 @@ async def test_one_address_cannot_take_every_place_with_client_connections_set(
             clients.append((reader, writer))
             writer.write(REQUEST)
         await backend.wait_for(lambda: len(backend.heads) == limit)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        clients.append((reader, writer))
-        async with asyncio.timeout(WAIT):
-            status, body = await answer(reader)
-        assert status == 429, body
-        assert "client_connections" in json.loads(body)["error"]["message"]
+        for _ in range(refused):  # each held open
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            clients.append((reader, writer))
+            async with asyncio.timeout(WAIT):
+                status, body = await answer(reader)
+                assert status == 429, body
+                assert await reader.read() == b""  # the router is done with it
+            assert "client_connections" in json.loads(body)["error"]["message"]
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, local_addr=("127.0.0.2", 0)
         )
