@@ -45,6 +45,16 @@ Contract:
   own connections: the kernel spreads one client's connections over the
   workers (``SO_REUSEPORT`` hashes the 4-tuple), so a host lets one address
   hold between the limit and N times it, never more.
+- On a TLS listener (``tls_cert``) a connection is counted from the accept
+  too, but asyncio calls neither ``connection_made`` nor ``connection_lost``
+  of a connection whose handshake fails (plain HTTP on the TLS port, a TCP
+  health check that connects and closes, a scanner): before, each one stayed
+  counted forever, and enough of them (the cap, ~10,000 at the usual limit)
+  had every client refused with a 503 until a restart.  So the handshake has
+  a deadline (``ssl_handshake_timeout`` = ``timeouts.client_header``) and a
+  connection still not made ``HANDSHAKE_MARGIN`` past it is uncounted by
+  ``sweep`` (every ``SWEEP_SECONDS``, router.app): it is gone.  One made
+  after all (a loop held past the margin) is counted again then.
 - ``raise_nofile()`` lifts the soft limit to the hard one (start-up only).
 """
 
@@ -52,7 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from .client import ClientConnection
 from .log import get_logger
@@ -74,6 +84,8 @@ __all__ = [
 
 log = get_logger("router")
 
+_P = TypeVar("_P", bound=asyncio.Protocol)
+
 # What a running router holds besides clients and upstreams (measured: 17 fds
 # for python, uvloop's epoll/eventfd/signal pipes, both listeners, stdio and the
 # access log), with room for: admin clients (16), a state-file save (temp file +
@@ -82,6 +94,9 @@ MAX_REFUSING = 32
 RESERVE = 24 + 16 + 2 + MAX_REFUSING + 6
 PER_BACKEND = 2  # an active health check and a metrics scrape, each a connection
 LINGER_SECONDS = 1.0
+# Past a TLS handshake's deadline, before its connection is taken for lost: the
+# deadline's timer starts a loop pass or two after the accept.
+HANDSHAKE_MARGIN = 1.0
 BUSY_MESSAGE = "the router is at its connection limit; retry later"
 
 
@@ -122,8 +137,10 @@ class _Client(ClientConnection):
     __slots__ = ("_counted", "_lingering")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
         admission = self.router.admission
+        if admission.made(self):
+            admission.clients += 1  # taken for a failed handshake, made after all
+        super().connection_made(transport)
         self._lingering = False
         self._counted = admission.opened(self.peer_ip)
         if self._counted is None:
@@ -170,6 +187,8 @@ class _Refusal(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         t = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
         admission = self.admission
+        if admission.made(self):
+            admission.refusing += 1  # taken for a failed handshake, made after all
         router = admission.router
         t.write(error_response(503, BUSY_MESSAGE, close=True, date=router.date.value))
         router.request_refused(503, "connection limit")
@@ -200,13 +219,19 @@ class Admission:
         "cap",
         "clients",
         "full",
+        "handshake",
+        "handshaking",
         "nofile",
         "refusing",
         "router",
     )
 
-    def __init__(self, router: Router, nofile: int | None):
+    def __init__(self, router: Router, nofile: int | None, handshake: float | None = None):
         self.router = router
+        # A TLS listener's handshake deadline (None: plain TCP), and the connections
+        # counted whose handshake is under way: protocol -> when to take it for lost.
+        self.handshake = handshake
+        self.handshaking: dict[asyncio.Protocol, float] = {}
         self.nofile = nofile  # None: no limit, no cap
         self.clients = 0  # open client connections (counted from the accept)
         self.refusing = 0  # refusals still lingering
@@ -234,7 +259,7 @@ class Admission:
                 self.full = False
                 log.info("connection limit: accepting again", clients=self.clients, cap=self.cap)
             self.clients += 1
-            return _Client(self.router)
+            return self._shaking(_Client(self.router))
         if not self.full:
             self.full = True
             log.warning(
@@ -243,7 +268,33 @@ class Admission:
                 nofile=self.nofile,
             )
         self.refusing += 1
-        return _Refusal(self)
+        return self._shaking(_Refusal(self))
+
+    def _shaking(self, protocol: _P) -> _P:
+        if self.handshake is not None:
+            deadline = self.router.loop.time() + self.handshake + HANDSHAKE_MARGIN
+            self.handshaking[protocol] = deadline
+        return protocol
+
+    def made(self, protocol: asyncio.Protocol) -> bool:
+        """``protocol``'s connection is made: True if ``sweep`` had uncounted it."""
+        if self.handshake is None:
+            return False
+        return self.handshaking.pop(protocol, None) is None
+
+    def sweep(self) -> None:
+        """Uncount the connections whose TLS handshake is past its deadline: failed
+        (asyncio tells their protocol nothing: the module's docstring)."""
+        if not self.handshaking:
+            return
+        now = self.router.loop.time()
+        lost = [p for p, deadline in self.handshaking.items() if deadline < now]
+        for protocol in lost:
+            del self.handshaking[protocol]
+            if isinstance(protocol, _Refusal):
+                self.refusing -= 1
+            else:
+                self.clients -= 1
 
     def opened(self, address: bytes) -> bool | None:
         """A client connection from ``address`` is made: True if it is counted

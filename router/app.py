@@ -160,7 +160,10 @@ class Router:
         for backend in self.fleet.backends.values():
             self._open_pool(backend)
         host, configured_port = self.config.listen_address
-        self.admission = Admission(self, nofile_limit())
+        # A TLS handshake gets the time a request head does (asyncio's default: 60 s);
+        # admission uncounts the connections whose handshake failed past it.
+        handshake = self.config.timeouts.client_header if self.tls is not None else None
+        self.admission = Admission(self, nofile_limit(), handshake)
         self._server = await self.loop.create_server(
             self.admission,
             host,
@@ -169,6 +172,7 @@ class Router:
             reuse_address=True,
             reuse_port=reuse_port or None,
             ssl=self.tls,
+            ssl_handshake_timeout=handshake,
         )
         self.access.start(self.loop)
         if not self.config.backend_tls.verify:
@@ -258,6 +262,7 @@ class Router:
     def _sweep(self) -> None:
         for pool in self.pools.values():
             pool.sweep()
+        self.admission.sweep()
         self._sweeper = self.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     # -- membership and config -------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import trustme
 
 from admin.cli import main
+from tests.harness.http import WAIT
 from tests.harness.routers import SimFleet, StartRouter
 
 
@@ -66,6 +67,44 @@ async def test_backends_are_told_the_original_scheme(start_router: StartRouter) 
         server.close()
         await server.wait_closed()
     assert b"x-forwarded-proto: https\r\n" in heads[0].lower()
+
+
+async def test_failed_handshakes_are_not_counted_against_the_connection_cap(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    """asyncio tells the protocol nothing of a connection whose TLS handshake
+    fails; before, each stayed counted against the connection cap for good, and
+    a TCP health check that connects and closes, or plain HTTP on the TLS port,
+    filled it over time until every client got a 503.  Now one is uncounted
+    once its handshake deadline (``client_header``) is past; those made are
+    counted exactly as before."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    sims = await sim_fleet(1)
+    router = await start_router(sims, tls=server_context, timeouts={"client_header": 0.5})
+    admission = router.admission
+    for plain in (True, False, True):
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        if plain:  # plain HTTP on the TLS port: the handshake fails, then an EOF
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            async with asyncio.timeout(WAIT):
+                assert await reader.read() == b""
+        writer.close()  # else: a TCP health check, connect and close
+        await writer.wait_closed()
+    async with asyncio.timeout(30):  # 0.5 s, the margin (1 s) and a sweep (2 s): 3.5 s
+        while admission.clients or admission.handshaking:  # noqa: ASYNC110 - no event for it
+            await asyncio.sleep(0.05)
+    async with aiohttp.ClientSession() as http:
+        url = f"https://127.0.0.1:{router.port}/health"
+        async with http.get(url, ssl=client_context) as resp:
+            assert resp.status == 200
+            assert (admission.clients, admission.handshaking) == (1, {})
+    async with asyncio.timeout(WAIT):
+        while admission.clients:  # noqa: ASYNC110 - connection_lost has no event to wait on
+            await asyncio.sleep(0.01)
 
 
 def test_unusable_tls_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
