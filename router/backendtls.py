@@ -25,6 +25,11 @@ Contract:
 - Every process (each worker of ``--workers N``, the supervisor for its
   health checks) builds its own from the same config: the same trust, the
   same client certificate.
+- Files that cannot be loaded any more at the first use (removed after
+  start-up) are the router's fault: a request gets a 503 that blames no
+  backend (as running out of file descriptors does), a health check leaves
+  the backend's state as it is, the failure is logged, and the build is
+  tried again a second later at the earliest.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ import ssl
 
 from .config import BackendTLS as BackendTLSConfig
 from .config import ConfigError
+from .log import get_logger
 
-__all__ = ["BackendTLS", "context", "files"]
+__all__ = ["RETRY_SECONDS", "BackendTLS", "context", "files"]
+
+log = get_logger("router")
+
+RETRY_SECONDS = 1.0  # after a failed build, before the next try
 
 
 def context(config: BackendTLSConfig) -> ssl.SSLContext:
@@ -66,20 +76,34 @@ def files(config: BackendTLSConfig) -> bool:
 class BackendTLS:
     """A process's context for ``https://`` backends, built at the first ``get``."""
 
-    __slots__ = ("_building", "_config", "built")
+    __slots__ = ("_building", "_config", "_failed_at", "built")
 
     def __init__(self, config: BackendTLSConfig):
         self._config = config
         self.built: ssl.SSLContext | None = None
         self._building: asyncio.Future[ssl.SSLContext] | None = None
+        self._failed_at = 0.0  # when the last build failed (loop time)
 
     async def get(self) -> ssl.SSLContext:
         """The context; the first call builds it in a thread (the others wait for it).
-        A file that cannot be loaded any more raises ConfigError: to the caller a
-        connect that failed."""
+        A file that cannot be loaded any more raises ConfigError, the router's fault,
+        not a backend's: the data path answers 503 and blames no backend.  A failed
+        build is tried again ``RETRY_SECONDS`` later at the earliest, not by every
+        request meanwhile (each try is ~65 ms of a thread's CPU)."""
         if self.built is not None:
             return self.built
-        if self._building is None or self._building.done():
-            self._building = asyncio.ensure_future(asyncio.to_thread(context, self._config))
-        self.built = await asyncio.shield(self._building)
+        loop = asyncio.get_running_loop()
+        building = self._building
+        if building is None or (building.done() and loop.time() - self._failed_at >= RETRY_SECONDS):
+            building = self._building = asyncio.ensure_future(
+                asyncio.to_thread(context, self._config)
+            )
+            building.add_done_callback(self._done)
+        self.built = await asyncio.shield(building)
         return self.built
+
+    def _done(self, building: asyncio.Future[ssl.SSLContext]) -> None:
+        if building.cancelled() or building.exception() is None:
+            return
+        self._failed_at = asyncio.get_running_loop().time()
+        log.error("backend_tls: cannot build the context", error=str(building.exception()))

@@ -257,15 +257,19 @@ class HealthMonitor:
         import aiohttp  # loaded by start()
 
         try:
+            tls = await self._ssl(backend)
+        except ConfigError:
+            return backend.healthy  # our files, not the backend (router.backendtls): as it was
+        try:
             async with self._session.get(
                 backend.url.rstrip("/") + path,
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 allow_redirects=False,
-                ssl=await self._ssl(backend),
+                ssl=tls,
             ) as response:
                 await response.read()
                 return 200 <= response.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError, ConfigError):
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
     async def _ssl(self, backend: Backend) -> ssl.SSLContext | bool:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from .balancer import SATURATED
 from .cachecheck import MIN_KEY_BYTES
-from .config import MAX_MODEL_NAME
+from .config import MAX_MODEL_NAME, ConfigError
 from .heads import upstream_head
 from .queue import QUEUE_FULL
 from .relay import Relay
@@ -266,6 +266,10 @@ class Routing(Relay):
             # Our limit, not the backend's fault: it must not count against its
             # health, and every other backend would fail the same way.
             self._fail(503, "the router is out of file descriptors")
+            return
+        if isinstance(exc, ConfigError):
+            # [backend_tls] files gone (router.backendtls): ours, not the backend's.
+            self._fail(503, "the router cannot load its backend_tls files (see its log)")
             return
         if future.cancelled() or exc is not None:
             assert self.choice is not None

@@ -3,6 +3,7 @@ mutual TLS to a backend served with a certificate made at test time (trustme).""
 
 from __future__ import annotations
 
+import os
 import ssl
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import trustme
 
 from admin.cli import main
+from router import backendtls
 from router.config import BackendSpec
 from tests.harness.backends import StartBackend
 from tests.harness.http import connect, quiet, req
@@ -154,3 +156,31 @@ async def test_with_two_workers_each_speaks_tls_to_the_backend(
         assert len(workers) == 2  # 200 requests on one worker in a row: 2^-199
     finally:
         await stop(proc)
+
+
+async def test_backend_tls_files_gone_at_first_use_are_the_routers_fault(
+    backends: StartBackend,
+    start_router: StartRouter,
+    ca: trustme.CA,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CA file removed after start-up: the context cannot be built. A 503 that
+    blames no backend (its health and error count untouched), then, the file back,
+    the next try after RETRY_SECONDS (0 here) serves."""
+    monkeypatch.setattr(backendtls, "RETRY_SECONDS", 0.0)
+    backend = await backends(tls=server_context(ca))
+    trust = ca_file(ca, tmp_path)
+    router = await start_router(
+        [backend.spec], health={"active": False}, backend_tls={"ca_file": trust}
+    )
+    os.rename(trust, trust + ".away")
+    async with aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{router.port}/v1/completions"
+        async with http.post(url, data=COMPLETION) as resp:
+            assert resp.status == 503
+            assert "backend_tls" in (await resp.json())["error"]["message"]
+    served = router.fleet.backends[backend.name]
+    assert (served.errors, served.healthy) == (0, True)
+    os.rename(trust + ".away", trust)
+    assert await statuses(router.port, 2) == [200, 200]
