@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.harness.backends import StartBackend
-from tests.harness.http import WAIT, Client, assert_error, connect, req
+from tests.harness.http import WAIT, Client, assert_error, connect, req, until
 from tests.harness.processes import spawn_router, stop
 from tests.harness.routers import StartRouter
 
@@ -28,12 +27,6 @@ async def served(client: Client) -> int:
     """One request on ``client``'s connection: the answer's status."""
     await client.send(req(b"GET", b"/health"))
     return (await client.response()).status
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT):
-        while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
-            await asyncio.sleep(0.01)
 
 
 async def test_an_address_past_its_limit_gets_a_429_and_the_others_are_served(

@@ -18,7 +18,6 @@ import contextlib
 import shutil
 import socket
 import subprocess
-from collections.abc import Callable
 
 import pytest
 
@@ -38,6 +37,7 @@ from tests.harness.http import (
     quiet,
     req,
     still_serves,
+    until,
 )
 from tests.harness.routers import StartRouter
 
@@ -48,13 +48,6 @@ ONE_READ = 256 * 1024
 def only_the_connection(router: Router) -> ClientConnection:
     (conn,) = router.connections
     return conn
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Wait for a condition the router offers no event for (bounded by WAIT)."""
-    async with asyncio.timeout(WAIT):
-        while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
-            await asyncio.sleep(0.01)
 
 
 async def read_answers(client: Client, count: int) -> None:

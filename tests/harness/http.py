@@ -15,7 +15,7 @@ import contextlib
 import json
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "req",
     "response",
     "still_serves",
+    "until",
 ]
 
 WAIT = 5.0  # seconds: the bound on every wait of the harness and the tests that use it
@@ -269,3 +270,10 @@ async def still_serves(router: Router, backend: Backend, target: bytes = b"/heal
     assert resp.status == 200
     assert resp.json()["target"] == target.decode()
     assert backend.requests[-1].target == target
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Wait for a condition the router offers no event for (bounded by WAIT)."""
+    async with asyncio.timeout(WAIT):
+        while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
+            await asyncio.sleep(0.01)
