@@ -149,21 +149,15 @@ class _Client(ClientConnection):
                 f"this client address has {limit} connections open to the router, the limit "
                 "per address ([limits] client_connections); retry after 1 s"
             )
-            extra = b"retry-after: 1\r\n"
-            if admission.refusing >= MAX_REFUSING:
-                # A lingering refusal holds its place under the cap for up to
-                # LINGER_SECONDS: unbounded, an address that keeps connecting
-                # would fill the cap with its refusals, the lock-out this limit
-                # exists to prevent.  So at most MAX_REFUSING linger (shared with
-                # the cap's own), the rest are answered and closed at once.
-                self.router.request_refused(429, message)
-                date = self.router.date.value
-                self.write(error_response(429, message, close=True, date=date, extra=extra))
-                self._close(lingering=False)
-                return
-            admission.refusing += 1
-            self._lingering = True
-            self._refuse(429, message, extra=extra)
+            # A lingering refusal holds its place under the cap for up to
+            # LINGER_SECONDS: unbounded, an address that keeps connecting would
+            # fill the cap with its refusals, the lock-out this limit exists to
+            # prevent.  So at most MAX_REFUSING linger (shared with the cap's
+            # own), the rest are answered and closed at once.
+            self._lingering = admission.refusing < MAX_REFUSING
+            if self._lingering:
+                admission.refusing += 1
+            self._refuse(429, message, b"retry-after: 1\r\n", lingering=self._lingering)
 
     def connection_lost(self, exc: Exception | None) -> None:
         admission = self.router.admission

@@ -182,7 +182,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._closing = False
         # A refused request pipelined behind others: (status, message), answered
         # once the requests before it are; nothing after it is read.
-        self._refusal: tuple[int, str, bytes] | None = None  # status, message, header lines
+        # status, message, header lines, whether the close lingers (see _refuse)
+        self._refusal: tuple[int, str, bytes, bool] | None = None
         self._feeding = False  # inside parser.feed_data: heads not yet fully checked
         self._next_scheduled = False  # _start_next is due (call_soon)
         self._body_pieces: list[bytes] = []  # body bytes of the read being fed, not yet handed on
@@ -512,10 +513,10 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if self._queue:
             self._start_queued()
         elif self._refusal is not None:
-            status, message, extra = self._refusal
+            status, message, extra, lingering = self._refusal
             date = self.router.date.value
             self.write(error_response(status, message, close=True, date=date, extra=extra))
-            self._close(lingering=True)
+            self._close(lingering=lingering)
         else:
             self._go_idle()
 
@@ -627,8 +628,12 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
 
     # -- endings ---------------------------------------------------------------
 
-    def _refuse(self, status: int, message: str, extra: bytes = b"") -> None:
-        """A request we will not serve: answer if we still can, then close.
+    def _refuse(
+        self, status: int, message: str, extra: bytes = b"", *, lingering: bool = True
+    ) -> None:
+        """A request we will not serve: answer if we still can, then close
+        (lingering, unless told not to: reading what the client still sends, so
+        that it reads the answer before a reset).
 
         Requests before it on the connection were good: they are answered
         first, in order, then this one with the error, then the connection
@@ -646,7 +651,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._in_head = False
         if status != 500:  # our own failure is logged where it happened, not a refusal
             self.router.request_refused(status, message)
-        self._refusal = (status, message, extra)
+        self._refusal = (status, message, extra, lingering)
         self._watch = NOTHING  # nothing more is read from this client
         self._pause(PIPELINE)
         self._schedule_next()
