@@ -429,7 +429,8 @@ class Fleet:
 
     def _refresh(self) -> None:
         backends = self.backends
-        rescued = self._rescue() if self.panic else frozenset()
+        declared = self._pool_weights()  # read by panic and the pools alike
+        rescued = self._rescue(declared) if self.panic else frozenset()
         if rescued != self.rescued:
             if rescued:
                 log.warning(
@@ -447,9 +448,9 @@ class Fleet:
             unavailable.update(n for n in self.ring.weights if n not in backends)
         self.unavailable = frozenset(unavailable)
         self.cum_weights = _cum_weights(available)
-        self._refresh_pools(available)
+        self._refresh_pools(available, declared)
 
-    def _rescue(self) -> frozenset[str]:
+    def _rescue(self, declared: dict[str, dict[str, int]]) -> frozenset[str]:
         """The backends down that panic routes to (the contract): active, and every
         pool they serve without a backend up."""
         backends = self.backends
@@ -457,7 +458,7 @@ class Fleet:
         if not down:
             return frozenset()
         # Without a model declared, the fleet is the one pool.
-        pools: Mapping[str, Mapping[str, object]] = self._pool_weights() or {ANY_MODEL: backends}
+        pools: Mapping[str, Mapping[str, object]] = declared or {ANY_MODEL: backends}
         served = [
             members
             for members in pools.values()
@@ -465,9 +466,11 @@ class Fleet:
         ]
         return frozenset(name for name in down if not any(name in m for m in served))
 
-    def _refresh_pools(self, available: tuple[Backend, ...]) -> None:
-        """The pools of the models the backends declare now, on the rings published."""
-        declared = self._pool_weights()
+    def _refresh_pools(
+        self, available: tuple[Backend, ...], declared: dict[str, dict[str, int]]
+    ) -> None:
+        """The pools of the models the backends declare now (``declared``:
+        ``_pool_weights``), on the rings published."""
         if not declared:
             self.pools, self.any_model = {}, None
             return
