@@ -158,6 +158,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     serve.add_argument("--tls-cert", metavar="PEM", help="serve clients over TLS with this chain")
     serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    serve.add_argument(
+        "--proxy-protocol",
+        action="store_true",
+        default=None,
+        help="every client connection opens with a PROXY protocol header (v1 or v2)",
+    )
     serve.add_argument("--health-path", metavar="PATH", help="active health check path (/health)")
     serve.add_argument("--health-interval", type=float, metavar="S", help="between checks (5)")
     serve.add_argument(
@@ -347,6 +353,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["tls_cert"] = args.tls_cert
     if args.tls_key is not None:
         data["tls_key"] = args.tls_key
+    if args.proxy_protocol is not None:
+        data["proxy_protocol"] = True
     otel = dict(data.get("otel", {}))
     for flag, field in (
         ("otel_endpoint", "endpoint"),

@@ -55,6 +55,7 @@ RESTART_FIELDS = (
     "admin_listen",
     "tls_cert",
     "tls_key",
+    "proxy_protocol",
     "backend_tls",
     "workers",
     "etcd",

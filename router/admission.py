@@ -55,6 +55,18 @@ Contract:
   connection still not made ``HANDSHAKE_MARGIN`` past it is uncounted by
   ``sweep`` (every ``SWEEP_SECONDS``, router.app): it is gone.  One made
   after all (a loop held past the margin) is counted again then.
+- With ``proxy_protocol`` (``router.proxyproto``) a connection is first an
+  ``_AwaitingHeader``, counted under the cap as a client from the accept: it
+  reads the PROXY header, then hands the transport to its ``_Client``
+  (``set_protocol``) with the address the header names, and the bytes that
+  followed the header in the same read.  Only then is the connection counted
+  against ``client_connections`` (under the client's address, not the
+  proxy's), added to the router's connections and given the request-head
+  deadline.  A header not complete within ``timeouts.client_header`` closes
+  the connection (a 408 if part of one came); bytes that cannot be a header
+  get a 400 saying what the listener expects, a ``refused`` access-log line,
+  and a lingering close.  The request path does not test for it: a
+  connection's protocol is the client from the handover on.
 - ``raise_nofile()`` lifts the soft limit to the hard one (start-up only).
 """
 
@@ -66,6 +78,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 from .client import ClientConnection
 from .log import get_logger
+from .proxyproto import ProxyHeaderError, parse
 from .wire import error_response
 
 if TYPE_CHECKING:
@@ -204,6 +217,78 @@ class _Refusal(asyncio.Protocol):
             self.timer.cancel()
 
 
+class _AwaitingHeader(asyncio.Protocol):
+    """A connection on a ``proxy_protocol`` listener until its PROXY header is read
+    (the module's contract); ``client`` takes it over then."""
+
+    __slots__ = ("buffer", "client", "refused", "timer", "transport")
+
+    def __init__(self, client: _Client):
+        self.client = client
+        self.buffer = b""  # what came of the header so far
+        self.refused = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
+        router = self.client.router
+        self.timer = router.loop.call_later(router.config.timeouts.client_header, self._late)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return  # read and drop what still comes
+        buffer = self.buffer + data if self.buffer else data
+        try:
+            header = parse(buffer)
+        except ProxyHeaderError as exc:
+            self._refuse(400, str(exc))
+            return
+        if header is None:
+            self.buffer = buffer  # at most V2_MAX bytes: parse refuses past that
+            return
+        size, address = header
+        if self.timer is not None:
+            self.timer.cancel()
+        client, transport = self.client, self.transport
+        if address is not None:
+            client.peer_ip = address  # connection_made keeps it over the socket's
+        transport.set_protocol(client)
+        client.connection_made(transport)
+        if size < len(buffer):
+            # A copy of the rest of this one read, once per connection.
+            client.data_received(buffer[size:])
+
+    def eof_received(self) -> bool:
+        return False  # closed before its header: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.client.router.admission.clients -= 1
+
+    def _late(self) -> None:
+        self.timer = None
+        if self.buffer:
+            self._refuse(408, "PROXY protocol header not received in time")
+        else:
+            self.transport.close()  # sent nothing: closed as an idle connection is
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer, half-close, drop what still comes, close after ``LINGER_SECONDS``."""
+        router, transport = self.client.router, self.transport
+        self.refused, self.buffer = True, b""
+        transport.write(error_response(status, message, close=True, date=router.date.value))
+        router.request_refused(status, message)
+        if self.timer is not None:
+            self.timer.cancel()
+        try:
+            transport.write_eof()
+        except (OSError, NotImplementedError):
+            transport.close()  # gone already (ENOTCONN), or no half-close
+            return
+        self.timer = router.loop.call_later(LINGER_SECONDS, transport.close)
+
+
 class Admission:
     """The protocol factory of the client listener, with its connection cap."""
 
@@ -253,7 +338,10 @@ class Admission:
                 self.full = False
                 log.info("connection limit: accepting again", clients=self.clients, cap=self.cap)
             self.clients += 1
-            return self._shaking(_Client(self.router))
+            client = _Client(self.router)
+            if self.router.config.proxy_protocol:
+                return _AwaitingHeader(client)
+            return self._shaking(client)
         if not self.full:
             self.full = True
             log.warning(

@@ -212,8 +212,9 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         sock = self.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = self.transport.get_extra_info("peername")
-        self.peer_ip = peer[0].encode() if isinstance(peer, tuple) else b""
+        if not self.peer_ip:  # else named by a PROXY header (router.admission)
+            peer = self.transport.get_extra_info("peername")
+            self.peer_ip = peer[0].encode() if isinstance(peer, tuple) else b""
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self.router.connections.add(self)
         # A new connection gets the header timeout to send its first request.

@@ -633,6 +633,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_file: str | None = None
     tls_cert: str | None = None  # PEM certificate chain for the client listener
     tls_key: str | None = None  # its private key (PEM)
+    # Every client connection opens with a PROXY protocol header (v1 or v2) naming
+    # the client, sent by the L4 proxy in front (router.proxyproto).
+    proxy_protocol: bool = False
     backend_tls: BackendTLS = msgspec.field(default_factory=BackendTLS)  # https:// backends
     # Other backends tried when one cannot be reached.
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
@@ -694,6 +697,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.proxy_protocol and self.tls_cert is not None:
+            raise ValueError(
+                "proxy_protocol with tls_cert is not supported: terminate TLS at the proxy"
+                " (its header comes before the TLS handshake)"
+            )
         names = Counter(b.name for b in self.backends)  # (list.count: 5 s at 8,192)
         duplicates = sorted(name for name, count in names.items() if count > 1)
         if duplicates:
