@@ -27,7 +27,11 @@ appends).  Every process writing the log (each worker of ``--workers N``)
 follows it on its own, within a flush (a second) of its next line.  A path
 that cannot be opened again keeps the old file (counted, logged once).
 
-Never logged: bodies, header values, tenant keys, query strings.  With
+Each line names the client's address (``client``: the peer's, or with
+``proxy_protocol`` the one its PROXY header named), as nginx's
+``$remote_addr``; a refusal's too, so a client that is refused again and
+again can be found.  Never logged: bodies, header values, tenant keys,
+query strings.  With
 ``[advisor] key_digests`` a keyed request's line ends with ``key_digests``
 (router.keydigests): digests of its key at several lengths, no text.
 """
@@ -72,6 +76,7 @@ def prefix_hash(key_hash: int) -> str:
 class AccessRecord(msgspec.Struct, omit_defaults=False):
     event: str
     ts: float
+    client: str  # its address (the module's docstring)
     request_id: str
     method: str
     path: str
@@ -95,8 +100,9 @@ class RefusedRecord(msgspec.Struct):
 
     event: str
     ts: float
+    client: str
     status: int
-    reason: str  # our fixed message, never the client's bytes
+    reason: str  # our message, never the client's bytes
 
 
 class _Writer(threading.Thread):
@@ -251,6 +257,7 @@ class AccessLog:
         record = AccessRecord(
             "access",
             time.time(),
+            exchange.client_ip.decode("ascii"),
             exchange.request_id.decode("latin-1"),
             exchange.method.decode("latin-1"),
             exchange.path.decode("latin-1"),
@@ -278,11 +285,12 @@ class AccessLog:
         if len(buffer) >= BUFFER_BYTES:
             self.flush()
 
-    def refused(self, status: int, reason: str) -> None:
+    def refused(self, status: int, reason: str, client: bytes) -> None:
         if not self.enabled:
             return
         buffer = self._buffer
-        self._encoder.encode_into(RefusedRecord("refused", time.time(), status, reason), buffer, -1)
+        record = RefusedRecord("refused", time.time(), client.decode("ascii"), status, reason)
+        self._encoder.encode_into(record, buffer, -1)
         buffer += b"\n"
         if len(buffer) >= BUFFER_BYTES:
             self.flush()

@@ -76,7 +76,7 @@ import asyncio
 import resource
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from .client import ClientConnection
+from .client import ClientConnection, peer_address
 from .log import get_logger
 from .proxyproto import ProxyHeaderError, parse
 from .wire import error_response
@@ -198,7 +198,7 @@ class _Refusal(asyncio.Protocol):
             admission.refusing += 1  # taken for a failed handshake, made after all
         router = admission.router
         t.write(error_response(503, BUSY_MESSAGE, close=True, date=router.date.value))
-        router.request_refused(503, "connection limit")
+        router.request_refused(503, "connection limit", peer_address(t))
         if admission.refusing > MAX_REFUSING or not t.can_write_eof():
             t.close()
             return
@@ -278,7 +278,7 @@ class _AwaitingHeader(asyncio.Protocol):
         router, transport = self.client.router, self.transport
         self.refused, self.buffer = True, b""
         transport.write(error_response(status, message, close=True, date=router.date.value))
-        router.request_refused(status, message)
+        router.request_refused(status, message, peer_address(transport))
         if self.timer is not None:
             self.timer.cancel()
         try:

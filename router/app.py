@@ -350,10 +350,11 @@ class Router:
         if arms is not None:
             arms.attribute(self.health.scraped, fresh)
 
-    def request_refused(self, status: int, reason: str) -> None:
-        """A request answered with an error before it became an exchange."""
+    def request_refused(self, status: int, reason: str, client: bytes) -> None:
+        """A request answered with an error before it became an exchange; ``client``
+        is its address."""
         self.recorder.refused[status] += 1
-        self.access.refused(status, reason)
+        self.access.refused(status, reason, client)
 
     def backend_failed(self, backend: Backend, reason: str) -> None:
         """A connect failure, reset, timeout or garbled answer (passive health)."""

@@ -71,7 +71,7 @@ from .wire import error_response
 if TYPE_CHECKING:
     from .app import Router
 
-__all__ = ["ClientConnection"]
+__all__ = ["ClientConnection", "peer_address"]
 
 log = get_logger("client")
 
@@ -93,6 +93,12 @@ IDLE, HEAD, BODY, NOTHING = 0, 1, 2, 3
 
 _CRLF2 = b"\r\n\r\n"
 _LINGER_OFF = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with a reset
+
+
+def peer_address(transport: asyncio.BaseTransport) -> bytes:
+    """The address of a connection's peer (b"" for a Unix socket's)."""
+    peer = transport.get_extra_info("peername")
+    return peer[0].encode() if isinstance(peer, tuple) else b""
 
 
 class _Rejected(Exception):
@@ -213,8 +219,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self.peer_ip:  # else named by a PROXY header (router.admission)
-            peer = self.transport.get_extra_info("peername")
-            self.peer_ip = peer[0].encode() if isinstance(peer, tuple) else b""
+            self.peer_ip = peer_address(transport)
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self.router.connections.add(self)
         # A new connection gets the header timeout to send its first request.
@@ -651,7 +656,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._parsing = None
         self._in_head = False
         if status != 500:  # our own failure is logged where it happened, not a refusal
-            self.router.request_refused(status, message)
+            self.router.request_refused(status, message, self.peer_ip)
         self._refusal = (status, message, extra, lingering)
         self._watch = NOTHING  # nothing more is read from this client
         self._pause(PIPELINE)

@@ -103,6 +103,11 @@ class Exchange(Routing):
 
     __slots__ = ()
 
+    @property
+    def client_ip(self) -> bytes:
+        """The client's address (its connection's: the peer's or a PROXY header's)."""
+        return self._conn.peer_ip
+
     # -- request side (driven by ClientConnection) ------------------------------
 
     def start(self) -> None:

@@ -607,6 +607,7 @@ async def test_no_secret_reaches_a_backend_a_log_line_or_an_error_body(
         ("refused", 400), ("refused", 431), ("access", 200),
     ]  # fmt: skip
     assert [r["tenant"] for r in records[:2]] == [True, True]
+    assert {r["client"] for r in records} == {"127.0.0.1"}  # refusals included
     for line in log_lines + access:
         assert "SECRET" not in line, line
         assert ADMIN_TOKEN not in line, line

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from router.proxyproto import V1_MAX, V2_MAX, V2_SIGNATURE, ProxyHeaderError, parse
 from tests.harness.backends import StartBackend
-from tests.harness.http import WAIT, Client, assert_error, connect, req, until
+from tests.harness.http import WAIT, Client, assert_error, connect, quiet, req, until
 from tests.harness.processes import spawn_router, stop
 from tests.harness.routers import StartRouter
 
@@ -185,11 +185,14 @@ async def refused(client: Client, status: int) -> str:
 
 
 async def test_http_straight_to_the_port_a_bad_header_or_a_stall_is_refused_and_uncounted(
-    backends: StartBackend, start_router: StartRouter
+    backends: StartBackend, start_router: StartRouter, tmp_path: Path
 ) -> None:
     backend = await backends()
     timeouts = {"client_header": 0.5}
-    router = await start_router([backend.spec], proxy_protocol=True, timeouts=timeouts)
+    log = tmp_path / "access.log"
+    router = await start_router(
+        [backend.spec], proxy_protocol=True, timeouts=timeouts, access_log=str(log)
+    )
     async with connect(router) as client:
         await client.send(REQUEST)  # no header: told so at once, not at a timeout
         message = await refused(client, 400)
@@ -211,6 +214,17 @@ async def test_http_straight_to_the_port_a_bad_header_or_a_stall_is_refused_and_
     async with connect(router) as client:  # and the port still serves
         await client.send(v1("203.0.113.7") + REQUEST)
         assert (await client.response()).status == 200
+    await quiet(router)
+    assert router.access.sync()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    # A refusal names the socket's address (the proxy's: no header was read), a
+    # request the address its header named.
+    assert [(line["event"], line["status"], line["client"]) for line in lines] == [
+        ("refused", 400, "127.0.0.1"),
+        ("refused", 400, "127.0.0.1"),
+        ("refused", 408, "127.0.0.1"),
+        ("access", 200, "203.0.113.7"),
+    ]
 
 
 def test_proxy_protocol_with_tls_cert_is_refused_in_the_config() -> None:
