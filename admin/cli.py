@@ -568,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     before, after = raise_nofile()
     get_logger("router").info("file descriptor limit", nofile=after, raised_from=before)
     try:
-        uvloop.run(serve(config, token, state_file, state, tls, lambda: config_from_args(args)))
+        file = os.path.abspath(args.config) if args.config else None
+        uvloop.run(
+            serve(config, token, state_file, state, tls, lambda: config_from_args(args), file)
+        )
     except ConfigError as exc:  # found once listening: the router has shut down again
         print(f"prefix-router: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ import hashlib
 import os
 import signal
 import ssl
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from router.app import Router
     from router.config import DiscoverConfig
     from router.control import Control
+    from router.control.configview import Membership
     from router.control.etcd import EtcdStore
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
@@ -73,10 +75,12 @@ async def serve(
     state: State | None,
     tls: ssl.SSLContext | None = None,
     reread: Callable[[], Config] | None = None,
+    config_file: str | None = None,
 ) -> None:
     from admin import AdminServer
     from admin.reload import Reloads
     from router.app import Router
+    from router.control.configview import ConfigSource
     from router.control.live import RouterControl
     from router.control.replicated import ReplicatedControl
     from router.discovery import DiscoveredControl
@@ -116,6 +120,13 @@ async def serve(
         control = ReplicatedControl(router, workers)
     else:
         control = RouterControl(router, state_file, workers=workers)
+    if replicated:
+        membership: Membership = "etcd"
+    elif config.discover is not None:
+        membership = "discovery"
+    else:
+        membership = "state_file" if state_file is not None else "config"
+    control.source = ConfigSource(config_file, membership, time.time())
     admin = None
     admin_control: Control = control
     discovery: tuple[Reconciler, Source] | None = None

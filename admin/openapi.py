@@ -21,6 +21,7 @@ import msgspec
 from router.abreport import ExperimentView
 from router.config import BackendSpec, RoutingConfig
 from router.control import BackendPatch, BackendView, DrainView, Stats
+from router.control.configview import ConfigView
 from router.explain import DEFAULT_K, MAX_K, DryRequest, Explanation
 
 from .bodies import MAX_BODY
@@ -207,6 +208,21 @@ def _paths() -> dict[str, Any]:
                 "responses": _responses({"200": _ok("The statistics.", _ref("Stats"))}),
             }
         },
+        "/admin/config": {
+            "get": {
+                "operationId": "getConfig",
+                "summary": "The running configuration, where it came from, and its reloads",
+                "description": (
+                    "The configuration in force, as the TOML file spells it: RoutingConfig"
+                    " the one in force now, backends left out (GET /admin/backends), secrets"
+                    " redacted.  With the config file, where the membership comes from, the"
+                    " SIGHUP reloads (the last one's result and reason) and the fields whose"
+                    " new value waits for a restart.  With `--workers N` the supervisor's,"
+                    " which it pushes to every worker; each replica answers for itself."
+                ),
+                "responses": _responses({"200": _ok("The configuration.", _ref("ConfigView"))}),
+            }
+        },
         "/admin/ab": {
             "get": {
                 "operationId": "getExperiment",
@@ -319,6 +335,7 @@ def _components() -> dict[str, Any]:
             BackendView,
             DrainView,
             Stats,
+            ConfigView,
             ExperimentView,
             RoutingDocument,
             RoutingConfig,

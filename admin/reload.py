@@ -24,6 +24,9 @@ Contract:
   health checks, vnodes, seed, cache_salt, advisor, backend_tls) needs a
   restart: a reload that changes one logs ``config fields need a restart``
   naming them and applies the rest.
+- Each reload is recorded in ``control.source`` (``GET /admin/config``):
+  when, whether it was applied, invalid (the reason) or failed, and the
+  fields that wait for a restart.
 - Connections are never dropped: nothing here touches a listener, and a
   drained backend finishes its requests.
 """
@@ -31,6 +34,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,7 @@ import msgspec
 
 from router.config import BackendSpec, Config, ConfigError
 from router.control import BackendPatch, ControlError
+from router.control.configview import ReloadView
 from router.fleet import AdminState
 from router.log import get_logger
 
@@ -107,8 +112,9 @@ class Reloads:
             self._again = False
             try:
                 await self.reload()
-            except Exception:  # a bug: logged, the next SIGHUP tries again
+            except Exception as exc:  # a bug: logged, the next SIGHUP tries again
                 log.exception("config reload failed")
+                self.control.source.reloaded(ReloadView(time.time(), "failed", repr(exc)))
             self.done += 1
             if not self._again:
                 return
@@ -118,6 +124,7 @@ class Reloads:
             new = self.reread()
         except ConfigError as exc:
             log.error("config not reloaded", reason=str(exc))
+            self.control.source.reloaded(ReloadView(time.time(), "invalid", str(exc)))
             return
         old = self.router.config
         restart = [field for field in RESTART_FIELDS if getattr(new, field) != getattr(old, field)]
@@ -131,6 +138,7 @@ class Reloads:
                 await control.set_routing(new.routing)
             await self._backends(new.backends)
         log.info("config reloaded", membership_from_file=self.owns_membership)
+        self.control.source.reloaded(ReloadView(time.time(), "applied", restart_pending=restart))
 
     async def _backends(self, specs: list[BackendSpec]) -> None:
         control, fleet = self.control, self.router.fleet

@@ -150,6 +150,11 @@ async def get_stats(request: web.Request) -> web.Response:
     return json_response(await request.app[CONTROL].stats())
 
 
+async def get_config(request: web.Request) -> web.Response:
+    """The running configuration, where it came from, its reloads (router.control.configview)."""
+    return json_response(request.app[CONTROL].config())
+
+
 async def get_experiment(request: web.Request) -> web.Response:
     """An A/B experiment's arms, each with its TTFT sample, and the test (router.arms)."""
     return json_response(await request.app[CONTROL].experiment())
@@ -205,6 +210,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/admin/routing", get_routing),
     ("PUT", "/admin/routing", put_routing),
     ("GET", "/admin/stats", get_stats),
+    ("GET", "/admin/config", get_config),
     ("GET", "/admin/ab", get_experiment),
     ("POST", "/admin/route", explain_route),
     ("GET", "/healthz", healthz),

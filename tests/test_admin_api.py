@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -787,3 +788,26 @@ async def test_openapi_document_matches_the_routes(api: Api) -> None:
     assert set(error["properties"]) == {"message", "type", "fields"}
     for status in ("401", "404", "409", "422"):
         assert status in served["paths"]["/admin/backends/{name}"]["delete"]["responses"]
+
+
+def test_the_config_view_leaves_out_passwords_in_urls_and_the_label_key() -> None:
+    from router.config import build_config
+    from router.control.configview import public
+
+    config = build_config(
+        {
+            "etcd": ["http://root:hunter2@127.0.0.1:2379", "http://127.0.0.1:2380"],
+            "otel": {"endpoint": "https://svc:s3cret@collector.example:4318"},
+            "tenants": {"label_key": "0123456789abcdef-key"},
+            "backends": [{"name": "b0", "url": "http://127.0.0.1:9000"}],
+        }
+    )
+    shown = public(config)
+    text = json.dumps(shown)
+    for secret in ("hunter2", "s3cret", "0123456789abcdef-key"):
+        assert secret not in text
+    assert shown["etcd"] == ["http://root:<redacted>@127.0.0.1:2379", "http://127.0.0.1:2380"]
+    assert shown["otel"]["endpoint"] == "https://svc:<redacted>@collector.example:4318"
+    assert shown["tenants"]["label_key"] == "<redacted>"
+    assert "backends" not in shown
+    assert shown["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE"

@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.http import WAIT
-from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -306,5 +306,75 @@ async def test_a_changed_health_override_is_refused_by_a_reload_with_a_warning(
             assert [r for r in records if r["level"] == "warning"] == []
             _, view = await admin_call(http, proc, "GET", f"/admin/backends/{b.name}")
             assert view["weight"] == 3
+    finally:
+        await stop(proc)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_admin_config_shows_the_running_config_its_reloads_and_what_waits_for_a_restart(
+    backends: StartBackend, tmp_path: Path, workers: int
+) -> None:
+    a = await backends(echo)
+    config = tmp_path / "router.toml"
+    secret = "label-key-that-must-not-leak"
+    tenants = f'[tenants]\nlabel_key = "{secret}"\n'
+    config.write_text(tenants + toml(a, first_byte=300.0))
+    proc, _ = await spawn_router("--config", str(config), "--workers", str(workers))
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def shown() -> dict[str, Any]:
+                url = f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/admin/config"
+                async with http.get(url) as resp:
+                    assert resp.status == 200
+                    text = await resp.text()
+                assert secret not in text
+                return json.loads(text)  # type: ignore[no-any-return]
+
+            view = await shown()
+            assert view["file"] == str(config)
+            assert view["membership"] == "config"
+            assert (view["reloads"], view["last_reload"], view["restart_pending"]) == (0, None, [])
+            running = view["config"]
+            assert "backends" not in running  # those are /admin/backends
+            assert running["tenants"]["label_key"] == "<redacted>"
+            assert running["timeouts"]["first_byte"] == 300.0
+            assert running["workers"] == workers
+            assert running["listen"] == "127.0.0.1:0"  # the flag, over the file
+            threshold = running["RoutingConfig"]["PrefixAwareRoutingConfig"]
+            assert threshold["ConcurrencyThreshold"] == 10
+
+            # A reload: live fields apply, a listener-level one waits for a restart.
+            await asyncio.to_thread(
+                config.write_text, "vnodes = 512\n" + tenants + toml(a, threshold=4, first_byte=7.0)
+            )
+            proc.send_signal(signal.SIGHUP)
+            await logged(proc, "config reloaded")
+            view = await shown()
+            assert view["reloads"] == 1
+            assert view["last_reload"]["result"] == "applied"
+            assert view["restart_pending"] == view["last_reload"]["restart_pending"] == ["vnodes"]
+            running = view["config"]
+            assert running["timeouts"]["first_byte"] == 7.0
+            assert running["vnodes"] == 1024  # still the running value
+            assert running["RoutingConfig"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 4
+
+            # The admin API changes the RoutingConfig: shown as it is in force.
+            routing = {"RoutingConfig": {"PrefixAwareRoutingConfig": {"ConcurrencyThreshold": 6}}}
+            status, _ = await admin_call(http, proc, "PUT", "/admin/routing", routing)
+            assert status == 200
+            running = (await shown())["config"]
+            assert running["RoutingConfig"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 6
+
+            # An invalid file: recorded with its reason, nothing else changes.
+            await asyncio.to_thread(config.write_text, "[timeouts]\nconnect = -1\n")
+            proc.send_signal(signal.SIGHUP)
+            await logged(proc, "config not reloaded")
+            view = await shown()
+            assert view["reloads"] == 2
+            assert view["last_reload"]["result"] == "invalid"
+            assert "$.timeouts.connect" in view["last_reload"]["reason"]
+            assert view["restart_pending"] == ["vnodes"]
+            assert view["config"]["timeouts"]["first_byte"] == 7.0
     finally:
         await stop(proc)

@@ -12,6 +12,8 @@ Contract:
   the message names the file and the reason), ``Unavailable`` -> 503 (the
   shared store of several replicas is unreachable; retry later),
   ``Rejected`` -> 400 (a dry-run request the data port would refuse).
+- ``config`` is a read: the running configuration, where it came from and
+  its reloads (``router.control.configview``).
 - ``explain`` is a read: a dry run of the routing decision
   (``router.explain``) that changes nothing.  So is ``experiment``: an A/B
   experiment's figures (``router.arms``).
@@ -29,6 +31,7 @@ from msgspec import Meta
 from ..abreport import ExperimentView
 from ..config import BackendSpec, RoutingConfig
 from ..explain import DryRequest, Explanation
+from .configview import ConfigView
 
 __all__ = [
     "BackendPatch",
@@ -295,3 +298,5 @@ class Control(Protocol):
         """The A/B experiment's figures with each arm's TTFT sample (mergeable across
         replicas, router.arms); NotFound when the RoutingConfig has no Arms."""
         ...
+
+    def config(self) -> ConfigView: ...

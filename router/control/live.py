@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -64,6 +65,7 @@ from . import (
     Stats,
     Totals,
 )
+from .configview import ConfigSource, ConfigView, config_view
 from .ops import (
     AddBackend,
     Op,
@@ -129,6 +131,8 @@ class RouterControl:
         self._unslotted: set[str] = set()  # added elsewhere (etcd) past the slots: skipped
         self.admin_listeners: list[Listener] = []
         self.replicas: Replicas | None = None  # with etcd: the other replicas' rows
+        # Where the configuration came from and its reloads (the daemon fills it in).
+        self.source = ConfigSource(None, "config", time.time())
         if workers is None:
             router.fleet.loads.on_idle = self._backend_idle
         else:
@@ -171,6 +175,9 @@ class RouterControl:
 
     def routing(self) -> RoutingConfig:
         return self._router.balancer.config
+
+    def config(self) -> ConfigView:
+        return config_view(self._router.config, self.routing(), self.source)
 
     def ready(self) -> bool:
         router = self._router

@@ -61,6 +61,7 @@ from ..control import (
     Stats,
 )
 from ..control import State as State
+from ..control.configview import ConfigView
 from ..explain import DryRequest, Explanation
 from ..log import get_logger
 
@@ -379,3 +380,6 @@ class DiscoveredControl:
 
     async def experiment(self) -> ExperimentView:
         return await self.inner.experiment()
+
+    def config(self) -> ConfigView:
+        return self.inner.config()

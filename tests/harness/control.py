@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 
 from router.abreport import ExperimentView
-from router.config import BackendSpec, RoutingConfig
+from router.config import BackendSpec, Config, RoutingConfig
 from router.control import (
     BackendPatch,
     BackendView,
@@ -27,6 +27,7 @@ from router.control import (
     Stats,
     Totals,
 )
+from router.control.configview import ConfigSource, ConfigView, config_view
 from router.explain import DryRequest, Explanation
 
 __all__ = ["METRICS", "TOKEN", "FakeControl", "conforms"]
@@ -176,6 +177,9 @@ class FakeControl:
 
     async def experiment(self) -> ExperimentView:
         raise NotFound("no A/B experiment: the RoutingConfig has no Arms")
+
+    def config(self) -> ConfigView:
+        return config_view(Config(), self._routing, ConfigSource(None, "config", 0.0))
 
     # -- Control: changes ------------------------------------------------------------
 
