@@ -40,6 +40,12 @@ Contract:
   reading was paused by us (a backend not taking the body) not counted;
   a client must not leave its answer unread (our write buffer above its
   high-water mark) for ``client_send``, whatever else is going on.
+- With ``limits.keepalive_requests`` the Nth request of a connection is its
+  last (nginx's ``keepalive_requests``, Envoy's
+  ``max_requests_per_connection``): answered with ``Connection: close``, then
+  the connection closes; bytes pipelined after it are not requests (as after
+  any request that closes the connection).  The client opens another, which
+  the kernel may give another worker of ``--workers N``.
 - Malformed requests (llhttp is strict: CL+TE, duplicate CL, bad chunk
   sizes, obs-fold and bare LF are all errors) get a 400 and the connection
   is closed, never forwarded.  Requests pipelined before a refused one are
@@ -153,6 +159,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_paused_since",
         "_queue",
         "_refusal",
+        "_requests",
         "_send_since",
         "_unfed",
         "_unfed_scheduled",
@@ -176,6 +183,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self.current: Exchange | None = None
         self._parsing: Exchange | _Queued | None = None
         self._queue: deque[_Queued] = deque()
+        self._requests = 0  # heads read on this connection (limits.keepalive_requests)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
@@ -428,16 +436,21 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         ):
             # llhttp would hand us the body as the new protocol's first bytes.
             raise _Rejected(501, "protocol upgrades are not supported")
+        keep_alive = parser.should_keep_alive()
+        self._requests += 1
+        limit = self.router.config.limits.keepalive_requests
+        if limit and self._requests >= limit:
+            keep_alive = False  # answered with Connection: close, as nginx's keepalive_requests
         exchange = Exchange(
             self,
             method,
             self._url,
             self._headers,
-            parser.should_keep_alive(),
+            keep_alive,
             parser.get_http_version() == "1.0",
         )
         self._headers = []  # trailers, if any, land here and are dropped
-        self._last_request = not parser.should_keep_alive()
+        self._last_request = not keep_alive
         self._watch_from(BODY, self.router.config.timeouts.client_body)
         queued = _Queued(exchange)
         self._queue.append(queued)

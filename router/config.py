@@ -427,6 +427,11 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # (router.admission); past it a 429.  0: no limit, the default: behind a
     # proxy or a NAT every client shares one address.
     client_connections: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    # Requests one client connection may carry; the last is answered with
+    # Connection: close (router.client).  0: no limit, the default (Envoy's and
+    # HAProxy's; nginx's is 1,000).  A limit spreads long-lived connections over
+    # --workers N again as clients reconnect.
+    keepalive_requests: Annotated[int, Meta(ge=0, le=1 << 31)] = 0
 
 
 class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
