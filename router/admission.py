@@ -294,6 +294,7 @@ class Admission:
 
     __slots__ = (
         "_backends",
+        "accepted",
         "by_address",
         "cap",
         "clients",
@@ -313,6 +314,7 @@ class Admission:
         self.handshaking: dict[asyncio.Protocol, float] = {}
         self.nofile = nofile  # None: no limit, no cap
         self.clients = 0  # open client connections (counted from the accept)
+        self.accepted = 0  # client connections accepted since start, refused ones included
         self.refusing = 0  # refusals still lingering
         self.full = False  # at the cap (logged once each time it is reached)
         # address -> its client connections counted against client_connections
@@ -331,6 +333,7 @@ class Admission:
         self.cap = client_cap(self.nofile, backends, max_idle)
 
     def __call__(self) -> asyncio.Protocol:
+        self.accepted += 1
         if len(self.router.pools) != self._backends:
             self._update()
         if self.clients < self.cap:

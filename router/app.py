@@ -121,6 +121,7 @@ class Router:
             self.queue = AdmissionQueue(self, config.admission)
             self.balancer.on_release = self.queue.wake  # a lease let go: a place may be free
         self.reported_queue: tuple[int, int] | None = None  # a supervisor's: the workers' sum
+        self.reported_connections: tuple[int, int] | None = None  # ... and client_connections'
         # metrics_top 0 and no queue: nothing per tenant to count (~2 us a request saved).
         self._per_tenant = bool(tenants.metrics_top) or self.queue is not None
         self.collector.registry.register(TenantCollector(self))
@@ -252,6 +253,18 @@ class Router:
             await self.tracer.close()
         self.access.close()
         log.info("stopped")
+
+    def client_connections(self) -> tuple[int, int]:
+        """Client connections open now (under the cap: a 429 of client_connections
+        counts until it closes, a 503 at the cap does not) and accepted since start,
+        refused ones included (the workers' sums in a supervisor, as of their last
+        report)."""
+        if self.reported_connections is not None:
+            return self.reported_connections
+        admission = self.admission
+        if admission is None:
+            return 0, 0  # not listening (a supervisor before its first report)
+        return admission.clients, admission.accepted
 
     def idle_connections(self) -> dict[str, int]:
         """Keep-alive connections waiting per backend (the workers' sum in a supervisor)."""

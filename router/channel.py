@@ -134,6 +134,7 @@ class Report(msgspec.Struct, tag=True, frozen=True):
     responses: dict[str, int] = {}  # ResponseIds.counts()
     tenants: list[TenantDelta] = []  # per-tenant counts since the last report (router.tenants)
     queue: tuple[int, int] = (0, 0)  # the admission queue: requests and tenants waiting
+    connections: tuple[int, int] = (0, 0)  # client connections open, accepted since start
     arms: list[ArmReport] = []  # an A/B experiment's arms, totals (router.arms)
 
 

@@ -397,6 +397,18 @@ def _small_families(router: Router) -> Iterator[Metric]:
         refused.add_metric([str(status)], count)
     yield refused
 
+    open_now, accepted = router.client_connections()
+    yield GaugeMetricFamily(
+        "prefix_router_client_connections",
+        "Client connections open (under the connection cap: a 503 at the cap is not one).",
+        value=open_now,
+    )
+    yield CounterMetricFamily(
+        "prefix_router_client_connections_accepted",
+        "Client connections accepted since start, refused ones included.",
+        value=accepted,
+    )
+
     transitions = CounterMetricFamily(
         "prefix_router_health_transitions",
         "Backend health state changes.",

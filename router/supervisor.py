@@ -630,6 +630,10 @@ class Workers:
             sum(report.queue[0] for report in reports),
             sum(report.queue[1] for report in reports),
         )
+        router.reported_connections = (
+            sum(report.connections[0] for report in reports),
+            sum(report.connections[1] for report in reports),
+        )
         arms = router.balancer.arms
         if arms is not None:  # an A/B experiment: its arms' totals, from scratch each read
             arms.reset()

@@ -174,6 +174,7 @@ def report(router: Router, seq: int) -> Report:
         sources=dict(recorder.sources),
         tenants=router.tenants.take(),
         queue=(router.queue.depth, router.queue.tenants) if router.queue is not None else (0, 0),
+        connections=router.client_connections(),
         arms=router.balancer.arms.reports() if router.balancer.arms is not None else [],
     )
 

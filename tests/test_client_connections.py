@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.harness.backends import StartBackend
 from tests.harness.http import WAIT, Client, assert_error, connect, req, until
-from tests.harness.processes import spawn_router, stop
+from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
 from tests.harness.routers import StartRouter
 
 pytestmark = pytest.mark.timeout(90)
@@ -95,5 +97,53 @@ async def test_with_two_workers_an_address_holds_between_the_limit_and_twice_it(
         # The kernel spreads the connections over the workers, each counting its own.
         assert limit <= accepted <= workers * limit, statuses
         assert statuses[:limit] == [200] * limit  # no worker can be full before that
+    finally:
+        await stop(proc)
+
+
+async def test_open_and_accepted_connections_are_counted_refusals_included(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec], limits={"client_connections": 2})
+    async with connect(router) as first, connect(router) as second:
+        assert [await served(first), await served(second)] == [200, 200]
+        async with connect(router) as third:
+            assert_error(await third.response(), 429)
+            assert router.client_connections() == (3, 3)  # the refusal is open until it closes
+        text = (await router.collector.render_async()).decode()
+        assert "prefix_router_client_connections_accepted_total 3.0" in text
+    await until(lambda: router.client_connections() == (0, 3))
+
+
+async def test_with_two_workers_the_connection_counts_are_the_workers_sum(
+    backends: StartBackend,
+) -> None:
+    backend = await backends()
+    proc, port = await spawn_router(
+        "--workers", "2", "--no-health-checks", "--backend", f"{backend.name}={backend.url}"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def counted() -> tuple[int, int]:
+                _, stats = await admin_call(http, proc, "GET", "/admin/stats")
+                async with http.get(f"http://127.0.0.1:{ADMIN_PORTS[proc.pid]}/metrics") as resp:
+                    text = await resp.text()
+                accepted = re.search(
+                    r"^prefix_router_client_connections_accepted_total (\S+)$", text, re.M
+                )
+                assert accepted is not None
+                return stats["totals"]["connections"], int(float(accepted[1]))  # type: ignore[index, call-overload]
+
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(6):  # each served and held open: on either worker
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    stack.callback(writer.close)
+                    assert await served(Client(reader, writer)) == 200
+                assert await counted() == (6, 6)
+            async with asyncio.timeout(WAIT):
+                while await counted() != (0, 6):  # noqa: ASYNC110 - the workers see the closes
+                    await asyncio.sleep(0.02)
     finally:
         await stop(proc)

@@ -170,6 +170,7 @@ class Totals(msgspec.Struct, frozen=True):
     in_flight: int
     errors: int
     no_backend: int  # answered 502/503 because no backend could take them
+    connections: int = 0  # client connections open (Router.client_connections)
 
 
 class ModelView(msgspec.Struct, frozen=True):

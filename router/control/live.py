@@ -211,6 +211,7 @@ class RouterControl:
                 in_flight=router.fleet.loads.total,
                 errors=sum(b.errors for b in router.fleet.backends.values()),
                 no_backend=recorder.no_backend,
+                connections=router.client_connections()[0],
             ),
             decisions=Decisions(
                 primary=primary,
