@@ -238,8 +238,12 @@ class Relay(LazyDeadline):
             headers,
             method=self.method,
             http10=self.http10,
-            # the backend may answer before reading it all: then the connection ends
-            keep_alive=self.client_keep_alive and self.request_complete,
+            # The backend may answer before reading it all: then the connection ends.
+            # A stopping router says so too (as nginx does while it exits): the
+            # client sends its next request elsewhere, not into the close.
+            keep_alive=self.client_keep_alive
+            and self.request_complete
+            and not self._router.stopping,
             request_id=self.request_id,
             extra=self._decision() if self._router.decision_header else b"",
         )
@@ -408,9 +412,9 @@ class Relay(LazyDeadline):
     def _reply(self, body: object) -> None:
         """Answer 200 with ``body`` as JSON, from the router itself."""
         self.status = 200
-        keep_alive = self.client_keep_alive and self.request_complete
-        self.client_keep_alive = keep_alive
         router = self._router
+        keep_alive = self.client_keep_alive and self.request_complete and not router.stopping
+        self.client_keep_alive = keep_alive
         self._out.append(  # written by _finish, after the lease is released
             json_response(
                 200,
@@ -437,7 +441,12 @@ class Relay(LazyDeadline):
         self.status = status
         if self.span is not None:
             self.span.error = message
-        keep_alive = self.client_keep_alive and self.request_complete and status < 500
+        keep_alive = (
+            self.client_keep_alive
+            and self.request_complete
+            and status < 500
+            and not self._router.stopping
+        )
         self.client_keep_alive = keep_alive
         self._out.append(  # written by _finish, after the lease is released
             error_response(

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from tests.harness.backends import StartBackend, hold
 from tests.harness.http import (
     WAIT,
     connect,
@@ -58,3 +59,26 @@ async def test_shutdown_lets_a_stream_finish_and_refuses_new_connections(
             await stopping
     assert router.active == 0
     assert router.fleet.loads.total == 0
+
+
+async def test_an_answer_that_starts_while_stopping_says_connection_close(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    """As nginx does while it exits: the client learns from the answer that the
+    connection ends, and does not send its next request on it (a POST sent into a
+    closing connection fails, and a client may not retry it)."""
+    backend = await backends(hold)
+    router = await start_router([backend.spec])
+    async with connect(router) as client:
+        await client.send(req(b"GET", b"/slow"))
+        await backend.wait_for(lambda: len(backend.heads) == 1)  # held: its answer not begun
+        stopping = asyncio.create_task(router.shutdown(grace=5))
+        await asyncio.sleep(0)  # one loop turn: the task runs up to its first await
+        assert router.stopping
+        backend.release.set()
+        resp = await client.response()
+        assert resp.status == 200
+        assert resp.value("connection") == b"close"
+        await client.closed()
+        async with asyncio.timeout(WAIT):
+            await stopping
