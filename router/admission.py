@@ -29,8 +29,11 @@ Contract:
 - ``[limits] client_connections`` (0: off, the default) caps what one client
   address holds open at once, as nginx's ``limit_conn`` or HAProxy's
   ``sc_conn_cur``: without it one client can take every place under the cap
-  above and lock the others out.  The count is per address (IPv4, or IPv6 to
-  the /128), kept from ``connection_made`` (the factory is not given the
+  above and lock the others out.  The count is per address: an IPv4 one (an
+  IPv4-mapped IPv6 one counts as its IPv4 address), or an IPv6 one's network
+  of ``client_ipv6_prefix`` bits, /64 by default (one host is usually given
+  a /64: counted per /128, it could open the limit from each of 2**64
+  addresses; 128 counts each address), kept from ``connection_made`` (the factory is not given the
   peer) to ``connection_lost``; an address's entry goes at zero, so the table
   holds one entry per address with a connection open.  A connection past it
   is refused as a request is (``ClientConnection._refuse``): a 429 with
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import socket
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from .client import ClientConnection, peer_address
@@ -111,6 +115,7 @@ LINGER_SECONDS = 1.0
 # deadline's timer starts a loop pass or two after the accept.
 HANDSHAKE_MARGIN = 1.0
 BUSY_MESSAGE = "the router is at its connection limit; retry later"
+_MAPPED = bytes(10) + b"\xff\xff"  # ::ffff:a.b.c.d, an IPv4 address on an IPv6 socket
 
 
 def nofile_limit() -> int | None:
@@ -139,6 +144,25 @@ def raise_nofile() -> tuple[int, int]:
     return soft, target
 
 
+def client_key(address: bytes, ipv6_prefix: int) -> bytes:
+    """What ``client_connections`` counts ``address`` under: an IPv4 address (an
+    IPv4-mapped IPv6 one too: a dual-stack listener's IPv4 clients) as it is, an
+    IPv6 one by its first ``ipv6_prefix`` bits."""
+    if b":" not in address:
+        return address
+    try:
+        packed = socket.inet_pton(socket.AF_INET6, address.decode("ascii"))
+    except (OSError, UnicodeDecodeError):
+        return address  # a scope id (fe80::1%eth0), or not IPv6 after all: as given
+    if packed.startswith(_MAPPED):
+        return socket.inet_ntop(socket.AF_INET, packed[12:]).encode()
+    if ipv6_prefix == 128:
+        return address
+    kept = int.from_bytes(packed, "big") >> (128 - ipv6_prefix) << (128 - ipv6_prefix)
+    network = socket.inet_ntop(socket.AF_INET6, kept.to_bytes(16, "big"))
+    return f"{network}/{ipv6_prefix}".encode()
+
+
 def client_cap(nofile: int, backends: int, max_idle: int) -> int:
     """Client connections the limit allows (see the module docstring)."""
     spare = nofile - RESERVE - backends * PER_BACKEND
@@ -147,7 +171,7 @@ def client_cap(nofile: int, backends: int, max_idle: int) -> int:
 
 
 class _Client(ClientConnection):
-    __slots__ = ("_counted", "_lingering")
+    __slots__ = ("_counted", "_lingering", "_where")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         admission = self.router.admission
@@ -155,7 +179,11 @@ class _Client(ClientConnection):
             admission.clients += 1  # taken for a failed handshake, made after all
         super().connection_made(transport)
         self._lingering = False
-        self._counted = admission.opened(self.peer_ip)
+        # What the connection counts under: its address, or its IPv6 /64 (the module's
+        # docstring); kept, so a reload that changes the prefix meanwhile cannot
+        # make its close count down another entry.
+        self._where = client_key(self.peer_ip, self.router.config.limits.client_ipv6_prefix)
+        self._counted = admission.opened(self._where)
         if self._counted is None:
             limit = self.router.config.limits.client_connections
             message = (
@@ -176,7 +204,7 @@ class _Client(ClientConnection):
         admission = self.router.admission
         admission.clients -= 1
         if self._counted:
-            admission.closed(self.peer_ip)
+            admission.closed(self._where)
         if self._lingering:
             admission.refusing -= 1
         super().connection_lost(exc)
@@ -382,9 +410,9 @@ class Admission:
                 self.clients -= 1
 
     def opened(self, address: bytes) -> bool | None:
-        """A client connection from ``address`` is made: True if it is counted
-        against ``client_connections``, False if not (no limit, no address), None
-        if the address is at the limit (refuse it)."""
+        """A client connection from ``address`` (a ``client_key``) is made: True if
+        it is counted against ``client_connections``, False if not (no limit, no
+        address), None if the address is at the limit (refuse it)."""
         limit = self.router.config.limits.client_connections
         if not limit or not address:
             return False

@@ -427,6 +427,9 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # (router.admission); past it a 429.  0: no limit, the default: behind a
     # proxy or a NAT every client shares one address.
     client_connections: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    # The IPv6 network client_connections counts as one client: /64, what one host or
+    # subscriber is usually given (128: each address).  IPv4 addresses count alone.
+    client_ipv6_prefix: Annotated[int, Meta(ge=32, le=128)] = 64
     # Requests one client connection may carry; the last is answered with
     # Connection: close (router.client).  0: no limit, the default (Envoy's and
     # HAProxy's; nginx's is 1,000).  A limit spreads long-lived connections over

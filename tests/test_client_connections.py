@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from router.admission import client_key
 from tests.harness.backends import StartBackend
 from tests.harness.http import WAIT, Client, assert_error, connect, req, until
 from tests.harness.processes import ADMIN_PORTS, admin_call, spawn_router, stop
@@ -147,3 +148,54 @@ async def test_with_two_workers_the_connection_counts_are_the_workers_sum(
                     await asyncio.sleep(0.02)
     finally:
         await stop(proc)
+
+
+@pytest.mark.parametrize(
+    ("address", "prefix", "key"),
+    [
+        (b"203.0.113.7", 64, b"203.0.113.7"),
+        (b"2001:db8:1:2:3:4:5:6", 64, b"2001:db8:1:2::/64"),
+        (b"2001:db8:1:2::9", 64, b"2001:db8:1:2::/64"),
+        (b"2001:db8:1:2::9", 48, b"2001:db8:1::/48"),
+        (b"2001:db8:1:2::9", 128, b"2001:db8:1:2::9"),
+        (b"::ffff:203.0.113.7", 64, b"203.0.113.7"),  # a dual-stack listener's IPv4 client
+        (b"::ffff:203.0.113.7", 128, b"203.0.113.7"),
+        (b"fe80::1%eth0", 64, b"fe80::1%eth0"),  # a scope id: as given
+    ],
+)
+def test_what_an_address_counts_under(address: bytes, prefix: int, key: bytes) -> None:
+    assert client_key(address, prefix) == key
+
+
+def proxied(source: str) -> bytes:
+    """A PROXY protocol v1 line from ``source`` (``proxy_protocol = true``)."""
+    family = b"TCP6" if ":" in source else b"TCP4"
+    target = b"::1" if ":" in source else b"127.0.0.1"
+    return b"PROXY %s %s %s 1 2\r\n" % (family, source.encode(), target)
+
+
+async def test_ipv6_clients_count_per_64_and_mapped_ones_as_ipv4(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    """The sources are named by PROXY headers: loopback has one IPv6 address."""
+    backend = await backends()
+    limits = {"client_connections": 1}
+    router = await start_router([backend.spec], limits=limits, proxy_protocol=True)
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def from_(source: str) -> int:
+            client = await stack.enter_async_context(connect(router))
+            await client.send(proxied(source) + req(b"GET", b"/health"))
+            return (await client.response()).status
+
+        assert await from_("2001:db8:0:1::1") == 200
+        assert await from_("2001:db8:0:1::2") == 429  # the same /64
+        assert await from_("2001:db8:0:2::1") == 200  # the next /64
+        assert await from_("203.0.113.7") == 200
+        assert await from_("::ffff:203.0.113.7") == 429  # the same client, mapped
+        assert router.admission.by_address == {
+            b"2001:db8:0:1::/64": 1,
+            b"2001:db8:0:2::/64": 1,
+            b"203.0.113.7": 1,
+        }
+    await until(lambda: not router.admission.by_address)
