@@ -226,6 +226,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--k8s-selector", metavar="LABELS", help="or EndpointSlices with these labels"
     )
     serve.add_argument("--k8s-port-name", metavar="NAME", help="the EndpointSlice port to use")
+    serve.add_argument(
+        "--discover-scheme",
+        choices=("http", "https"),
+        help="how discovered backends are spoken to (http; https: [backend_tls])",
+    )
+    serve.add_argument(
+        "--discover-server-name",
+        metavar="NAME",
+        help="with https: the name each discovered backend's certificate must hold",
+    )
     serve.add_argument("--kubeconfig", metavar="FILE", help="else the in-cluster service account")
     serve.add_argument(
         "--discover-interval", type=float, metavar="S", help="between two DNS lookups (5)"
@@ -300,6 +310,8 @@ DISCOVER_FLAGS = (
     ("discover_interval", "interval"),
     ("discover_model", "models"),
     ("k8s_model_label", "model_label"),
+    ("discover_scheme", "scheme"),
+    ("discover_server_name", "server_name"),
 )
 
 

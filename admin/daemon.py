@@ -338,6 +338,8 @@ async def _open_discovery(
         control,
         drain_timeout=discover.drain_timeout,
         unhealthy_after=discover.unhealthy_after,
+        scheme=discover.scheme,
+        server_name=discover.server_name,
     )
     reconciler.start(source)
     log = get_logger("discovery")

@@ -289,6 +289,7 @@ class Router:
             max_idle=limits.max_idle_upstream,
             keepalive=timeouts.upstream_keepalive,
             tls=self.backend_tls if backend.tls else None,
+            server_name=backend.spec.server_name,
         )
 
     def add_backend(self, spec: BackendSpec, ramp: Ramp | None = None) -> Backend:

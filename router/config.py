@@ -327,6 +327,9 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
     # The models it serves (the body's ``model``); empty: whatever it is asked
     # (see router.fleet, "Model pools").
     models: Annotated[tuple[ModelName, ...], Meta(max_length=MAX_MODELS)] = ()
+    # An https:// backend: the name sent (SNI) and checked in its certificate, when
+    # that is not the URL's host (a pod's IP, its certificate naming the Service).
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         # A ValueError here is reported by msgspec at the backend object's path
@@ -334,6 +337,10 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
         self.address()
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"backend {self.name!r} lists a model twice")
+        if self.server_name is not None:
+            if not self.tls:
+                raise ValueError(f"backend {self.name!r}: server_name needs an https:// url")
+            check_server_name(self.server_name, f"backend {self.name!r}")
 
     def address(self) -> tuple[str, int]:
         return backend_address(self.url)
@@ -347,6 +354,12 @@ class BackendSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, omit_
 # One DNS label (RFC 1123, plus "_" for container service names), and a name of them.
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def check_server_name(name: str, what: str) -> None:
+    """ValueError unless ``name`` is a DNS name a certificate can hold."""
+    if len(name) > 253 or not _HOSTNAME.fullmatch(name) or name.endswith("."):
+        raise ValueError(f"{what}: server_name {name!r} is not a host name")
 
 
 def backend_address(url: str) -> tuple[str, int]:
@@ -520,8 +533,16 @@ class DiscoverConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # k8s: the EndpointSlice label whose value is its endpoints' model (a Service's
     # labels are copied to its slices); a slice without it serves ``models``.
     model_label: str | None = None
+    # How the discovered backends are spoken to; https: over TLS ([backend_tls]),
+    # each certificate checked for server_name (unset: the endpoint's address).
+    scheme: Literal["http", "https"] = "http"
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.server_name is not None:
+            if self.scheme != "https":
+                raise ValueError('discover server_name needs scheme = "https"')
+            check_server_name(self.server_name, "discover")
         if self.source == "k8s":
             if (self.service is None) == (self.selector is None):
                 raise ValueError("discover k8s needs exactly one of service and selector")

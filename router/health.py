@@ -266,6 +266,7 @@ class HealthMonitor:
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 allow_redirects=False,
                 ssl=tls,
+                server_hostname=backend.spec.server_name,
             ) as response:
                 await response.read()
                 return 200 <= response.status < 300
@@ -340,7 +341,10 @@ class HealthMonitor:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
         try:
             async with self._session.get(
-                url, timeout=timeout, ssl=await self._ssl(backend)
+                url,
+                timeout=timeout,
+                ssl=await self._ssl(backend),
+                server_hostname=backend.spec.server_name,
             ) as response:
                 if response.status != 200:
                     return False

@@ -334,6 +334,7 @@ class Pool:
         "loop",
         "max_idle",
         "port",
+        "server_name",
         "tls",
     )
 
@@ -346,11 +347,13 @@ class Pool:
         max_idle: int,
         keepalive: float,
         tls: BackendTLS | None = None,
+        server_name: str | None = None,
     ):
         self.loop = loop
         self.host = host
         self.port = port
-        self.tls = tls  # an https:// backend: its name is the server name checked
+        self.tls = tls  # an https:// backend
+        self.server_name = server_name or host  # sent (SNI) and checked in its certificate
         # The Host of clients that sent none (HTTP/1.0); an IPv6 literal in brackets.
         self.authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode()
         self.max_idle = max_idle
@@ -389,7 +392,7 @@ class Pool:
         # time: router.backendtls) and the handshake too.
         context = tls.built or await tls.get()
         _, conn = await self.loop.create_connection(
-            factory, self.host, self.port, ssl=context, server_hostname=self.host
+            factory, self.host, self.port, ssl=context, server_hostname=self.server_name
         )
         return conn
 

@@ -14,8 +14,11 @@ import trustme
 from admin.cli import main
 from router import backendtls
 from router.config import BackendSpec
+from router.control.live import RouterControl
+from router.discovery import Reconciler
+from router.discovery.dns import DnsSource
 from tests.harness.backends import StartBackend
-from tests.harness.http import connect, quiet, req
+from tests.harness.http import WAIT, connect, quiet, req, until
 from tests.harness.processes import spawn_router, stop
 from tests.harness.routers import FAST_HEALTH, StartRouter
 
@@ -184,3 +187,88 @@ async def test_backend_tls_files_gone_at_first_use_are_the_routers_fault(
     assert (served.errors, served.healthy) == (0, True)
     os.rename(trust + ".away", trust)
     assert await statuses(router.port, 2) == [200, 200]
+
+
+# -- server_name: a certificate that names a service, not the backend's address ------------
+
+
+def named_context(ca: trustme.CA, name: str, seen: list[str | None]) -> ssl.SSLContext:
+    """A backend's certificate for ``name`` only (not 127.0.0.1); the server names
+    its clients sent (SNI) are appended to ``seen``."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(name).configure_cert(context)
+    context.sni_callback = lambda _sock, server_name, _ctx: seen.append(server_name)  # type: ignore[assignment, misc]
+    return context
+
+
+async def test_server_name_is_sent_and_checked_instead_of_the_address(
+    backends: StartBackend, start_router: StartRouter, ca: trustme.CA, tmp_path: Path
+) -> None:
+    seen: list[str | None] = []
+    backend = await backends(tls=named_context(ca, "vllm.internal", seen))
+    tls = {"ca_file": ca_file(ca, tmp_path)}
+    named = {"name": "named", "url": backend.url, "server_name": "vllm.internal"}
+    router = await start_router([named], health=FAST_HEALTH, backend_tls=tls)
+    assert await statuses(router.port, 2) == [200, 200]
+    # The health checks speak to it by that name too: it stays up.
+    await backend.wait_for(lambda: sum(s.target == b"/health" for s in backend.requests) >= 4)
+    assert router.fleet.backends["named"].healthy
+    assert set(seen) == {"vllm.internal"}
+    view = (await RouterControl(router).backend("named")).server_name
+    assert view == "vllm.internal"
+
+    # Without it the certificate is checked for 127.0.0.1, which it does not name.
+    plain = await start_router(
+        [("plain", backend.url)], health={"active": False}, backend_tls=tls, retries=0
+    )
+    assert await statuses(plain.port, 1) == [502]
+
+
+def test_server_name_needs_https_and_a_host_name() -> None:
+    from router.config import ConfigError, build_config
+
+    http = {"name": "b", "url": "http://127.0.0.1:1", "server_name": "vllm.internal"}
+    with pytest.raises(ConfigError, match="server_name needs an https:// url"):
+        build_config({"backends": [http]})
+    for bad in ("10.0.0.1:80", "vllm internal", "-x", "vllm.internal."):
+        spec = {"name": "b", "url": "https://127.0.0.1:1", "server_name": bad}
+        with pytest.raises(ConfigError, match="is not a host name"):
+            build_config({"backends": [spec]})
+    with pytest.raises(ConfigError, match='server_name needs scheme = "https"'):
+        build_config({"discover": {"source": "dns:vllm:8000", "server_name": "vllm.internal"}})
+
+
+async def test_discovered_backends_are_spoken_to_over_tls_by_the_configured_name(
+    backends: StartBackend, start_router: StartRouter, ca: trustme.CA, tmp_path: Path
+) -> None:
+    seen: list[str | None] = []
+    backend = await backends(tls=named_context(ca, "vllm.internal", seen))
+    port = int(backend.url.rpartition(":")[2])
+    router = await start_router(
+        [], health={"active": False}, backend_tls={"ca_file": ca_file(ca, tmp_path)}
+    )
+    control = RouterControl(router)
+
+    async def resolve(name: str, _port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    reconciler = Reconciler(
+        control, scheme="https", server_name="vllm.internal", resync_interval=0.05
+    )
+    source = DnsSource("vllm.test", port, interval=0.05, resolve=resolve)
+    reconciler.start(source)
+    try:
+        assert await reconciler.wait_synced(WAIT)
+        (discovered,) = router.fleet.backends.values()
+        assert discovered.url == f"https://127.0.0.1:{port}"
+        assert discovered.spec.server_name == "vllm.internal"
+        assert await statuses(router.port, 2) == [200, 200]
+        assert set(seen) == {"vllm.internal"}
+        # Looked up and applied again (resync): the same backend, not replaced.
+        lookups = source.lookups
+        await until(lambda: source.lookups >= lookups + 3)
+        assert list(router.fleet.backends.values()) == [discovered]
+        assert discovered.state.value == "active"
+    finally:
+        await reconciler.close()
+        await control.close()

@@ -137,6 +137,7 @@ class BackendView(msgspec.Struct, frozen=True):
     models: list[str] = msgspec.field(default_factory=list)  # served; empty: any model
     prefix_cache: Literal["ok", "suspect_off", "unknown"] = "unknown"  # see prefix_cache_check
     prefix_cache_check: PrefixCacheView | None = None
+    server_name: str | None = None  # an https:// backend's name checked, if not its host
     # Slow start (router.slowstart): the weight its ring points stand for now, and
     # when its ramp ends (unix seconds; None: not ramping).
     effective_weight: float | None = None

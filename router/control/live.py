@@ -299,6 +299,7 @@ class RouterControl:
             num_requests_waiting=scraped.waiting if scraped else None,
             kv_cache_usage=scraped.kv_usage if scraped else None,
             models=list(backend.spec.models),
+            server_name=backend.spec.server_name,
             prefix_cache=router.health.cache.status(backend.name),
             prefix_cache_check=router.health.cache.view(backend),
             effective_weight=fleet.effective_weight(backend.name),

@@ -140,8 +140,12 @@ class Reconciler:
         drain_timeout: float = 30.0,
         unhealthy_after: float = 10.0,
         resync_interval: float = 30.0,
+        scheme: str = "http",
+        server_name: str | None = None,
     ) -> None:
         self.control = control
+        self.https = scheme == "https"  # the endpoints' urls are made https://
+        self.server_name = server_name  # ... and their certificates checked for it
         self.drain_timeout = drain_timeout
         self.unhealthy_after = unhealthy_after
         self.resync_interval = resync_interval
@@ -160,6 +164,11 @@ class Reconciler:
     # -- the sink ------------------------------------------------------------
 
     def publish(self, endpoints: Mapping[str, Endpoint]) -> None:
+        if self.https:  # sources make http:// urls: the same endpoint, spoken to over TLS
+            endpoints = {
+                name: msgspec.structs.replace(e, url="https" + e.url.removeprefix("http"))
+                for name, e in endpoints.items()
+            }
         wanted = dict(endpoints)
         self._up()
         if wanted == self._wanted:
@@ -312,9 +321,10 @@ class Reconciler:
     async def _join(self, want: Endpoint, present: bool) -> object:
         if present:  # draining: set active again (cancels a drain under way)
             return await self.control.update_backend(want.name, BackendPatch(state="active"))
-        spec = msgspec.convert(
-            {"name": want.name, "url": want.url, "models": want.models}, BackendSpec
-        )
+        fields: dict[str, object] = {"name": want.name, "url": want.url, "models": want.models}
+        if self.server_name is not None:
+            fields["server_name"] = self.server_name
+        spec = msgspec.convert(fields, BackendSpec)
         return await self.control.add_backend(spec)
 
     @staticmethod
