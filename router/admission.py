@@ -256,6 +256,8 @@ class _AwaitingHeader(asyncio.Protocol):
         self.buffer = b""  # what came of the header so far
         self.refused = False
         self.timer: asyncio.TimerHandle | None = None
+        # Set by connection_made; None until then (a factory call at shutdown).
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
@@ -278,6 +280,10 @@ class _AwaitingHeader(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         client, transport = self.client, self.transport
+        client.router.admission.awaiting.discard(self)
+        if client.router.stopping:  # not served once the router stops: closed as idle
+            transport.close()
+            return
         if address is not None:
             client.peer_ip = address  # connection_made keeps it over the socket's
         transport.set_protocol(client)
@@ -292,7 +298,9 @@ class _AwaitingHeader(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.client.router.admission.clients -= 1
+        admission = self.client.router.admission
+        admission.awaiting.discard(self)
+        admission.clients -= 1
 
     def _late(self) -> None:
         self.timer = None
@@ -323,6 +331,7 @@ class Admission:
     __slots__ = (
         "_backends",
         "accepted",
+        "awaiting",
         "by_address",
         "cap",
         "clients",
@@ -343,6 +352,8 @@ class Admission:
         self.nofile = nofile  # None: no limit, no cap
         self.clients = 0  # open client connections (counted from the accept)
         self.accepted = 0  # client connections accepted since start, refused ones included
+        # proxy_protocol: connections whose header is not read yet (closed at shutdown)
+        self.awaiting: set[_AwaitingHeader] = set()
         self.refusing = 0  # refusals still lingering
         self.full = False  # at the cap (logged once each time it is reached)
         # address -> its client connections counted against client_connections
@@ -371,7 +382,9 @@ class Admission:
             self.clients += 1
             client = _Client(self.router)
             if self.router.config.proxy_protocol:
-                return _AwaitingHeader(client)
+                awaiting = _AwaitingHeader(client)
+                self.awaiting.add(awaiting)
+                return awaiting
             return self._shaking(client)
         if not self.full:
             self.full = True
@@ -388,6 +401,13 @@ class Admission:
             deadline = self.router.loop.time() + self.handshake + HANDSHAKE_MARGIN
             self.handshaking[protocol] = deadline
         return protocol
+
+    def close_awaiting(self) -> None:
+        """Close the connections still waiting for their PROXY header (shutdown)."""
+        for protocol in list(self.awaiting):
+            if protocol.transport is not None:
+                protocol.transport.close()
+        self.awaiting.clear()
 
     def made(self, protocol: asyncio.Protocol) -> bool:
         """``protocol``'s connection is made: True if ``sweep`` had uncounted it."""

@@ -225,6 +225,8 @@ class Router:
         grace = self.config.timeouts.shutdown_grace if grace is None else grace
         if self._server is not None:
             self._server.close()
+        if self.admission is not None:
+            self.admission.close_awaiting()  # no header yet (proxy_protocol): idle too
         for conn in list(self.connections):
             if conn.current is None:
                 conn.transport.close()  # idle keep-alive: nothing to wait for

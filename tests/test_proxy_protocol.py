@@ -329,3 +329,19 @@ async def test_behind_a_real_haproxy_each_client_is_told_apart(
     finally:
         proc.kill()
         await proc.wait()
+
+
+async def test_shutdown_closes_connections_still_waiting_for_their_header(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec], proxy_protocol=True)
+    async with connect(router) as waiting, connect(router) as partial:
+        await partial.send(v1("203.0.113.7")[:10])
+        await until(lambda: len(router.admission.awaiting) == 2)
+        async with asyncio.timeout(WAIT):
+            await router.shutdown(grace=1)
+            assert await waiting.rest() == b""  # closed as an idle one is
+            assert await partial.rest() == b""  # (a reset if its bytes were not read yet)
+    await until(lambda: router.admission.clients == 0)
+    assert not router.admission.awaiting
