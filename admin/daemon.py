@@ -91,6 +91,9 @@ async def serve(
     # and membership and routing too, unless discovery gives every replica those.
     shared = bool(config.etcd)
     replicated = shared and config.discover is None
+    if shared and not config.replica_id:
+        # Before the Router: its config is the one GET /admin/config shows.
+        config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
     # With etcd, the state file is the store's copy of etcd's state: etcd wins.
     router = Router(config if replicated else with_state(config, state), tls=tls)
     saved_backends = state.backends if state and not replicated else []
@@ -103,8 +106,6 @@ async def serve(
 
         host, port = config.listen_address
         held = reserve(host, port)
-        if shared and not config.replica_id:
-            config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
         workers = Workers(
             router,
             config.workers,

@@ -20,10 +20,13 @@ Contract:
   changed URL, models list or health override under one name is refused
   with a warning (remove the name, add a new one): the fleet holds a
   backend's spec as it was added.
-- Everything else (listeners, TLS, workers, etcd, state file, access log,
-  health checks, vnodes, seed, cache_salt, advisor, backend_tls) needs a
-  restart: a reload that changes one logs ``config fields need a restart``
-  naming them and applies the rest.
+- Everything else (``RESTART_FIELDS``: listeners, TLS, workers, etcd, state
+  file, access log, health checks, vnodes, seed, cache_salt, advisor,
+  backend_tls, otel, discover, ...) needs a restart, and so does
+  ``limits.listen_backlog`` (the queue is set at bind: the running value is
+  kept in the limits applied): a reload that changes one logs ``config fields
+  need a restart`` naming them and applies the rest.  A replica id made up at
+  start (``--etcd`` without one) is kept, not taken for a change.
 - Each reload is recorded in ``control.source`` (``GET /admin/config``):
   when, whether it was applied, invalid (the reason) or failed, and the
   fields that wait for a restart.
@@ -65,6 +68,7 @@ RESTART_FIELDS = (
     "workers",
     "etcd",
     "etcd_prefix",
+    "etcd_apply_wait",
     "replica_id",
     "replica_listen",
     "state_file",
@@ -79,6 +83,8 @@ RESTART_FIELDS = (
     "admission",
     "engine_signals",
     "advisor",
+    "otel",
+    "discover",
 )
 
 
@@ -127,7 +133,14 @@ class Reloads:
             self.control.source.reloaded(ReloadView(time.time(), "invalid", str(exc)))
             return
         old = self.router.config
+        if new.replica_id is None:  # random at start (admin.daemon): the file did not name one
+            new = msgspec.structs.replace(new, replica_id=old.replica_id)
         restart = [field for field in RESTART_FIELDS if getattr(new, field) != getattr(old, field)]
+        if new.limits.listen_backlog != old.limits.listen_backlog:
+            # The listener's queue is set at bind: the running one stays (and shows).
+            restart.append("limits.listen_backlog")
+            limits = msgspec.structs.replace(new.limits, listen_backlog=old.limits.listen_backlog)
+            new = msgspec.structs.replace(new, limits=limits)
         if restart:
             log.warning("config fields need a restart", fields=restart)
         control = self.control

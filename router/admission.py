@@ -271,7 +271,9 @@ class _AwaitingHeader(asyncio.Protocol):
         try:
             header = parse(buffer)
         except ProxyHeaderError as exc:
-            self._refuse(400, str(exc))
+            # The answer quotes the bytes; the access log keeps a fixed reason
+            # (router.accesslog: never the client's bytes).
+            self._refuse(400, str(exc), "malformed PROXY protocol header")
             return
         if header is None:
             self.buffer = buffer  # at most V2_MAX bytes: parse refuses past that
@@ -309,12 +311,12 @@ class _AwaitingHeader(asyncio.Protocol):
         else:
             self.transport.close()  # sent nothing: closed as an idle connection is
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, logged: str | None = None) -> None:
         """Answer, half-close, drop what still comes, close after ``LINGER_SECONDS``."""
         router, transport = self.client.router, self.transport
         self.refused, self.buffer = True, b""
         transport.write(error_response(status, message, close=True, date=router.date.value))
-        router.request_refused(status, message, peer_address(transport))
+        router.request_refused(status, logged or message, peer_address(transport))
         if self.timer is not None:
             self.timer.cancel()
         try:

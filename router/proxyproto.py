@@ -87,13 +87,18 @@ def _v1(data: bytes) -> tuple[int, bytes | None] | None:
             raise ProxyHeaderError(f"PROXY protocol v1: {text!r} is not an address") from None
         if address.version != version:
             raise ProxyHeaderError(f"PROXY protocol v1: {text!r} is not an IPv{version} address")
+        if getattr(address, "scope_id", None) is not None:
+            # "fe80::1%<any byte but a space>": into X-Forwarded-For as it came
+            raise ProxyHeaderError(f"PROXY protocol v1: {text!r} is not an address (a zone)")
         addresses.append(address)
     for text in fields[3:5]:
         if not (text.isdigit() and len(text) <= 5 and int(text) <= 65_535):
             raise ProxyHeaderError(f"PROXY protocol v1: {text!r} is not a port")
-    # Written as the socket would give it ("2001:db8::1", never "2001:0db8::01"):
-    # one client, one key in the per-address count.
-    return end + 2, str(addresses[0]).encode()
+    # Written as the socket and version 2 give it ("2001:db8::1", "::ffff:192.0.2.1";
+    # str() spells the latter "::ffff:c000:201" before Python 3.13): one client, one
+    # spelling in X-Forwarded-For, the access log and the per-address count.
+    family = socket.AF_INET if version == 4 else socket.AF_INET6
+    return end + 2, socket.inet_ntop(family, addresses[0].packed).encode()
 
 
 def _v2(data: bytes) -> tuple[int, bytes | None] | None:

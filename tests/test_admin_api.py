@@ -798,6 +798,7 @@ def test_the_config_view_leaves_out_passwords_in_urls_and_the_label_key() -> Non
         {
             "etcd": ["http://root:hunter2@127.0.0.1:2379", "http://127.0.0.1:2380"],
             "otel": {"endpoint": "https://svc:s3cret@collector.example:4318"},
+            "discover": {"source": "dns:vllm:8000"},
             "tenants": {"label_key": "0123456789abcdef-key"},
             "backends": [{"name": "b0", "url": "http://127.0.0.1:9000"}],
         }
@@ -811,3 +812,16 @@ def test_the_config_view_leaves_out_passwords_in_urls_and_the_label_key() -> Non
     assert shown["tenants"]["label_key"] == "<redacted>"
     assert "backends" not in shown
     assert shown["RoutingConfig"]["RoutingStrategy"] == "PREFIX_AWARE"
+    token_only = build_config({"otel": {"endpoint": "http://apikey123@collector:4318"}})
+    assert public(token_only)["otel"]["endpoint"] == "http://<redacted>@collector:4318"
+
+
+def test_every_config_field_is_applied_by_a_reload_or_waits_for_a_restart() -> None:
+    """A field missing from both lists would be shown as running by /admin/config
+    while the reload dropped it silently."""
+    from admin.reload import RESTART_FIELDS
+    from router.config import Config
+
+    live = {"timeouts", "limits", "retries", "routing", "backends"}
+    fields = set(Config.__struct_fields__)
+    assert fields == live | set(RESTART_FIELDS), fields ^ (live | set(RESTART_FIELDS))

@@ -62,6 +62,9 @@ HEADERS = [
     (v1("203.0.113.7"), b"203.0.113.7"),
     (v1("2001:db8::7"), b"2001:db8::7"),
     (b"PROXY TCP6 2001:0db8:0:0::07 2001:db8::1 1 2\r\n", b"2001:db8::7"),  # written canonically
+    # As version 2 and the socket write it (str() says ::ffff:cb00:7107 before 3.13).
+    (b"PROXY TCP6 ::ffff:203.0.113.7 2001:db8::1 1 2\r\n", b"::ffff:203.0.113.7"),
+    (v2("::ffff:203.0.113.7"), b"::ffff:203.0.113.7"),
     (b"PROXY UNKNOWN\r\n", None),
     (b"PROXY UNKNOWN ffff:f...f:ffff ffff:f...f:ffff 65535 65535\r\n", None),
     (v2("203.0.113.7"), b"203.0.113.7"),
@@ -100,6 +103,9 @@ def test_a_header_is_read_whole_and_only_once_complete(
         (b"PROXY TCP4 1.2.3.004 5.6.7.8 1 2\r\n", "not an address"),
         (b"PROXY TCP4 1.2.3.4 5.6.7.8 65536 2\r\n", "not a port"),
         (b"PROXY TCP4 1.2.3.4 5.6.7.8 -1 2\r\n", "not a port"),
+        # A zone holds any byte but a space: CR or a comma into X-Forwarded-For.
+        (b"PROXY TCP6 fe80::1%\rX-Evil:1 ::1 1 2\r\n", "a zone"),
+        (b"PROXY TCP6 fe80::1%,6.6.6.6 ::1 1 2\r\n", "a zone"),
         (V2_SIGNATURE + b"\x11\x11\x00\x0c" + bytes(12), "version 1 command 1"),
         (V2_SIGNATURE + b"\x22\x11\x00\x0c" + bytes(12), "command 2"),
         (V2_SIGNATURE + b"\x21\x11\x00\x08" + bytes(8), "8 bytes of addresses, 12 needed"),
@@ -225,6 +231,8 @@ async def test_http_straight_to_the_port_a_bad_header_or_a_stall_is_refused_and_
         ("refused", 408, "127.0.0.1"),
         ("access", 200, "203.0.113.7"),
     ]
+    # The answers quote the client's bytes; the log keeps a fixed reason.
+    assert [line.get("reason") for line in lines[:2]] == ["malformed PROXY protocol header"] * 2
 
 
 def test_proxy_protocol_with_tls_cert_is_refused_in_the_config() -> None:

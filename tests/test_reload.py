@@ -346,17 +346,23 @@ async def test_admin_config_shows_the_running_config_its_reloads_and_what_waits_
 
             # A reload: live fields apply, a listener-level one waits for a restart.
             await asyncio.to_thread(
-                config.write_text, "vnodes = 512\n" + tenants + toml(a, threshold=4, first_byte=7.0)
+                config.write_text,
+                "vnodes = 512\n"
+                + tenants
+                + "[limits]\nlisten_backlog = 100\n"  # read at bind only
+                + toml(a, threshold=4, first_byte=7.0),
             )
             proc.send_signal(signal.SIGHUP)
             await logged(proc, "config reloaded")
             view = await shown()
             assert view["reloads"] == 1
             assert view["last_reload"]["result"] == "applied"
-            assert view["restart_pending"] == view["last_reload"]["restart_pending"] == ["vnodes"]
+            pending = ["vnodes", "limits.listen_backlog"]
+            assert view["restart_pending"] == view["last_reload"]["restart_pending"] == pending
             running = view["config"]
             assert running["timeouts"]["first_byte"] == 7.0
             assert running["vnodes"] == 1024  # still the running value
+            assert running["limits"]["listen_backlog"] == 4096
             assert running["RoutingConfig"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 4
 
             # The admin API changes the RoutingConfig: shown as it is in force.
@@ -374,7 +380,7 @@ async def test_admin_config_shows_the_running_config_its_reloads_and_what_waits_
             assert view["reloads"] == 2
             assert view["last_reload"]["result"] == "invalid"
             assert "$.timeouts.connect" in view["last_reload"]["reason"]
-            assert view["restart_pending"] == ["vnodes"]
+            assert view["restart_pending"] == pending
             assert view["config"]["timeouts"]["first_byte"] == 7.0
     finally:
         await stop(proc)

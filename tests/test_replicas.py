@@ -159,8 +159,12 @@ async def test_the_replica_that_seeds_a_new_fleet_starts_its_workers_with_all_of
             for i in range(10):
                 assert await post(http, port, f"prompt {i}") == 200
             _, stats = await admin_call(http, proc, "GET", "/admin/stats")
+            _, shown = await admin_call(http, proc, "GET", "/admin/config")
         assert isinstance(stats, dict)
         assert [w["restarts"] for w in stats["workers"]] == [0, 0]
+        # No --replica-id: the random one it runs with, as /admin/config shows it.
+        assert shown["config"]["replica_id"] == stats["replicas"]["id"]  # type: ignore[index]
+        assert shown["membership"] == "etcd"
     finally:
         await stop(proc)
 

@@ -109,7 +109,9 @@ def public(config: Config) -> dict[str, Any]:
 
 def _without_password(url: str) -> str:
     parts = urlsplit(url)
-    if parts.password is None:
+    if "@" not in parts.netloc:
         return url
+    # "https://TOKEN@host" is a credential too (basic auth with an empty password).
+    user = REDACTED if parts.password is None else f"{parts.username}:{REDACTED}"
     host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:{REDACTED}@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
