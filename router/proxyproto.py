@@ -116,6 +116,8 @@ def _v2(data: bytes) -> tuple[int, bytes | None] | None:
         return None
     if command == 0 or family not in _BLOCK:  # LOCAL, UNSPEC or a Unix socket
         return size, None
+    if data[13] & 0x0F == 2:
+        raise ProxyHeaderError("PROXY protocol v2: a UDP (DGRAM) source on a TCP listener")
     if size - 16 < _BLOCK[family]:
         raise ProxyHeaderError(
             f"PROXY protocol v2: {size - 16} bytes of addresses, {_BLOCK[family]} needed"

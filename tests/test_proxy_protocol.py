@@ -109,6 +109,7 @@ def test_a_header_is_read_whole_and_only_once_complete(
         (V2_SIGNATURE + b"\x11\x11\x00\x0c" + bytes(12), "version 1 command 1"),
         (V2_SIGNATURE + b"\x22\x11\x00\x0c" + bytes(12), "command 2"),
         (V2_SIGNATURE + b"\x21\x11\x00\x08" + bytes(8), "8 bytes of addresses, 12 needed"),
+        (V2_SIGNATURE + b"\x21\x12\x00\x0c" + bytes(12), "DGRAM"),
         (V2_SIGNATURE + b"\x21\x11\xff\xff", f"over {V2_MAX}"),
     ],
 )
