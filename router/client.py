@@ -53,9 +53,6 @@ Contract:
   nothing after the refused request is read.  A connection closed with
   request bytes still unread is half-closed and drained briefly first
   ("lingering close"), so the client reads our error instead of a reset.
-- A client's half-close (``eof_received``) ends reading, not the connection:
-  the requests it sent whole are answered, then it closes; one cut short by it
-  is never started.
 - A connection the router gives up on (``client_send`` passed, a response
   that cannot show it was cut short, a close the client never lets finish)
   is aborted: a reset, and its descriptor is free at once.
@@ -144,7 +141,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_body_in_read",
         "_body_pieces",
         "_closing",
-        "_eof",
         "_events",
         "_feeding",
         "_framing_fed",
@@ -198,7 +194,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._paused_for = 0.0
         self._paused_since = 0.0
         self._closing = False
-        self._eof = False  # the client half-closed: answer what it sent whole, then close
         # A refused request pipelined behind others: (status, message), answered
         # once the requests before it are; nothing after it is read.
         # status, message, header lines, whether the close lingers (see _refuse)
@@ -386,23 +381,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if current is not None:
             current.client_gone()
 
-    def eof_received(self) -> bool:
-        """The client half-closed (``shutdown(SHUT_WR)``, ``nc -N``, a TCP proxy
-        passing a client's half-close on): it sends nothing more.  Requests it sent
-        whole are still answered, then the connection closes (True keeps our side
-        open meanwhile); one cut short can never end and is never started
-        (``_start_next``, ``_go_idle``).  With nothing to answer, or the request
-        being answered cut short, it closes now."""
-        if self._closing:
-            return False
-        current = self.current
-        if current is not None and self._parsing is current:
-            return False  # its body cut short: the exchange sees the client gone
-        if current is None and not self._queue and self._unfed is None:
-            return False  # idle, or only a head cut short
-        self._eof = True
-        return True
-
     def pause_writing(self) -> None:
         self._write_paused = True
         self._send_since = self.router.loop.time()
@@ -552,9 +530,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         if self._write_paused:
             return  # resume_writing calls again: the client reads its answers first
         if self._queue:
-            if self._eof and not self._queue[0].complete:
-                self._close(lingering=False)  # cut short by the client's half-close
-                return
             self._start_queued()
         elif self._refusal is not None:
             status, message, extra, lingering = self._refusal
@@ -568,9 +543,6 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._resume(PIPELINE)
         if self._unfed is not None:
             self._schedule_unfed()  # the rest of a read waits: parse it before reading more
-            return
-        if self._eof:  # every request the client sent is answered (eof_received)
-            self._close(lingering=False)
             return
         if self._parsing is None and not self._in_head:
             self._watch_from(IDLE, self.router.config.timeouts.keepalive)

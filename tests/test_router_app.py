@@ -82,3 +82,24 @@ async def test_an_answer_that_starts_while_stopping_says_connection_close(
         await client.closed()
         async with asyncio.timeout(WAIT):
             await stopping
+
+
+async def test_a_client_fin_while_its_request_runs_is_taken_as_the_client_leaving(
+    backends: StartBackend, start_router: StartRouter
+) -> None:
+    """As nginx's default (``proxy_ignore_client_abort off``): a FIN cannot be told
+    from a client gone for good until something is written, and a generation
+    nobody will read holds a GPU for minutes, so the backend request is cancelled
+    and its lease freed at once.  A client that half-closes to say it is done
+    sending (``nc -N``) therefore gets no answer (README, HTTP behaviour)."""
+    backend = await backends(hold)
+    router = await start_router([backend.spec])
+    async with connect(router) as client:
+        await client.send(req(b"GET", b"/long-generation"))
+        await backend.wait_for(lambda: len(backend.heads) == 1)
+        assert router.fleet.loads.total == 1
+        client.writer.write_eof()  # a half-close
+        assert await client.rest() == b""
+        async with asyncio.timeout(WAIT):
+            await router.wait_quiet()
+    assert router.fleet.loads.total == 0
