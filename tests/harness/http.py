@@ -272,8 +272,9 @@ async def still_serves(router: Router, backend: Backend, target: bytes = b"/heal
     assert backend.requests[-1].target == target
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    """Wait for a condition the router offers no event for (bounded by WAIT)."""
+async def until(predicate: Callable[[], bool], every: float = 0.01) -> None:
+    """Wait for a condition the router offers no event for (bounded by WAIT), asking
+    ``every`` seconds: shorter for a test that waits hundreds of times on a local read."""
     async with asyncio.timeout(WAIT):
         while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(every)
