@@ -26,7 +26,7 @@ import json
 import logging
 
 import msgspec
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from aiohttp.web_protocol import RequestHandler
@@ -64,6 +64,20 @@ CLOSE_GRACE = 5.0
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     kind = STATUS_TYPES.get(status, "bad_request" if status < 500 else "internal_error")
     return json_response(ErrorBody(ErrorDetail(message, kind)), status=status, headers=headers)
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's handling of ``Expect`` (``100 Continue`` for ``100-continue``),
+    with any other expectation refused by our JSON 417, not its plain-text one;
+    the client's value is not quoted back."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11 or not expect:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's body has not begun
+        return None
+    return _error(417, "the only Expect the admin API takes is 100-continue")
 
 
 def _from_control(exc: ControlError) -> web.Response:
@@ -136,9 +150,9 @@ def make_app(control: Control, *, token: str | None) -> web.Application:
     for method, path, handler in ROUTES:
         if method == "GET":
             # No implicit HEAD: the API is exactly what /openapi.json says.
-            app.router.add_get(path, handler, allow_head=False)
+            app.router.add_get(path, handler, allow_head=False, expect_handler=_expect)
         else:
-            app.router.add_route(method, path, handler)
+            app.router.add_route(method, path, handler, expect_handler=_expect)
     return app
 
 

@@ -44,6 +44,7 @@ ErrorType = Literal[
     "conflict",
     "payload_too_large",
     "unsupported_media_type",
+    "expectation_failed",
     "validation_error",
     "internal_error",
 ]
@@ -58,6 +59,7 @@ STATUS_TYPES: dict[int, ErrorType] = {
     409: "conflict",
     413: "payload_too_large",
     415: "unsupported_media_type",
+    417: "expectation_failed",
     422: "validation_error",
     500: "internal_error",
 }

@@ -44,6 +44,7 @@ _ERRORS: dict[str, tuple[str, str]] = {
         "UnsupportedMediaType",
         "The body is not application/json (a missing Content-Type is read as JSON).",
     ),
+    "417": ("ExpectationFailed", "An `Expect` header other than `100-continue`."),
     "422": ("ValidationError", "A value is out of range or of the wrong type; see `fields`."),
     "500": (
         "InternalError",
@@ -67,7 +68,7 @@ def _ok(description: str, schema: dict[str, Any], **extra: Any) -> dict[str, Any
 
 def _responses(ok: dict[str, Any], *errors: str) -> dict[str, Any]:
     responses = dict(ok)
-    for status in sorted({"401", "500", *errors}):
+    for status in sorted({"401", "417", "500", *errors}):
         responses[status] = {"$ref": f"#/components/responses/{_ERRORS[status][0]}"}
     return responses
 

@@ -825,3 +825,18 @@ def test_every_config_field_is_applied_by_a_reload_or_waits_for_a_restart() -> N
     live = {"timeouts", "limits", "retries", "routing", "backends"}
     fields = set(Config.__struct_fields__)
     assert fields == live | set(RESTART_FIELDS), fields ^ (live | set(RESTART_FIELDS))
+
+
+async def test_an_expectation_other_than_100_continue_gets_a_json_417(api: Api) -> None:
+    """aiohttp's own answer was a plain-text 417 quoting the header back (a
+    generated OpenAPI case found it: no operation listed 417)."""
+    refused = await api.call("GET", "/admin/stats", headers={"Expect": "3"})
+    assert refused.status == 417
+    error = json.loads(refused.body)["error"]
+    assert error == {
+        "message": "the only Expect the admin API takes is 100-continue",
+        "type": "expectation_failed",
+    }
+    spec = {"name": "c", "url": "http://127.0.0.1:9009"}
+    added = await api.call("POST", "/admin/backends", json=spec, headers={"Expect": "100-continue"})
+    assert added.status == 201
