@@ -181,8 +181,13 @@ class _Client(ClientConnection):
         self._lingering = False
         # What the connection counts under: its address, or its IPv6 /64 (the module's
         # docstring); kept, so a reload that changes the prefix meanwhile cannot
-        # make its close count down another entry.
-        self._where = client_key(self.peer_ip, self.router.config.limits.client_ipv6_prefix)
+        # make its close count down another entry.  Without a limit nothing is counted:
+        # no key to work out (an IPv6 address is parsed for it).
+        limits = self.router.config.limits
+        if limits.client_connections:
+            self._where = client_key(self.peer_ip, limits.client_ipv6_prefix)
+        else:
+            self._where = self.peer_ip
         self._counted = admission.opened(self._where)
         if self._counted is None:
             limit = self.router.config.limits.client_connections
