@@ -66,35 +66,95 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import percentile
 
 from . import attackers, fleet
 from .faultproxy import FaultProxy, RandomFaults
-from .simserver.model import filler_pieces
+from .soak_load import (
+    FLOOD_MARGIN,
+    REQUEST_TIMEOUT_S,
+    SIM_FLAGS,
+    Instance,
+    Tally,
+    attack_plan,
+    attackers_result,
+    build,
+    chaos,
+    check_text,
+    generate,
+    max_body,
+    max_clients,
+    one,
+    start_attackers,
+    start_instance,
+)
+from .soak_observe import (
+    FD_SLACK,
+    RSS_FLOOR_MIB,
+    RSS_SLACK,
+    Sample,
+    admin_json,
+    fd_count,
+    flatness,
+    metrics,
+    observed,
+    own_sockets,
+    rss_mib,
+    sampler,
+    windows,
+)
 from .supervisor import say
 
-FD_SLACK = 16  # descriptors: pooled and client connections come and go with the load
-RSS_SLACK = 0.10  # relative growth allowed between the first and the last window
-RSS_FLOOR_MIB = 8.0  # plus this much: allocator noise on a small heap
-REQUEST_TIMEOUT_S = 120.0  # far past every router timeout below: beyond it, a hang
-SIM_FLAGS = ("--time-scale", "0.002", "--extra-token-ms", "2")
-# Room past the router's cap for what the checked traffic and the other attackers
-# hold besides the flood, and for connections closed but not yet seen closed.
-FLOOD_MARGIN = 32
+# Every public name of the module before its split, those now in soak_load and
+# soak_observe included: their old import paths keep working.
+__all__ = [
+    "FD_SLACK",
+    "FLOOD_MARGIN",
+    "REQUEST_TIMEOUT_S",
+    "ROUTER_CONFIG",
+    "RSS_FLOOR_MIB",
+    "RSS_SLACK",
+    "SIM_FLAGS",
+    "Instance",
+    "Sample",
+    "Tally",
+    "admin_json",
+    "attack_plan",
+    "attackers_result",
+    "build",
+    "chaos",
+    "check_text",
+    "fd_count",
+    "flatness",
+    "generate",
+    "latency",
+    "logged_ids",
+    "main",
+    "max_body",
+    "max_clients",
+    "metrics",
+    "observed",
+    "one",
+    "own_sockets",
+    "parse_args",
+    "report_progress",
+    "rss_mib",
+    "sampler",
+    "soak",
+    "start_attackers",
+    "start_instance",
+    "summary",
+    "windows",
+]
 
 ROUTER_CONFIG = """\
 [timeouts]
@@ -117,382 +177,7 @@ backoff_max = 4.0
 """
 
 
-# -- the load ---------------------------------------------------------------------------
-
-
-@dataclass
-class Tally:
-    sent: int = 0
-    in_flight: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    violations: list[str] = field(default_factory=list)
-    # (started, s since the run's start; TTFT s or None (not a stream); latency s), ok only
-    timings: list[tuple[float, float | None, float]] = field(default_factory=list)
-    t0: float = 0.0
-
-    @property
-    def ok(self) -> int:
-        return self.outcomes["ok"]
-
-    @property
-    def failed(self) -> int:
-        return sum(v for k, v in self.outcomes.items() if k != "ok")
-
-
-def build(i: int, rng: random.Random) -> tuple[str, str, dict[str, Any] | None, int, bool]:
-    """(kind, path, body, max_tokens, stream) of request number ``i``."""
-    pick = rng.random()
-    doc = f"Soak document {rng.randrange(30)}. " * rng.randrange(20, 120)
-    tokens = rng.randrange(2, 24)
-    if pick < 0.40:
-        kind, stream = "chat", True
-    elif pick < 0.70:
-        kind, stream = "chat", False
-    elif pick < 0.80:
-        kind, stream = "completion", True
-    elif pick < 0.95:
-        kind, stream = "native", rng.random() < 0.5
-    else:
-        return "models", "/v1/models", None, 0, False
-    if kind == "chat":
-        messages = [{"role": "system", "content": doc}, {"role": "user", "content": f"q{i}"}]
-        body: dict[str, Any] = {"model": "m", "messages": messages}
-        path = "/v1/chat/completions"
-    elif kind == "completion":
-        body, path = {"model": "m", "prompt": doc + f" q{i}"}, "/v1/completions"
-    else:
-        body, path = {"inputs": doc, "parameters": {"max_new_tokens": tokens}}, "/invocations"
-    if kind != "native":
-        body["max_tokens"] = tokens
-    body["stream"] = stream
-    return kind, path, body, tokens, stream
-
-
-def check_text(kind: str, stream: bool, payload: bytes) -> str | None:
-    """The generated text, or None if a stream never reached its end marker."""
-    if not stream:
-        data = json.loads(payload)
-        if kind == "native":
-            return str(data["generated_text"])
-        choice = data["choices"][0]
-        return str(choice["message"]["content"] if kind == "chat" else choice["text"])
-    events = [line[6:] for line in payload.split(b"\n") if line.startswith(b"data: ")]
-    pieces, ended = [], False
-    for event in events:
-        if event == b"[DONE]":
-            ended = True
-            continue
-        data = json.loads(event)
-        if kind == "native":
-            pieces.append(data["token"]["text"])
-            ended = data["generated_text"] is not None  # TGI-style: no [DONE]
-        else:
-            pieces += [
-                (c["delta"].get("content") or "") if kind == "chat" else c["text"]
-                for c in data["choices"]
-            ]
-    return "".join(pieces) if ended else None
-
-
-async def one(http: aiohttp.ClientSession, base: str, i: int, seed: int, tally: Tally) -> None:
-    kind, path, body, tokens, stream = build(i, random.Random(seed * 1_000_003 + i))
-    tally.sent += 1
-    tally.in_flight += 1
-    # The id marks the checked requests in the access log (attackers send none).
-    headers = {"X-Request-Id": f"soak-{i}"}
-    sent = time.perf_counter()
-    try:
-        async with asyncio.timeout(REQUEST_TIMEOUT_S):
-            if body is None:
-                request = http.get(base + path, headers=headers)
-            else:
-                request = http.post(base + path, json=body, headers=headers)
-            async with request as resp:
-                first = await resp.content.readany()  # the first body bytes: TTFT
-                first_at = time.perf_counter()
-                payload = first + await resp.content.read()
-        done_at = time.perf_counter()
-        if resp.status != 200:
-            error = json.loads(payload)["error"]
-            if error["code"] != resp.status:
-                raise ValueError(f"error code {error['code']} under status {resp.status}")
-            tally.outcomes[f"HTTP {resp.status}"] += 1
-            return
-        if kind == "models":
-            if not isinstance(json.loads(payload)["data"], list):
-                raise ValueError("/v1/models without a data list")
-            tally.outcomes["ok"] += 1
-            tally.timings.append((sent - tally.t0, None, done_at - sent))
-            return
-        text = check_text(kind, stream, payload)
-        if text is None:
-            tally.outcomes["VIOLATION"] += 1
-            tally.violations.append(f"{i}: complete HTTP, unfinished stream")
-        elif text != "".join(filler_pieces(tokens)):
-            tally.outcomes["VIOLATION"] += 1
-            tally.violations.append(f"{i}: wrong text {text[:80]!r}")
-        else:
-            tally.outcomes["ok"] += 1
-            ttft = first_at - sent if stream else None
-            tally.timings.append((sent - tally.t0, ttft, done_at - sent))
-    except aiohttp.ClientPayloadError:
-        tally.outcomes["truncated body"] += 1
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        tally.outcomes["connection closed"] += 1
-    except TimeoutError:
-        tally.outcomes["VIOLATION"] += 1
-        tally.violations.append(f"{i}: no end within {REQUEST_TIMEOUT_S:g} s")
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        tally.outcomes["VIOLATION"] += 1
-        tally.violations.append(f"{i}: malformed answer: {exc!r}")
-    finally:
-        tally.in_flight -= 1
-
-
-async def generate(
-    base: str, rate: float, seconds: float, max_in_flight: int, seed: int, tally: Tally
-) -> None:
-    """Open loop: request i starts at i/rate s, unless max_in_flight are out (then later)."""
-    loop = asyncio.get_running_loop()
-    gate = asyncio.Semaphore(max_in_flight)
-    tasks: set[asyncio.Task[None]] = set()
-    connector = aiohttp.TCPConnector(limit=max_in_flight)
-    async with aiohttp.ClientSession(connector=connector) as http:
-
-        async def gated(i: int) -> None:
-            try:
-                await one(http, base, i, seed, tally)
-            finally:
-                gate.release()
-
-        start = loop.time()
-        tally.t0 = time.perf_counter()
-        for i in range(int(rate * seconds)):
-            delay = start + i / rate - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)  # the generator's rate
-            await gate.acquire()
-            task = asyncio.create_task(gated(i))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        async with asyncio.timeout(REQUEST_TIMEOUT_S + 10):
-            await asyncio.gather(*tasks)
-
-
-# -- instances that die and come back ----------------------------------------------------------
-
-
-@dataclass
-class Instance:
-    name: str
-    port: int
-    child: fleet.Child
-
-
-async def start_instance(children: list[fleet.Child], name: str, port: int = 0) -> Instance:
-    flags = (*SIM_FLAGS, "--port", str(port)) if port else SIM_FLAGS
-    child, sims = await fleet.start_sims(children, 1, *flags, name=name)
-    return Instance(name, int(sims[name].rsplit(":", 1)[1]), child)
-
-
-async def chaos(
-    children: list[fleet.Child],
-    instances: dict[str, Instance],
-    every: float,
-    rng: random.Random,
-    stop: asyncio.Event,
-    restarts: Counter[str],
-    tally: Tally,
-    exposed: list[int],
-) -> None:
-    """Kills and revivals; ``exposed[0]`` bounds the requests a kill may fail: those in
-    flight when the signal is sent, and those started until the process is gone."""
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(every * rng.uniform(0.5, 1.5)):
-                await stop.wait()  # the chaos period, cut short by the end of the run
-        if stop.is_set():
-            return
-        victim = instances[rng.choice(sorted(instances))]
-        sig = rng.choice([signal.SIGKILL, signal.SIGTERM])
-        in_flight, sent = tally.in_flight, tally.sent
-        victim.child.proc.send_signal(sig)  # a PID we started
-        async with asyncio.timeout(fleet.STOP_TIMEOUT_S * 2):
-            await victim.child.proc.wait()
-        exposed[0] += in_flight + tally.sent - sent
-        await victim.child.stop()  # reaps, drains its stderr
-        restarts[sig.name] += 1
-        await asyncio.sleep(rng.uniform(0.5, 3.0))  # downtime
-        instances[victim.name] = await start_instance(children, victim.name, victim.port)
-
-
-# -- observing the router -----------------------------------------------------------------------
-
-
-def observed(pid: int, workers: int) -> list[int]:
-    """The router's processes: itself, or with ``--workers`` the supervisor and its
-    workers (its children; a key worker of theirs, started by a large body, is not
-    counted, so that its arrival is not read as growth)."""
-    if workers <= 1:
-        return [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [pid, *map(int, children)]
-
-
-def fd_count(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError):  # a worker restarting
-            total += len(os.listdir(f"/proc/{pid}/fd"))
-    return total
-
-
-def own_sockets() -> int:
-    """Sockets this process holds: the generator's keep-alive connections (they grow
-    after a stall and age out) and the sampler's; the router holds one fd for each."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-    return count
-
-
-def rss_mib(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) / 1024
-    return total
-
-
-async def admin_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with asyncio.timeout(10), http.get(url) as resp:
-        resp.raise_for_status()
-        return await resp.json()
-
-
-async def metrics(http: aiohttp.ClientSession, admin: str) -> dict[str, Any]:
-    async with asyncio.timeout(10), http.get(admin + "/metrics") as resp:
-        text = await resp.text()
-    return {f.name: f for f in text_string_to_metric_families(text)}
-
-
-@dataclass
-class Sample:
-    t: float
-    fds: int
-    rss_mib: float
-    router_in_flight: int
-    client_in_flight: int
-    sent: int
-    own_sockets: int  # this process's: the checked traffic's connections, the sampler's
-
-
-async def sampler(
-    pid: int,
-    workers: int,
-    admin: str,
-    every: float,
-    tally: Tally,
-    stop: asyncio.Event,
-    out: list[Sample],
-    start: float,
-) -> None:
-    """Samples every ``every`` s, timed from ``start`` (the loop's clock)."""
-    loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession() as http:
-        while not stop.is_set():
-            stats = await admin_json(http, admin + "/admin/stats")
-            pids = observed(pid, workers)
-            out.append(
-                Sample(
-                    round(loop.time() - start, 1),
-                    fd_count(pids),
-                    round(rss_mib(pids), 2),
-                    stats["totals"]["in_flight"],
-                    tally.in_flight,
-                    tally.sent,
-                    own_sockets(),
-                )
-            )
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(every):
-                    await stop.wait()  # the sampling period
-
-
-def windows(seconds: float) -> tuple[float, float]:
-    """(warm-up, window length): a minute each on a 10-minute run, scaled down below."""
-    warm = min(60.0, seconds * 0.1)
-    return warm, min(60.0, seconds * 0.2)
-
-
-def flatness(
-    samples: list[Sample],
-    seconds: float,
-    base: tuple[float, float] | None = None,
-    quiet_from: float = 0.0,
-) -> dict[str, Any]:
-    """The last window against the first after warm-up, or against ``base``; the last
-    window starts at ``quiet_from`` if that is later (the attackers' end)."""
-    warm, span = windows(seconds)
-    base = base or (warm, warm + span)
-    end = max(seconds - span, quiet_from)
-    first = [s for s in samples if base[0] <= s.t < base[1]]
-    last = [s for s in samples if s.t >= end]
-    if not first or not last:
-        return {"ok": False, "why": "too few samples for the windows (attackers too late?)"}
-    fd0, fd1 = statistics.median(s.fds for s in first), statistics.median(s.fds for s in last)
-    # Less the checked client's own connections: what the router holds for nobody else.
-    net0 = statistics.median(s.fds - s.own_sockets for s in first)
-    net1 = statistics.median(s.fds - s.own_sockets for s in last)
-    rss0 = statistics.median(s.rss_mib for s in first)
-    rss1 = statistics.median(s.rss_mib for s in last)
-    fd_ok = net1 <= net0 + FD_SLACK
-    rss_ok = rss1 <= rss0 * (1 + RSS_SLACK) + RSS_FLOOR_MIB
-    return {
-        "ok": fd_ok and rss_ok,
-        "windows_s": [[round(base[0], 1), round(base[1], 1)], [round(end, 1), seconds]],
-        "fds_median": [fd0, fd1],
-        "fds_less_own_sockets_median": [net0, net1],
-        "fds_max": max(s.fds for s in samples),
-        "rss_mib_median": [rss0, rss1],
-        "rss_mib_max": max(s.rss_mib for s in samples),
-        "tolerance": f"fds +{FD_SLACK} (less the checked client's sockets),"
-        f" RSS +{RSS_SLACK:.0%} + {RSS_FLOOR_MIB:g} MiB",
-    }
-
-
 # -- the run -----------------------------------------------------------------------------------
-
-
-def attack_plan(
-    seconds: float, client: float, flood: int, bursts: int, hold: float
-) -> tuple[float, float, float, float]:
-    """(start, every, length, quiet) of the attackers' bursts.
-
-    They run between the first flatness window and the last, ``every`` seconds
-    apart; a burst's rounds start for ``length`` seconds and are over ``quiet``
-    seconds before the next burst (and before the last window): with two bursts or
-    more, the quiet window before the last burst is what the last window is compared
-    with (a second attack must cost nothing more than the first)."""
-    warm, span = windows(seconds)
-    start = warm + span
-    every = (seconds - span - start) / bursts
-    quiet = span / 3 if bursts > 1 else 0.0
-    length = max(0.0, every - attackers.longest_round(client, flood, hold) - quiet)
-    return start, every, length, quiet
-
-
-def max_clients(router: fleet.Child) -> int | None:
-    """The client cap on the router's ``listening`` line (per worker with --workers)."""
-    for line in router.tail:
-        with contextlib.suppress(ValueError):
-            event = json.loads(line)
-            if isinstance(event, dict) and isinstance(event.get("max_clients"), int):
-                return int(event["max_clients"])
-    return None
 
 
 def logged_ids(path: Path) -> Counter[str]:
@@ -523,50 +208,6 @@ def latency(
         p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
         out[name] = [None if p is None else round(p, 2) for p in (p50, p99)]
     return out
-
-
-async def start_attackers(
-    children: list[fleet.Child],
-    base: str,
-    args: argparse.Namespace,
-    seconds: float,
-    cap: int | None,
-) -> tuple[fleet.Child | None, int]:
-    """The attackers' process (None without --attackers) and its flood's size."""
-    if not args.attackers:
-        return None, 0
-    flood = args.flood
-    if flood < 0:  # near the cap, below it by what the others may hold
-        if cap is None:
-            raise fleet.FleetError("no max_clients on the router's listening line: give --flood")
-        flood = max(0, cap - args.max_in_flight - attackers.held_connections() - FLOOD_MARGIN)
-    start, every, length, _ = attack_plan(
-        seconds, args.client_timeout, flood, args.bursts, args.hold
-    )
-    child = await fleet.spawn(
-        children, "attackers", "loadtests.attackers", "--url", base,
-        "--start-after", f"{start:g}", "--seconds", f"{length:g}", "--flood", str(flood),
-        "--bursts", str(args.bursts), "--every", f"{every:g}",
-        "--pipelined", str(args.pipelined), "--hold", f"{args.hold:g}",
-        "--max-body", str(max_body(args)),
-        "--client-header", f"{args.client_timeout:g}", "--client-body", f"{args.client_timeout:g}",
-        "--client-send", f"{2 * args.client_timeout:g}", stdout=True,
-    )  # fmt: skip
-    return child, flood
-
-
-async def attackers_result(child: fleet.Child | None, seconds: float) -> dict[str, Any] | None:
-    """The attackers' JSON line once they stopped by themselves (bounded wait)."""
-    if child is None:
-        return None
-    deadline = asyncio.get_running_loop().time() + seconds + 120
-    line = await fleet.next_line(child, "the attackers' result", deadline, stdout=True)
-    async with asyncio.timeout(fleet.STOP_TIMEOUT_S * 2):
-        await child.proc.wait()  # it ends by itself after its line
-    await child.stop()
-    result: dict[str, Any] = json.loads(line)
-    result["exit_status"] = child.returncode
-    return result
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -795,10 +436,6 @@ def summary(result: dict[str, Any]) -> str:
         f"| check: {name} | {'pass' if ok else 'FAIL'} |" for name, ok in result["checks"].items()
     ]
     return "\n".join(lines)
-
-
-def max_body(args: argparse.Namespace) -> int:
-    return int(args.max_body_mib * 1024 * 1024)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
