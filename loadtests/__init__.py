@@ -39,6 +39,10 @@ Library modules:
   peers             sglang-router and vllm-router in a venv of their own
   workloads         seeded request streams with shared prefixes, and their fleet
   report            summaries, tables, JSON, plots (percentiles: router.metrics)
+  bench_load        bench's client: the open loop, requests timed, hit-rate samples, scale events
+  bench_targets     bench's targets: serve flags and labels, the shared etcd, logged decisions
+  soak_load         soak's load: checked traffic, instance kills, the attackers' plan
+  soak_observe      soak's view of the router: fds, RSS, stats samples, flatness windows
 
 Dependencies: ``loadtests`` may import ``hashring`` and ``router``; this
 package imports nothing at import time, so ``bench_membership`` children can
