@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 
 import msgspec
 from aiohttp import HttpVersion11, hdrs, web
@@ -46,6 +47,7 @@ from router.control import (
     Unavailable,
 )
 from router.selfaddr import Listener
+from router.sockets import listen
 
 from . import auth, openapi
 from .bodies import MAX_BODY
@@ -59,6 +61,7 @@ log = logging.getLogger("prefix_router.admin")
 # Seconds requests still running at close() may take (a ``?wait=true`` drain can be
 # long): the router is shutting down, and the drain goes on without the answer.
 CLOSE_GRACE = 5.0
+ADMIN_BACKLOG = 128  # aiohttp's own for a TCPSite
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -216,9 +219,11 @@ class AdminServer:
             logger=http_log,
         )
         self._port: int | None = None
+        self.sockets: list[socket.socket] = []
 
-    async def start(self, host: str, port: int) -> None:
-        """Listen on ``host:port`` (port 0: any free port, see ``.port``)."""
+    async def start(self, host: str, port: int, sockets: list[socket.socket] | None = None) -> None:
+        """Listen on ``host:port`` (port 0: any free port, see ``.port``), or on
+        ``sockets``, listening already (handed over: ``router.handover``)."""
         if self._token is None and auth.requires_token(host):
             raise ConfigError(
                 f"the admin API on {host!r} is reachable from other hosts and needs a token: "
@@ -226,13 +231,13 @@ class AdminServer:
             )
         await self._runner.setup()
         try:
-            site = web.TCPSite(self._runner, host, port)
-            await site.start()
+            # Sockets of our own (not aiohttp's TCPSite) so that a handover can pass them on.
+            self.sockets = sockets or listen(host, port, backlog=ADMIN_BACKLOG)
+            for sock in self.sockets:
+                await web.SockSite(self._runner, sock).start()
         except BaseException:
             await self._runner.cleanup()
             raise
-        # With a host name that resolves to several addresses, port 0 binds each to
-        # its own port; the first one is reported.
         self._port = int(self._runner.addresses[0][1])
 
     @property

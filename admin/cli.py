@@ -156,6 +156,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     serve.add_argument(
         "--state-file", metavar="FILE", help="persist admin changes here; wins at start-up"
     )
+    serve.add_argument(
+        "--handover-socket",
+        metavar="PATH",
+        help="restart without refusing a connection: a new process given the same PATH"
+        " takes the listeners and membership from the running one, which drains",
+    )
     serve.add_argument("--tls-cert", metavar="PEM", help="serve clients over TLS with this chain")
     serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     serve.add_argument(
@@ -361,6 +367,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data["admin_listen"] = args.admin_listen
     if args.state_file is not None:
         data["state_file"] = args.state_file
+    if args.handover_socket is not None:
+        data["handover_socket"] = args.handover_socket
     if args.tls_cert is not None:
         data["tls_cert"] = args.tls_cert
     if args.tls_key is not None:

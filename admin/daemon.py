@@ -40,6 +40,7 @@ from router.state import State, StateFile
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from admin import AdminServer
     from router.app import Router
     from router.config import DiscoverConfig
     from router.control import Control
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from router.control.replicated import ReplicatedControl
     from router.discovery import Reconciler, Source
     from router.etcd import EtcdClient
+    from router.handover import Taken
     from router.replicas import Replicas
     from router.supervisor import Workers
 
@@ -85,27 +87,39 @@ async def serve(
     from router.control.replicated import ReplicatedControl
     from router.discovery import DiscoveredControl
     from router.fleet import AdminState
+    from router.handover import Handover, HandoverError, Snapshot
     from router.log import get_logger
 
     # etcd: in-flight counts and TRAFFIC placements shared with the other replicas;
     # and membership and routing too, unless discovery gives every replica those.
     shared = bool(config.etcd)
     replicated = shared and config.discover is None
+    # A router running with our handover socket hands its listeners over (router.handover);
+    # its membership wins as a state file does: it wrote each change there first.
+    taken = await _take_over(config) if config.handover_socket is not None else None
+    if taken is not None and taken.state is not None and not replicated:
+        state = taken.state
     if shared and not config.replica_id:
         # Before the Router: its config is the one GET /admin/config shows.
         config = msgspec.structs.replace(config, replica_id=os.urandom(6).hex())
     # With etcd, the state file is the store's copy of etcd's state: etcd wins.
     router = Router(config if replicated else with_state(config, state), tls=tls)
+    if taken is not None:
+        router.responses.apply(taken.responses)
     saved_backends = state.backends if state and not replicated else []
     draining = [saved.name for saved in saved_backends if saved.state == "draining"]
     router.fleet.set_states(draining, AdminState.DRAINING)  # one refresh, not one per backend
     workers = None
     store = replicas = None
     if config.workers > 1 or shared:
-        from router.supervisor import Workers, reserve
+        from router.sockets import listen
+        from router.supervisor import Workers
 
-        host, port = config.listen_address
-        held = reserve(host, port)
+        if taken is not None:
+            held = taken.client
+        else:
+            host, port = config.listen_address
+            held = listen(host, port, backlog=config.limits.listen_backlog, reuse_port=True)
         workers = Workers(
             router,
             config.workers,
@@ -114,7 +128,7 @@ async def serve(
             stamp_base=_stamp_base(config),
             signal_changes=shared and config.replica_listen is not None,
         )
-        await router.start_control(held)
+        await router.start_control(workers.sockets)
     control: RouterControl
     if replicated:
         assert workers is not None
@@ -128,9 +142,12 @@ async def serve(
     else:
         membership = "state_file" if state_file is not None else "config"
     control.source = ConfigSource(config_file, membership, time.time())
-    admin = None
+    admin: AdminServer | None = None
+    admin_address = ""
     admin_control: Control = control
     discovery: tuple[Reconciler, Source] | None = None
+    handover: Handover | None = None
+    retiring = False  # handed over: the admin API stops before the drain, not after
     try:
         if isinstance(control, ReplicatedControl):
             assert workers is not None
@@ -145,7 +162,12 @@ async def serve(
             discovery = await _open_discovery(config.discover, router, control)
             admin_control = DiscoveredControl(control, discovery[0], discovery[1].description)
         if workers is None:
-            await router.start()
+            # SO_REUSEPORT with a handover socket: the process that takes over may
+            # run --workers N, each with its own accept queue on the port.
+            await router.start(
+                sockets=taken.client if taken is not None else None,
+                reuse_port=config.handover_socket is not None,
+            )
             gc.freeze()  # see router.worker._Worker.serve
         else:
             await workers.start()
@@ -172,17 +194,52 @@ async def serve(
         if config.admin_listen != "off":
             admin = AdminServer(admin_control, token=token)
             host, port = parse_address(config.admin_listen, "admin_listen")
-            await admin.start(host, port)
+            await admin.start(host, port, taken.admin if taken is not None else None)
             control.admin_listeners = admin.listeners
-            get_logger("admin").info("admin listening", address=f"{host}:{admin.port}")
+            admin_address = f"{host}:{admin.port}"
         if not replicated:
             await _refuse_own_addresses(control, router, state_file if state else None)
+        if config.handover_socket is not None:
+
+            async def freeze() -> Snapshot:
+                frozen = await control.freeze()
+                listening = workers.sockets if workers is not None else router.sockets
+                return Snapshot(
+                    client=[sock.fileno() for sock in listening],
+                    admin=[sock.fileno() for sock in admin.sockets] if admin else [],
+                    state=None if replicated else frozen,
+                    responses=router.responses.snapshot(),
+                )
+
+            def retire(pid: int) -> None:
+                nonlocal retiring
+                retiring = True
+                control.thaw(f"this router handed over to process {pid}: ask again")
+                stop.set()
+
+            handover = Handover(freeze, control.thaw, retire)
+            try:
+                await handover.listen(config.handover_socket)
+            except HandoverError as exc:
+                raise ConfigError(str(exc)) from None
+            if taken is not None:
+                await taken.ready()
+                taken = None
+        if admin is not None:  # the line supervisors and tests wait for: all is up
+            get_logger("admin").info("admin listening", address=admin_address)
         await stop.wait()
+    except BaseException:
+        if taken is not None:
+            taken.abandon()  # the old process thaws and keeps serving
+        raise
     finally:
         # A second signal while we drain must not kill us half-way (nor after the
         # loop is gone and its handlers with it): from here on, signals are ignored.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        if retiring and admin is not None:
+            await admin.close()  # the new process answers on its sockets from now on
+            admin = None
         if discovery is not None:
             reconciler, source = discovery
             await reconciler.close()  # no membership change while we drain
@@ -199,6 +256,8 @@ async def serve(
             await store.close()
         if replicas is not None:
             await replicas.client.close()
+        if handover is not None:
+            await handover.close()
 
 
 async def _open_etcd(
@@ -280,6 +339,38 @@ async def _join_replicas(
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay
     return replicas
+
+
+async def _take_over(config: Config) -> Taken | None:
+    """The listeners (and membership) of the router running on our handover socket."""
+    from router.handover import HandoverError, take_over
+
+    assert config.handover_socket is not None
+    try:
+        taken = await take_over(config.handover_socket)
+    except HandoverError as exc:
+        raise ConfigError(str(exc)) from None
+    if taken is None:
+        return None
+    # What was handed over is what we serve: a listener the config moved cannot be.
+    wanted = [("listen", config.listen, taken.client)]
+    if config.admin_listen == "off":
+        for sock in taken.admin:
+            sock.close()
+        taken.admin = []
+    elif taken.admin:  # else it had none: ours is bound anew
+        wanted.append(("admin_listen", config.admin_listen, taken.admin))
+    for field, address, sockets in wanted:
+        port = parse_address(address, field)[1]
+        ports = {sock.getsockname()[1] for sock in sockets}
+        if port and ports != {port}:
+            taken.abandon()
+            raise ConfigError(
+                f"{field} {address}: the running router (pid {taken.pid}) listens on port"
+                f" {sorted(ports) or 'none'}; a handover keeps its listeners, so stop it to"
+                " move one"
+            )
+    return taken
 
 
 def _warn_late_counts(config: Config, router: Router) -> None:

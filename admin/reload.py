@@ -72,6 +72,7 @@ RESTART_FIELDS = (
     "replica_id",
     "replica_listen",
     "state_file",
+    "handover_socket",
     "access_log",
     "decision_header",
     "decision_header_backend",

@@ -139,11 +139,9 @@ class Router:
         self.via = b"\r\nvia: 1.1 " + self.via_name
         self.head_tail = self.forwarded_proto + self.via  # constant lines of every upstream head
         self._request_seq = 0
-        self._server: asyncio.Server | None = None
-        self._held: list[socket.socket] = []
-        self.reported_idle: dict[str, int] | None = (
-            None  # set by a supervisor's merge  # start_control: the addresses the workers serve
-        )
+        self._servers: list[asyncio.Server] = []
+        self._held: list[Listener] = []  # start_control: the addresses the workers serve
+        self.reported_idle: dict[str, int] | None = None  # set by a supervisor's merge
         self.admission: Admission = None  # type: ignore[assignment]  # set by start
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start
@@ -153,9 +151,17 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def start(self, *, port: int | None = None, reuse_port: bool = False) -> None:
+    async def start(
+        self,
+        *,
+        port: int | None = None,
+        reuse_port: bool = False,
+        sockets: list[socket.socket] | None = None,
+    ) -> None:
         """Listen on ``listen`` (or its host and ``port``; ``reuse_port``: SO_REUSEPORT,
-        one of several worker processes on one port)."""
+        one of several worker processes on one port), or on ``sockets``, listening
+        already (handed over by the process this one replaces, ``router.handover``,
+        or by a supervisor)."""
         self.loop = asyncio.get_running_loop()
         self.keyworker = KeyWorker(self.loop)  # its process starts with the first large body
         for backend in self.fleet.backends.values():
@@ -165,16 +171,30 @@ class Router:
         # admission uncounts the connections whose handshake failed past it.
         handshake = self.config.timeouts.client_header if self.tls is not None else None
         self.admission = Admission(self, nofile_limit(), handshake)
-        self._server = await self.loop.create_server(
-            self.admission,
-            host,
-            configured_port if port is None else port,
-            backlog=self.config.limits.listen_backlog,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            ssl=self.tls,
-            ssl_handshake_timeout=handshake,
-        )
+        backlog = self.config.limits.listen_backlog
+        if sockets:
+            for sock in sockets:
+                self._servers.append(
+                    await self.loop.create_server(
+                        self.admission,
+                        sock=sock,
+                        backlog=backlog,
+                        ssl=self.tls,
+                        ssl_handshake_timeout=handshake,
+                    )
+                )
+        else:
+            server = await self.loop.create_server(
+                self.admission,
+                host,
+                configured_port if port is None else port,
+                backlog=backlog,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+                ssl=self.tls,
+                ssl_handshake_timeout=handshake,
+            )
+            self._servers.append(server)
         self.access.start(self.loop)
         if not self.config.backend_tls.verify:
             log.warning(
@@ -202,7 +222,9 @@ class Router:
         checks, no listener and no pools; ``sockets`` are the client listener's
         addresses, held by the supervisor and served by the workers."""
         self.loop = asyncio.get_running_loop()
-        self._held = sockets
+        # Their names, read now: the workers' supervisor closes its copies at stop.
+        names = [sock.getsockname() for sock in sockets]
+        self._held = [Listener("client listener", str(n[0]), int(n[1])) for n in names]
         for backend in self.fleet.backends.values():
             self._open_pool(backend)  # never used: kept so membership changes stay one path
         self.health.start()
@@ -212,10 +234,17 @@ class Router:
         return self.listeners[0].port
 
     @property
+    def sockets(self) -> list[socket.socket]:
+        """The client listener's sockets (what a handover passes on; a supervisor's
+        workers hold theirs: ``Workers.sockets``)."""
+        return [sock for server in self._servers for sock in server.sockets]
+
+    @property
     def listeners(self) -> list[Listener]:
         """The client listener's bound sockets (a host name can bind several)."""
-        sockets = self._server.sockets if self._server is not None else self._held
-        names = (sock.getsockname() for sock in sockets)
+        if not self._servers:
+            return self._held
+        names = [sock.getsockname() for sock in self.sockets]
         return [Listener("client listener", str(name[0]), int(name[1])) for name in names]
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -223,12 +252,16 @@ class Router:
             return
         self.stopping = True
         grace = self.config.timeouts.shutdown_grace if grace is None else grace
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()  # a handed-over socket lives on in the process that took it
         if self.admission is not None:
             self.admission.close_awaiting()  # no header yet (proxy_protocol): idle too
         for conn in list(self.connections):
-            if conn.current is None:
+            if conn.current is not None:
+                continue
+            if conn.hold():
+                self.exchange_started()  # a request on its way: drained as one (unhold)
+            else:
                 conn.transport.close()  # idle keep-alive: nothing to wait for
         if self.active:
             log.info("draining", in_flight=self.active, grace_s=grace)
@@ -247,10 +280,8 @@ class Router:
             pool.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is not None:
-            await self._server.wait_closed()
-        for sock in self._held:
-            sock.close()
+        for server in self._servers:
+            await server.wait_closed()
         if self.tracer is not None:
             await self.tracer.close()
         self.access.close()
@@ -340,6 +371,12 @@ class Router:
         if not self.active:
             self._quiet.clear()
         self.active += 1
+
+    def unhold(self) -> None:
+        """A connection held at shutdown began its request (now an exchange) or closed."""
+        self.active -= 1
+        if not self.active:
+            self._quiet.set()
 
     def exchange_finished(self, exchange: Exchange) -> None:
         self.active -= 1

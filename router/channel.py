@@ -77,7 +77,6 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     draining: list[str]
     unhealthy: list[str]
     slots: dict[str, int]  # backend -> column of the shared in-flight table
-    port: int  # the client port every worker binds with SO_REUSEPORT
     table_rows: int
     table_slots: int
     responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first

@@ -149,6 +149,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         "_header_bytes",
         "_header_count",
         "_headers",
+        "_held",
         "_in_head",
         "_last_data",
         "_last_request",
@@ -184,6 +185,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._parsing: Exchange | _Queued | None = None
         self._queue: deque[_Queued] = deque()
         self._requests = 0  # heads read on this connection (limits.keepalive_requests)
+        self._held = False  # counted in the router's drain until its request begins (hold)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0
@@ -372,6 +374,7 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
                 self._refuse(431, f"request trailers are larger than {limit} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._unhold()
         self._closing = True
         self._unfed = None
         self.router.connections.discard(self)
@@ -494,6 +497,21 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         else:
             self._resume(UPSTREAM_BUSY)
 
+    def hold(self) -> bool:
+        """Shutdown, and no exchange is current: True (counted in the drain until its
+        request begins or it closes) if a request is on its way (a new connection's
+        first, a head half read, one parsed and not yet started); False: idle
+        between requests, to be closed."""
+        if self._requests and not self._in_head and not self._queue:
+            return False
+        self._held = True
+        return True
+
+    def _unhold(self) -> None:
+        if self._held:
+            self._held = False
+            self.router.unhold()
+
     def exchange_done(self, exchange: Exchange) -> None:
         """The current exchange ended: close, or start the next one (soon), or idle."""
         if exchange is not self.current:
@@ -555,6 +573,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             self._parsing = exchange  # the rest of its body goes straight to it
         try:
             exchange.start()
+            if self._held:
+                self._unhold()  # the exchange counts in the drain now
             for piece in queued.body:
                 exchange.request_body(piece)
             if queued.complete:

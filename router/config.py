@@ -660,6 +660,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     admin_listen: str = "127.0.0.1:9091"  # "off" disables the admin API
     state_file: str | None = None
+    # A Unix socket: a new process started with the same path takes this one's
+    # listening sockets and membership from it, and this one drains (router.handover).
+    handover_socket: str | None = None
     tls_cert: str | None = None  # PEM certificate chain for the client listener
     tls_key: str | None = None  # its private key (PEM)
     # Every client connection opens with a PROXY protocol header (v1 or v2) naming
@@ -707,6 +710,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         parse_address(self.listen, "listen")
         if self.admin_listen != "off":
             parse_address(self.admin_listen, "admin_listen")
+        if self.handover_socket is not None and self.replica_listen is not None:
+            raise ValueError(
+                "handover_socket with replica_listen: the UDP rows' port is not handed"
+                " over yet; restart such a replica as a new one (the others keep serving)"
+            )
         if self.replica_listen is not None:
             host, _ = parse_address(self.replica_listen, "replica_listen")
             if not self.etcd:
@@ -756,9 +764,17 @@ def tls_context(config: Config) -> ssl.SSLContext | None:
 def build_config(data: dict[str, Any]) -> Config:
     """Validate a plain dict into a Config, or raise ConfigError naming the field."""
     try:
-        return msgspec.convert(data, Config)
+        config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(str(exc)) from None
+    # Here, not in __post_init__: serve makes a replica id up when none is given.
+    if config.handover_socket is not None and config.etcd and config.replica_id is not None:
+        raise ConfigError(
+            "handover_socket with a fixed replica_id: both processes would write one"
+            " row in etcd while the old one drains; leave replica_id unset (each"
+            " process then joins as a replica of its own)"
+        )
+    return config
 
 
 def parse_routing(document: bytes | str | dict[str, Any]) -> RoutingConfig:

@@ -2,10 +2,14 @@
 
 Contract:
 - ``Workers`` runs beside a ``Router`` started with ``start_control`` (the
-  supervisor's: health checks, membership, config; no listener).  It holds
-  the client address with a bound, non-listening SO_REUSEPORT socket (so
-  port 0 resolves once and the port stays ours while workers come and go),
-  creates the shared in-flight table (``router.shared``: one row per worker,
+  supervisor's: health checks, membership, config; no listener).  It is
+  given the client listener's sockets, listening with SO_REUSEPORT
+  (``router.sockets``: made by the daemon, or handed over by the process it
+  replaces, ``router.handover``), deals them out, at least one per worker
+  and address, and keeps its copies: a worker that exits leaves its
+  sockets open, so a connection waiting in its queue is served by its
+  successor (0.1 s after a crash, up to ``RESTART_MAX`` in a crash loop)
+  instead of reset.  It creates the shared in-flight table (``router.shared``: one row per worker,
   one column per backend) and starts N ``python -m router.worker``
   processes, each with its channel (``router.channel``) and the table (and,
   for UDP rows, the eventfd each worker signals its row's changes on:
@@ -41,8 +45,9 @@ Contract:
   (``RESTART_INITIAL`` to ``RESTART_MAX``, reset after ``STABLE_SECONDS``
   up), and nothing else is disturbed.  Its counters start again from zero,
   as a restarted process's do.
-- ``stop()`` sends SIGTERM to every worker (each drains, as a single router
-  does, for up to ``shutdown_grace``), waits for them, and kills one that is
+- ``stop()`` closes its copies of the listening sockets, sends SIGTERM to
+  every worker (each closes its own and drains, as a single router does,
+  for up to ``shutdown_grace``), waits for them, and kills one that is
   still there a grace period later.
 - TRAFFIC placement and Responses API ids (``Records``): what one worker
   decided or learnt is passed on to every other worker as it arrives, and to
@@ -113,6 +118,7 @@ from .shared import (
     SharedLoadTracker,
     SharedTable,
 )
+from .sockets import deal
 from .tenants import TenantMetrics
 
 if TYPE_CHECKING:
@@ -125,7 +131,7 @@ if TYPE_CHECKING:
     from .responses import Learnt
     from .signals import Signal
 
-__all__ = ["Workers", "refuse_past_slots", "reserve"]
+__all__ = ["Workers", "refuse_past_slots"]
 
 log = get_logger("supervisor")
 
@@ -133,31 +139,6 @@ SLOTS = 8192  # backends a fleet may have at once under --workers
 RESTART_INITIAL = 0.1
 RESTART_MAX = 5.0
 STABLE_SECONDS = 10.0
-
-
-def reserve(host: str, port: int) -> list[socket.socket]:
-    """Bind (without listening) every address of ``host:port`` with SO_REUSEPORT."""
-    held: list[socket.socket] = []
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    try:
-        for family, kind, proto, _, address in infos:
-            sock = socket.socket(family, kind, proto)
-            held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            if port == 0:  # every address on the one port the first one got
-                port = sock.getsockname()[1]
-                infos = socket.getaddrinfo(
-                    host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-                )
-    except OSError:
-        for sock in held:
-            sock.close()
-        raise
-    return held
 
 
 class _Worker:
@@ -168,6 +149,7 @@ class _Worker:
         "process",
         "ready",
         "restarts",
+        "sockets",
         "started",
         "task",
     )
@@ -181,6 +163,7 @@ class _Worker:
         self.task: asyncio.Task[None] | None = None
         self.started = 0.0
         self.restarts = 0
+        self.sockets: list[socket.socket] = []  # its listening sockets (router.sockets.deal)
 
 
 def refuse_past_slots(size: int) -> None:
@@ -208,9 +191,11 @@ class Workers:
         stamp_base: int = 0,
         signal_changes: bool = False,
     ):
-        """``remote``: one more row in the table, the other replicas' counts
-        (written by ``router.replicas``); ``stamp_base``: this replica's
-        placement stamps (``stamp_base + worker index``, unique in the fleet);
+        """``sockets``: the client listener's, listening (SO_REUSEPORT), dealt out
+        among the workers (``router.sockets.deal``); ``remote``: one more row in the
+        table, the other replicas' counts (written by ``router.replicas``);
+        ``stamp_base``: this replica's placement stamps (``stamp_base + worker
+        index``, unique in the fleet);
         ``signal_changes``: the workers signal each change of their rows on
         ``changes_fd`` (``router.shared.ChangeSignal``, for UDP rows)."""
         self.router = router
@@ -238,6 +223,9 @@ class Workers:
             for tracker in self._trackers:
                 tracker.assign(name, slot)
         self._workers = [_Worker(i) for i in range(count)]
+        backlog = router.config.limits.listen_backlog
+        for worker, dealt in zip(self._workers, deal(sockets, count, backlog=backlog), strict=True):
+            worker.sockets = dealt
         self._seq = 0
         self._stopping = False
         self.tracing: dict[str, int] = {}  # the workers' tracing counters, added up
@@ -269,8 +257,19 @@ class Workers:
             if not await worker.ready:
                 raise RuntimeError(f"worker {worker.index} exited before it listened")
 
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """Every worker's listening sockets (what a handover passes on)."""
+        return [sock for worker in self._workers for sock in worker.sockets]
+
     async def stop(self) -> None:
         self._stopping = True
+        # Our copies first: a listener closes once its worker lets go of it too, so
+        # that a connection is refused (as by one process), not kept waiting for
+        # nobody; one handed over lives on in the process that took it.
+        for worker in self._workers:
+            for sock in worker.sockets:
+                sock.close()
         for worker in self._workers:
             if worker.process is not None and worker.process.returncode is None:
                 worker.process.send_signal(signal.SIGTERM)
@@ -340,7 +339,6 @@ class Workers:
             draining=[n for n, b in fleet.backends.items() if b.state is AdminState.DRAINING],
             unhealthy=[n for n, b in fleet.backends.items() if not b.healthy],
             slots=dict(self.slots),
-            port=self.port,
             table_rows=self.table.rows,
             table_slots=SLOTS,
             responses=router.responses.snapshot(),
@@ -350,8 +348,10 @@ class Workers:
 
     async def _spawn(self, worker: _Worker) -> None:
         ours, theirs = socket.socketpair()
-        fds = [theirs.fileno(), self.table.fd]
+        listening = [sock.fileno() for sock in worker.sockets]
+        fds = [theirs.fileno(), self.table.fd, *listening]
         args = ["--channel-fd", str(fds[0]), "--table-fd", str(fds[1])]
+        args += ["--listen-fds", ",".join(map(str, listening))]
         if self.changes_fd is not None:
             fds.append(self.changes_fd)
             args += ["--changes-fd", str(self.changes_fd)]

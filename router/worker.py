@@ -1,6 +1,6 @@
 """One worker process of ``prefix-router serve --workers N``: the data plane alone.
 
-    python -m router.worker --channel-fd FD --table-fd FD [--changes-fd FD]   (by the supervisor)
+    python -m router.worker --channel-fd FD --table-fd FD --listen-fds FD,... [--changes-fd FD]
 
 Contract:
 - The supervisor (``router.supervisor``) starts the worker with two
@@ -10,8 +10,9 @@ Contract:
   ``Init``: the fleet and config as they are now.  The worker builds a
   ``Router`` from it, counts in flight in its own row of the table (the
   balancer reads fleet-wide counts: its own plus the other workers', folded
-  every ``FOLD_SECONDS``), listens on the shared port with SO_REUSEPORT and
-  answers ``Ready``.
+  every ``FOLD_SECONDS``), serves the listening sockets the supervisor
+  dealt it (``--listen-fds``: its own accept queues of the port's
+  SO_REUSEPORT group, which outlive it) and answers ``Ready``.
 - Every ``Apply`` goes through ``router.control.ops.apply``, the one apply
   path, and is acknowledged once the worker's ring has it.  ``Query`` is
   answered with the worker's traffic accounting (``Report``), ``Explain``
@@ -215,7 +216,7 @@ class _Worker:
         # leave at the end of this loop iteration, not a period later, and an
         # unknown id is waited for up to two periods (router.responses, "The race").
         router.responses.share(self._flush_soon, wait_s=2 * PUBLISH_SECONDS)
-        self.port = init.port
+        self.sockets: list[socket.socket] = []  # the listening sockets the supervisor dealt us
         self._publishing: asyncio.TimerHandle | None = None
         # Claim spreading: this row's contended count, the last row's spread (0 means 1).
         self._cells = table.cells
@@ -287,7 +288,7 @@ class _Worker:
         loop = asyncio.get_running_loop()
         for tracker in self.trackers:
             tracker.start(loop, FOLD_SECONDS)
-        await router.start(port=self.port, reuse_port=True)
+        await router.start(sockets=self.sockets)
         # What start built lives as long as the process: kept out of the
         # collector's sight, a full collection walks only what requests made
         # (with ~55,000 objects from start, one took 14-21 ms of the loop).
@@ -355,13 +356,16 @@ class _Worker:
                 log.warning("supervisor gone: stopping", reason=str(exc))
 
 
-async def _run(channel_fd: int, table_fd: int, changes_fd: int | None) -> None:
+async def _run(
+    channel_fd: int, table_fd: int, changes_fd: int | None, listen_fds: list[int]
+) -> None:
     channel = await Channel.open(socket.socket(fileno=channel_fd))
     init = await channel.receive()
     if not isinstance(init, Init):
         raise SystemExit(f"worker: expected Init, got {type(init).__name__}")
     table = SharedTable.attach(table_fd, init.table_rows, init.table_slots, TABLE_PLANES)
     worker = _Worker(init, channel, table)
+    worker.sockets = [socket.socket(fileno=fd) for fd in listen_fds]
     if changes_fd is not None:  # UDP rows: the supervisor hears of each change at once
         stamp = stamp_cells(table, init.index)  # the lag counted from the change itself
         signal_change = ChangeSignal(changes_fd, asyncio.get_running_loop(), table.cells, stamp)
@@ -384,11 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--table-fd", type=int, required=True)
     parser.add_argument("--changes-fd", type=int, default=None)
+    parser.add_argument(
+        "--listen-fds", required=True, help="the listening sockets, comma-separated"
+    )
     args = parser.parse_args(argv)
     configure()
     import uvloop
 
-    uvloop.run(_run(args.channel_fd, args.table_fd, args.changes_fd))
+    listen_fds = [int(fd) for fd in args.listen_fds.split(",")]
+    uvloop.run(_run(args.channel_fd, args.table_fd, args.changes_fd, listen_fds))
     return 0
 
 

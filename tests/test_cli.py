@@ -30,6 +30,9 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
     return config_from_args(parser.parse_args(["serve", *argv]))
 
 
+HANDOVER_ETCD = ["--handover-socket", "/tmp/h.sock", "--etcd", "http://127.0.0.1:2379"]
+
+
 @pytest.mark.parametrize(
     ("argv", "field"),
     [
@@ -54,6 +57,9 @@ def parse(argv: list[str]):  # type: ignore[no-untyped-def]
         (["--scrape-interval", "0.001"], ">= 0.05 - at `$.health.scrape_interval`"),
         # The other loops' periods: 0.01 s.
         (["--discover", "dns:vllm:80", "--discover-interval", "1e-9"], "$.discover.interval"),
+        # A handover: the UDP rows' port is not passed on; one etcd row for two processes.
+        ([*HANDOVER_ETCD, "--replica-listen", "127.0.0.1:7946"], "with replica_listen"),
+        ([*HANDOVER_ETCD, "--replica-id", "r1"], "handover_socket with a fixed replica_id"),
     ],
 )
 def test_bad_settings_exit_2_naming_the_field(

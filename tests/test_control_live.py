@@ -19,9 +19,8 @@ import asyncio
 import json
 import os
 import socket
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,43 +36,14 @@ from router.control.live import RouterControl
 from router.state import StateFile
 from tests.harness.backends import Backend, Seen, StartBackend, echo, hold
 from tests.harness.http import connect, req, still_serves
-from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.processes import admin_call, serve_exit, serving, stop
 from tests.harness.routers import StartRouter
 
 WAIT = 10.0
 
 
-@asynccontextmanager
-async def serving(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
-    """``prefix-router serve ARGS``, killed at the end if a test did not stop it."""
-    proc, port = await spawn_router(*args)
-    try:
-        yield proc, port
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
 async def state_of(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process, name: str) -> Any:
     return (await admin_call(http, proc, "GET", f"/admin/backends/{name}"))[1]["state"]
-
-
-async def serve_exit(*args: str) -> tuple[int | None, bytes]:
-    """Run ``prefix-router serve ARGS`` expecting it to exit; its code and stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "admin", "serve", "--access-log", "off", "--no-health-checks",
-        *args,
-        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(WAIT * 2):
-            _, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
-            proc.kill()
-            await proc.wait()
-    return proc.returncode, err
 
 
 @contextmanager

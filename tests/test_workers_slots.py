@@ -18,11 +18,9 @@ file and the state file, nothing starts.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -42,11 +40,12 @@ from router.control import Conflict
 from router.control.etcd import EtcdStore
 from router.control.replicated import ReplicatedControl
 from router.etcd import EtcdClient
+from router.sockets import listen
 from router.state import SavedBackend
-from router.supervisor import SLOTS, Workers, reserve
+from router.supervisor import SLOTS, Workers
 from tests.harness.backends import Backend, StartBackend, echo
 from tests.harness.etcd import EtcdServer
-from tests.harness.processes import ROOT, admin_call, spawn_router, stop
+from tests.harness.processes import ROOT, admin_call, serve_exit, spawn_router, stop
 from tests.harness.routers import router_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -122,21 +121,11 @@ async def test_a_state_file_past_the_limit_stops_start_up_with_exit_2_naming_it(
     write_state(state, SLOTS + 1)
     config = tmp_path / "router.toml"
     config.write_text(SMALL_RING)  # the ring is built before the fleet's size is checked
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "admin", "serve", "--config", str(config),
-        "--workers", "2", "--no-health-checks",
-        "--listen", "127.0.0.1:0", "--admin-listen", "off", "--access-log", "off",
-        "--state-file", str(state),
-        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    code, err = await serve_exit(
+        "--config", str(config), "--workers", "2", "--listen", "127.0.0.1:0",
+        "--admin-listen", "off", "--state-file", str(state), within=START,
     )  # fmt: skip
-    try:
-        async with asyncio.timeout(START):
-            _, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 2, err
+    assert code == 2, err
     assert b"Traceback" not in err
     assert err.decode().splitlines()[-1] == f"prefix-router: {past_the_slots(SLOTS + 1)}"
 
@@ -189,9 +178,9 @@ async def replica(etcd: EtcdServer, prefix: str) -> AsyncIterator[Replica]:
     """A replica of one worker started on what etcd holds under ``prefix`` (as the
     daemon starts one: the store opened, its state applied, then the workers)."""
     router = Router(build_config(router_config([], health={"active": False})))
-    held = reserve("127.0.0.1", 0)
+    held = listen("127.0.0.1", 0, backlog=16, reuse_port=True)
     workers = Workers(router, 1, held)
-    await router.start_control(held)
+    await router.start_control(workers.sockets)
     control = ReplicatedControl(router, workers)
     store = EtcdStore(EtcdClient([etcd.url]), prefix, control)
     control.store = store

@@ -64,6 +64,7 @@ from . import (
     ResponseStats,
     Stats,
     Totals,
+    Unavailable,
 )
 from .configview import ConfigSource, ConfigView, config_view
 from .ops import (
@@ -78,6 +79,8 @@ from .ops import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from ..app import Router
     from ..replicas import Replicas
     from ..supervisor import Workers
@@ -127,6 +130,7 @@ class RouterControl:
         self._state_file = state_file
         self._workers = workers
         self._lock = asyncio.Lock()
+        self._retired: str | None = None  # handed over (router.handover): why writes are refused
         self._drains: dict[str, _Drain] = {}
         self._unslotted: set[str] = set()  # added elsewhere (etcd) past the slots: skipped
         self.admin_listeners: list[Listener] = []
@@ -379,9 +383,28 @@ class RouterControl:
             routing=current.routing if routing is None else routing,
         )
 
+    @contextlib.asynccontextmanager
+    async def _changing(self) -> AsyncIterator[None]:
+        """One change at a time; none once this process has handed over."""
+        async with self._lock:
+            if self._retired is not None:
+                raise Unavailable(self._retired)
+            yield
+
+    async def freeze(self) -> State:
+        """Hold every change (a handover, ``router.handover``): the membership now."""
+        await self._lock.acquire()
+        return snapshot(self._router)
+
+    def thaw(self, retired: str | None = None) -> None:
+        """Let changes go again; ``retired``: refuse each from now on (503), saying this."""
+        if retired is not None:
+            self._retired = retired
+        self._lock.release()
+
     async def add_backend(self, spec: BackendSpec) -> BackendView:
         await self.refuse_own_address(spec)
-        async with self._lock:
+        async with self._changing():
             if spec.name in self._router.fleet.backends:
                 raise Conflict(f"a backend named {spec.name!r} already exists")
             self.refuse_when_full()
@@ -413,7 +436,7 @@ class RouterControl:
         return [b.name for b in backends if b.port == port and b.host == host]
 
     async def update_backend(self, name: str, patch: BackendPatch) -> BackendView:
-        async with self._lock:
+        async with self._changing():
             backend = self._get(name)
             weight = backend.weight if patch.weight is None else patch.weight
             state = backend.state.value if patch.state is None else patch.state
@@ -433,18 +456,18 @@ class RouterControl:
 
     async def set_settings(self, timeouts: Timeouts, limits: Limits, retries: int) -> None:
         """Timeouts, limits and retries, live (a config reload); this replica only."""
-        async with self._lock:
+        async with self._changing():
             await self._apply(SetSettings(timeouts, limits, retries))
 
     async def set_routing(self, routing: RoutingConfig) -> RoutingConfig:
-        async with self._lock:
+        async with self._changing():
             await self._persist(self._state_with(routing=routing))
             await self._apply(SetRouting(routing))
             log.info("routing changed", routing=routing.document())
             return routing
 
     async def remove_backend(self, name: str, *, timeout: float, wait: bool) -> DrainView:
-        async with self._lock:
+        async with self._changing():
             backend = self._get(name)
             drain = self._drains.get(name)
             if drain is None:
@@ -477,8 +500,8 @@ class RouterControl:
             except TimeoutError:
                 drain.forced = True
             async with self._lock:
-                if self._drains.get(name) is not drain:
-                    return  # cancelled by a PATCH back to active
+                if self._drains.get(name) is not drain or self._retired is not None:
+                    return  # cancelled by a PATCH back to active, or handed over
                 del self._drains[name]
                 remaining = [s for s in snapshot(self._router).backends if s.name != name]
                 try:

@@ -2,7 +2,9 @@
 
 ``spawn_router(*flags)`` runs ``python -m admin serve`` on ephemeral ports and returns
 once both the router and its admin API listen; ``admin_call`` calls that admin API;
-``stop`` sends SIGTERM and expects exit 0.  ``ROOT`` is the repository.
+``stop`` sends SIGTERM and expects exit 0; ``serving`` is ``spawn_router`` killed at
+the end if still there; ``serve_exit`` runs one expected to exit by itself.  ``ROOT``
+is the repository.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-__all__ = ["RESTART_WAIT", "ROOT", "admin_call", "spawn_router", "stop"]
+__all__ = ["RESTART_WAIT", "ROOT", "admin_call", "serve_exit", "serving", "spawn_router", "stop"]
 
 ROOT = Path(__file__).resolve().parents[2]
 # A worker restart is a new Python process importing the router: ~1 s on a quiet
@@ -90,3 +94,33 @@ async def stop(proc: asyncio.subprocess.Process) -> bytes:
         rest = await proc.stderr.read()
         assert await proc.wait() == 0
     return rest
+
+
+@asynccontextmanager
+async def serving(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, int]]:
+    """``prefix-router serve ARGS``, killed at the end if a test did not stop it."""
+    proc, port = await spawn_router(*args)
+    try:
+        yield proc, port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def serve_exit(*args: str, within: float = 20.0) -> tuple[int | None, bytes]:
+    """Run ``prefix-router serve ARGS`` expecting it to exit by itself: its code and
+    stderr (killed, and its code None, if it is still there ``within`` seconds on)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admin", "serve", "--access-log", "off", "--no-health-checks",
+        *args,
+        cwd=ROOT, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(within):
+            _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:  # it did not exit: a failure, and nothing left running
+            proc.kill()
+            await proc.wait()
+    return proc.returncode, err

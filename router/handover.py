@@ -1,0 +1,392 @@
+"""Restart without a refused connection: a new router process takes the listening
+sockets, the membership and the Responses API ids from the one running.
+
+Contract:
+- ``handover_socket = PATH`` (``--handover-socket``): the daemon listens on
+  PATH, a Unix socket of mode 0600 (``Handover.listen``); a peer of another
+  uid is refused (``SO_PEERCRED``).  A daemon that starts with the same PATH
+  first asks there (``take_over``).  Nobody listening (no file, or a stale
+  one: ECONNREFUSED) is an ordinary start, which binds its own sockets.
+- The running process (the old one), asked: freezes its membership (the
+  control's lock is held: an admin write waits), sends its listening sockets
+  (client and admin, ``SCM_RIGHTS``) and ``Given``: the membership and
+  routing as the state file would hold them (None under etcd, where etcd
+  holds them), the response ids it knows, its pid.  It keeps serving
+  meanwhile.  The new process starts on those sockets (both processes accept
+  from them for a moment: each connection goes to one), takes PATH over
+  (binds beside it and renames: the path never stops answering) and sends
+  ``Ready``.  The old one then retires (``on_ready``: its admin writes are
+  refused with 503 from here on, its admin server closes, its listeners
+  close and it drains its requests as on SIGTERM) and answers ``Released``.
+  A connection waiting in a listener's queue is never reset: the listening
+  socket outlives the old process.
+- Failure: a new process that dies, or stays silent past ``READY_WAIT``, before
+  ``Ready`` leaves the old one as it was (its membership thawed, still
+  serving; a warning logged).  Connections the new one had accepted die with
+  it.  An old process that is busy with another handover answers ``Busy``:
+  the new one exits with the reason (``HandoverError``).
+- Nothing here is on the request path; each step is a few frames on a local
+  socket, the state in one frame (the response ids' table at its bound is a
+  few MB, encoded and written without holding the loop long: ``sock_sendall``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from .log import get_logger
+from .state import State
+
+if TYPE_CHECKING:
+    from .responses import Learnt
+
+__all__ = [
+    "READY_WAIT",
+    "Given",
+    "Handover",
+    "HandoverError",
+    "Taken",
+    "take_over",
+]
+
+log = get_logger("handover")
+
+VERSION = 1
+READY_WAIT = 60.0  # the new process's start-up: etcd's seed and discovery wait 10 s each
+STEP_WAIT = 10.0  # any other step: a frame on a local socket, or the old one's lock
+MAX_FDS = 253  # SCM_RIGHTS' limit per message (SCM_MAX_FD)
+MAX_FRAME = 256 << 20
+
+
+class Ask(msgspec.Struct, tag=True, frozen=True):
+    pid: int
+    version: int = VERSION
+
+
+class Given(msgspec.Struct, tag=True, frozen=True):
+    pid: int
+    client: int  # the first ``client`` sockets sent are the client listener's ...
+    admin: int  # ... the next ``admin`` the admin API's
+    state: State | None  # the membership and routing (None: etcd holds them)
+    responses: list[tuple[str, str]] = []  # (response id, backend), oldest first
+
+
+class Busy(msgspec.Struct, tag=True, frozen=True):
+    reason: str
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    pid: int
+
+
+class Released(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+_Message = Ask | Given | Busy | Ready | Released
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Message)
+
+
+class HandoverError(Exception):
+    """The running process could not hand over (the reason says why)."""
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    """What the old process hands over besides its sockets."""
+
+    client: list[int]  # listening sockets' fds (still the old process's)
+    admin: list[int]
+    state: State | None
+    responses: list[Learnt]
+
+
+# -- frames ---------------------------------------------------------------------------
+
+
+async def _send(sock: socket.socket, message: _Message) -> None:
+    body = _encoder.encode(message)
+    await asyncio.get_running_loop().sock_sendall(sock, len(body).to_bytes(4, "big") + body)
+
+
+async def _exactly(sock: socket.socket, size: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    parts = bytearray()
+    while len(parts) < size:
+        chunk = await loop.sock_recv(sock, min(size - len(parts), 1 << 20))
+        if not chunk:
+            raise HandoverError("the other process closed the handover socket")
+        parts += chunk
+    return bytes(parts)
+
+
+async def _receive(sock: socket.socket) -> _Message:
+    size = int.from_bytes(await _exactly(sock, 4), "big")
+    if size > MAX_FRAME:
+        raise HandoverError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+    try:
+        return _decoder.decode(await _exactly(sock, size))
+    except msgspec.DecodeError as exc:
+        raise HandoverError(f"not a handover message: {exc}") from None
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), ready.set_result, None)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _refuse(sock: socket.socket, reason: str) -> None:
+    """The old process's answer is always one byte (with the sockets, or none) and a frame."""
+    await asyncio.get_running_loop().sock_sendall(sock, b"N")
+    await _send(sock, Busy(reason))
+
+
+async def _receive_fds(sock: socket.socket) -> list[int]:
+    """The one-byte message that carries the listening sockets (none on a refusal)."""
+    while True:
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, 1, MAX_FDS)
+        except BlockingIOError:
+            await _readable(sock)
+            continue
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise HandoverError(f"more than {MAX_FDS} listening sockets")
+        if not data:
+            raise HandoverError("the other process closed the handover socket")
+        return fds
+
+
+# -- the running process ---------------------------------------------------------------
+
+
+class Handover:
+    """PATH, listened on by the running daemon (see the module contract)."""
+
+    def __init__(
+        self,
+        freeze: Callable[[], Awaitable[Snapshot]],
+        thaw: Callable[[], None],
+        on_ready: Callable[[int], None],
+    ):
+        """``freeze`` holds the membership still and says what to hand over; ``thaw``
+        lets it go (the handover failed); ``on_ready(pid)``: the process ``pid`` serves
+        from now on, retire."""
+        self._freeze = freeze
+        self._thaw = thaw
+        self._on_ready = on_ready
+        self._sock: socket.socket | None = None
+        self._path = ""
+        self._inode: tuple[int, int] | None = None  # PATH's (st_dev, st_ino) as bound
+        self._task: asyncio.Task[None] | None = None
+        self._asked: set[asyncio.Task[None]] = set()  # one per connection to PATH
+        self._busy = False
+        self.retired = False
+
+    async def listen(self, path: str) -> None:
+        """Listen on ``path``: bound beside it and renamed over it, so a process that
+        asks at any moment finds one of us (a file there that is not a socket is an
+        error, not replaced)."""
+        _check_path(path)
+        temporary = f"{path}.{os.getpid()}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            sock.bind(temporary)
+            os.chmod(temporary, 0o600)  # before listen: nobody could connect until now
+            sock.listen(4)
+            sock.setblocking(False)
+            os.rename(temporary, path)
+        except OSError as exc:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise HandoverError(f"handover_socket {path}: {exc.strerror or exc}") from None
+        info = os.stat(path)
+        self._sock, self._path, self._inode = sock, path, (info.st_dev, info.st_ino)
+        self._task = asyncio.create_task(self._serve(sock))
+
+    async def _serve(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            conn.setblocking(False)
+            task = asyncio.create_task(self._one(conn))
+            self._asked.add(task)
+            task.add_done_callback(self._asked.discard)
+
+    async def _one(self, conn: socket.socket) -> None:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _ = struct.unpack("3i", creds)
+        try:
+            async with asyncio.timeout(STEP_WAIT):
+                ask = await _receive(conn)
+            if uid != os.getuid():
+                log.warning("handover refused: another user", pid=pid, uid=uid)
+                await _refuse(conn, f"the running router hands over to uid {os.getuid()} only")
+            elif not isinstance(ask, Ask) or ask.version != VERSION:
+                await _refuse(conn, f"expected a version {VERSION} Ask")
+            elif self._busy or self.retired:
+                await _refuse(conn, "a handover is already under way")
+            else:
+                self._busy = True
+                try:
+                    await self._hand_over(conn, pid)
+                finally:
+                    self._busy = False
+        except (HandoverError, OSError, TimeoutError) as exc:
+            log.warning("handover not started", pid=pid, error=str(exc) or type(exc).__name__)
+        finally:
+            conn.close()
+
+    async def _hand_over(self, conn: socket.socket, pid: int) -> None:
+        log.info("handing over", to_pid=pid)
+        snapshot = await self._freeze()
+        ready = False
+        try:
+            fds = [*snapshot.client, *snapshot.admin]
+            socket.send_fds(conn, [b"F"], fds)  # first: the frame after may fill the buffer
+            given = Given(
+                os.getpid(),
+                len(snapshot.client),
+                len(snapshot.admin),
+                snapshot.state,
+                snapshot.responses,
+            )
+            await _send(conn, given)
+            async with asyncio.timeout(READY_WAIT):
+                message = await _receive(conn)
+            ready = isinstance(message, Ready)
+            if not ready:
+                raise HandoverError(f"expected Ready, got {type(message).__name__}")
+        except (HandoverError, OSError, TimeoutError) as exc:
+            log.warning(
+                "handover failed: still serving", to_pid=pid, error=str(exc) or "no Ready in time"
+            )
+            return
+        finally:
+            if not ready:
+                self._thaw()
+        self.retired = True
+        log.info("handed over: draining", to_pid=pid)
+        self._on_ready(pid)
+        with contextlib.suppress(OSError):
+            await _send(conn, Released())
+
+    async def close(self) -> None:
+        """Stop listening; PATH is removed only while it is still ours."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for task in list(self._asked):
+            task.cancel()
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        with contextlib.suppress(OSError):
+            info = os.stat(self._path)
+            if (info.st_dev, info.st_ino) == self._inode:
+                os.unlink(self._path)
+
+
+# -- the new process -------------------------------------------------------------------
+
+
+class Taken:
+    """What the running process handed over; ``ready()`` once this one serves."""
+
+    def __init__(self, conn: socket.socket, given: Given, fds: list[int]):
+        self._conn = conn
+        self.pid = given.pid
+        self.state = given.state
+        self.responses = given.responses
+        sockets = [socket.socket(fileno=fd) for fd in fds]
+        self.client = sockets[: given.client]
+        self.admin = sockets[given.client : given.client + given.admin]
+        for extra in sockets[given.client + given.admin :]:
+            extra.close()
+
+    async def ready(self) -> None:
+        """Tell the old process we serve; it retires (its answer awaited, bounded)."""
+        try:
+            await _send(self._conn, Ready(os.getpid()))
+            async with asyncio.timeout(STEP_WAIT):
+                message = await _receive(self._conn)
+            if not isinstance(message, Released):
+                raise HandoverError(f"expected Released, got {type(message).__name__}")
+        except (HandoverError, OSError, TimeoutError) as exc:
+            # We serve either way; the old process may still be there too.
+            log.warning("no word from the old process after Ready", pid=self.pid, error=str(exc))
+        finally:
+            self._conn.close()
+        log.info("took over", from_pid=self.pid)
+
+    def abandon(self) -> None:
+        """Start-up failed: the old process thaws and keeps serving."""
+        self._conn.close()
+        for sock in (*self.client, *self.admin):
+            sock.close()
+
+
+def _check_path(path: str) -> None:
+    """At start, before anything is served: ``path``'s directory exists, and a file
+    at ``path`` that is not a socket is someone else's (never replaced)."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        raise HandoverError(f"handover_socket {path}: no directory {directory}")
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise HandoverError(f"handover_socket {path}: exists and is not a socket")
+
+
+async def take_over(path: str) -> Taken | None:
+    """Ask the process listening on ``path`` for its sockets; None if none listens."""
+    _check_path(path)
+    loop = asyncio.get_running_loop()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.setblocking(False)
+    try:
+        await loop.sock_connect(conn, path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        conn.close()
+        return None  # nobody there (or a stale file): an ordinary start
+    except OSError as exc:
+        conn.close()
+        raise HandoverError(f"handover_socket {path}: {exc.strerror or exc}") from None
+    fds: list[int] = []
+    try:
+        await _send(conn, Ask(os.getpid()))
+        async with asyncio.timeout(STEP_WAIT):
+            fds = await _receive_fds(conn)
+            given = await _receive(conn)
+        if isinstance(given, Busy):
+            raise HandoverError(f"handover_socket {path}: {given.reason}")
+        if not isinstance(given, Given):
+            raise HandoverError(f"handover_socket {path}: {type(given).__name__} unexpected")
+    except BaseException as exc:
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, TimeoutError):
+            raise HandoverError(f"handover_socket {path}: no answer in {STEP_WAIT} s") from None
+        raise
+    return Taken(conn, given, fds)
