@@ -3,9 +3,13 @@
 Contract:
 - ``Router(config)`` owns the fleet, the balancer, one upstream pool per
   backend, the client connections and the access log.  ``start()`` binds the
-  listener; ``shutdown()`` stops accepting, closes idle connections, lets
-  in-flight requests finish for up to ``shutdown_grace`` seconds, then closes
-  the rest.  Both are idempotent.
+  listener (or serves sockets given to it: a supervisor's, or handed over,
+  ``router.handover``); ``shutdown()`` stops accepting, closes the
+  connections that have waited for a request longer than
+  ``client.STOPPING_IDLE_SECONDS`` and counts the others in the drain as if
+  in flight (``ClientConnection.hold``: a request may be on its way; it is
+  answered, saying close), lets in-flight requests finish for up to
+  ``shutdown_grace`` seconds, then closes the rest.  Both are idempotent.
 - Client connections are capped below the fd limit read at ``start()`` (see
   ``admission``): past the cap a client gets a 503, and the admin API, the
   health checks and the upstream connections keep the fds they need.
@@ -267,7 +271,8 @@ class Router:
             log.info("draining", in_flight=self.active, grace_s=grace)
             try:
                 async with asyncio.timeout(grace):
-                    await self._quiet.wait()
+                    while self.active:  # an exchange's end may hold its connection on
+                        await self._quiet.wait()
             except TimeoutError:
                 log.warning("grace period over", in_flight=self.active)
         for conn in list(self.connections):

@@ -56,6 +56,14 @@ Contract:
 - A connection the router gives up on (``client_send`` passed, a response
   that cannot show it was cut short, a close the client never lets finish)
   is aborted: a reset, and its descriptor is free at once.
+- Stopping (``hold``, ``Router.shutdown``): a connection whose request may be
+  on its way is not closed with the idle ones.  A head half read or a request
+  parsed and not started, or a wait for a request (a new connection's first,
+  the next after an answer that offered keep-alive before the stop) shorter
+  than ``STOPPING_IDLE_SECONDS``, is held: counted in the router's drain
+  until its request starts (then the exchange counts) or the connection
+  closes; the wait is cut to what is left of ``STOPPING_IDLE_SECONDS``.  Every
+  answer begun while stopping says ``Connection: close``.
 """
 
 from __future__ import annotations
@@ -88,6 +96,10 @@ WRITE_HIGH_WATER = 64 * 1024
 FEED_SLICE = 8 * 1024
 FEED_EVENTS = 4096
 LINGER_SECONDS = 2.0
+# At shutdown, a connection waiting for its next (or first) request is closed once it
+# has waited this long: a busy keep-alive client sends within milliseconds of its last
+# answer, and closing under it then would fail that request (the keep-alive race).
+STOPPING_IDLE_SECONDS = 1.0
 
 # Reasons to stop reading from the client (bits).
 UPSTREAM_BUSY = 1
@@ -499,11 +511,17 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
 
     def hold(self) -> bool:
         """Shutdown, and no exchange is current: True (counted in the drain until its
-        request begins or it closes) if a request is on its way (a new connection's
-        first, a head half read, one parsed and not yet started); False: idle
-        between requests, to be closed."""
-        if self._requests and not self._in_head and not self._queue:
-            return False
+        request begins or it closes) if a request may be on its way: a head half
+        read, one parsed and not yet started, or a request awaited (a new
+        connection's first, a keep-alive connection's next) for less than
+        ``STOPPING_IDLE_SECONDS``, which is all it is given from then on; False:
+        waiting longer, to be closed now."""
+        if self._watch == IDLE and not self._queue:
+            timeout = min(self._watch_timeout, STOPPING_IDLE_SECONDS)
+            if self.router.loop.time() >= self._watch_since + timeout:
+                return False
+            self._watch_timeout = timeout
+            self._arm(self._watch_since + timeout)  # then closed as a keep-alive timeout
         self._held = True
         return True
 
@@ -520,15 +538,21 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self._resume(UPSTREAM_BUSY)
         if exchange.reset_client:
             self._abort()  # a response whose framing cannot show that it was cut short
-        elif not exchange.client_keep_alive or self.router.stopping:
+        elif not exchange.client_keep_alive:  # (said so in its head: see Relay)
             # Lingering: bytes the client sent after this request (unread, or
             # still coming) would make the kernel reset the connection and
             # throw away the answer the client has not read yet.
             self._close(lingering=True)
-        elif self._queue or self._refusal is not None:
-            self._schedule_next()
         else:
-            self._go_idle()
+            if self._queue or self._refusal is not None:
+                self._schedule_next()
+            else:
+                self._go_idle()
+            if self.router.stopping and self.hold():
+                # Its answer began before the stop and offered keep-alive: the client
+                # may be sending its next request already.  That one is answered
+                # (saying close); closing now would fail it.
+                self.router.exchange_started()
 
     def _schedule_next(self) -> None:
         """Start the next request once the caller's callbacks have unwound.

@@ -3,9 +3,10 @@
 Each test runs ``prefix-router serve`` as real processes over loopback, in front
 of simulated instances: a second process started with the first one's handover
 socket takes its listeners and membership, the first drains and exits 0.  The
-load runs through it all on fresh connections (``Connection: close``, the
-client the handover protects: a keep-alive connection idle at that moment is
-closed as at any graceful shutdown, nginx's behaviour).
+load runs through it all, half of the clients on a fresh connection per request
+(``Connection: close``), half on keep-alive connections sending their next
+request as soon as an answer ends (the clients a graceful stop must not fail:
+an answer begun before the stop offered keep-alive).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import aiohttp
 import openai
 import pytest
 
+from loadtests.simserver import Timing
 from router.config import BackendSpec
 from router.control import Unavailable
 from router.control.live import RouterControl
@@ -29,6 +31,7 @@ from router.etcd import EtcdClient
 from router.handover import Handover, HandoverError, Snapshot, take_over
 from tests.harness.backends import StartBackend
 from tests.harness.etcd import EtcdServer
+from tests.harness.http import until
 from tests.harness.processes import admin_call, serve_exit, serving, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter
 
@@ -60,7 +63,8 @@ async def exited(proc: asyncio.subprocess.Process) -> tuple[int, list[dict[str, 
 
 
 class Load:
-    """Clients sending completions on fresh connections until told to stop."""
+    """Clients sending completions until told to stop: the even ones on a fresh
+    connection each, the odd ones on keep-alive connections."""
 
     def __init__(self, port: int, clients: int = 6):
         self.url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -71,7 +75,7 @@ class Load:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(clients)]
 
     async def _client(self, i: int) -> None:
-        connector = aiohttp.TCPConnector(force_close=True)
+        connector = aiohttp.TCPConnector(force_close=i % 2 == 0)
         async with aiohttp.ClientSession(connector=connector) as http:
             n = 0
             while not self._stop.is_set():
@@ -345,3 +349,28 @@ async def test_under_etcd_the_new_process_joins_as_a_replica_and_the_old_one_lea
             assert sorted(b["name"] for b in listed) == [s.name for s in sims]
         finally:
             await stop(new)
+
+
+async def test_an_answer_begun_before_the_stop_still_takes_the_next_request_on_its_connection(
+    sim_fleet: SimFleet, start_router: StartRouter
+) -> None:
+    # ~0.1 s of stream: the stop comes while it runs.
+    sims = await sim_fleet(1, timing=Timing(time_scale=0.1))
+    router = await start_router(sims)
+    url = f"http://127.0.0.1:{router.port}/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        async with http.post(url, json={**body, "stream": True}) as first:
+            assert first.status == 200
+            assert first.headers.get("Connection", "keep-alive").lower() != "close"
+            stopping = asyncio.create_task(router.shutdown(grace=WAIT))
+            await until(lambda: router.stopping)
+            assert (await first.read()).rstrip().endswith(b"data: [DONE]")
+        # The head offered keep-alive, so the client sends its next request on this
+        # connection at once: it is answered, saying close, not cut off.
+        async with http.post(url, json=body) as second:
+            assert second.status == 200
+            assert second.headers["Connection"].lower() == "close"
+            await second.read()
+        await stopping
+    assert router.admission.accepted == 1  # both on one connection
