@@ -22,6 +22,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_tenants     per-tenant metrics: ns a request, entries and bytes after 100,000 keys
   bench_slowstart   slow start in a live scale event: the minute after an add, with and without
   bench_ab          A/B arms against separate runs of the two configs, live, with ground truth
+  bench_restart     restarting under load: stop-then-start against --handover-socket
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
   attackers         abusive clients beside the soak (soak --attackers): floods, slowloris...
