@@ -89,7 +89,7 @@ __all__ = [
     "table",
 ]
 
-MIN_PREFIX_LENGTH, MAX_PREFIX_LENGTH = 1024, 65_536  # PrefixLength's range (router.config)
+MIN_PREFIX_LENGTH, MAX_PREFIX_LENGTH = 1024, 65_536  # PrefixLength's range (router.routingconfig)
 MAX_PIECES = 16  # a chain of extensions longer than this is cut (the estimate errs low)
 
 

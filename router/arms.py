@@ -1,7 +1,7 @@
 """A/B on live traffic: the arms of one experiment, each a RoutingConfig over one fleet.
 
 Contract:
-- A RoutingConfig with ``Arms`` (router.config) is an experiment.  The top
+- A RoutingConfig with ``Arms`` (router.routingconfig) is an experiment.  The top
   level is what every arm starts from; an arm's ``RoutingConfig`` changes any
   of its fields (strategy, threshold, BalanceFactor, BalanceMode,
   ConcurrencyScope) except the three that make the key (PrefixLength,

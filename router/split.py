@@ -55,7 +55,7 @@ __all__ = ["FLEET_PART", "Part", "Split", "owners", "quotas"]
 log = get_logger("split")
 
 # The "model" of an arm's Part of the whole fleet: its key among the arm's pools
-# and in its placement records' tags; no model name has a comma (router.config).
+# and in its placement records' tags; no model name has a comma (router.configstructs).
 FLEET_PART = ","
 
 Members = Fleet | ModelPool
