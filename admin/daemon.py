@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from router.control.replicated import ReplicatedControl
     from router.discovery import Reconciler, Source
     from router.etcd import EtcdClient
-    from router.handover import Taken
+    from router.handover import Handover, Taken
     from router.replicas import Replicas
     from router.supervisor import Workers
 
@@ -87,8 +87,9 @@ async def serve(
     from router.control.replicated import ReplicatedControl
     from router.discovery import DiscoveredControl
     from router.fleet import AdminState
-    from router.handover import Handover, HandoverError, Snapshot
     from router.log import get_logger
+
+    from .upgrade import Upgrade, notify
 
     # etcd: in-flight counts and TRAFFIC placements shared with the other replicas;
     # and membership and routing too, unless discovery gives every replica those.
@@ -147,6 +148,7 @@ async def serve(
     admin_control: Control = control
     discovery: tuple[Reconciler, Source] | None = None
     handover: Handover | None = None
+    upgrade: Upgrade | None = None
     retiring = False  # handed over: the admin API stops before the drain, not after
     try:
         if isinstance(control, ReplicatedControl):
@@ -199,35 +201,28 @@ async def serve(
             admin_address = f"{host}:{admin.port}"
         if not replicated:
             await _refuse_own_addresses(control, router, state_file if state else None)
+        upgrade = Upgrade(config.handover_socket)  # SIGUSR2: the code on disk takes over
+        loop.add_signal_handler(signal.SIGUSR2, upgrade.start)
         if config.handover_socket is not None:
-
-            async def freeze() -> Snapshot:
-                frozen = await control.freeze()
-                listening = workers.sockets if workers is not None else router.sockets
-                return Snapshot(
-                    client=[sock.fileno() for sock in listening],
-                    admin=[sock.fileno() for sock in admin.sockets] if admin else [],
-                    state=None if replicated else frozen,
-                    responses=router.responses.snapshot(),
-                )
 
             def retire(pid: int) -> None:
                 nonlocal retiring
-                retiring = True
+                retiring = upgrade.retired = True
                 control.thaw(f"this router handed over to process {pid}: ask again")
                 stop.set()
 
-            handover = Handover(freeze, control.thaw, retire)
-            try:
-                await handover.listen(config.handover_socket)
-            except HandoverError as exc:
-                raise ConfigError(str(exc)) from None
+            handover = await _offer_handover(
+                config.handover_socket, control, router, workers, admin, replicated, retire
+            )
             if taken is not None:
                 await taken.ready()
                 taken = None
         if admin is not None:  # the line supervisors and tests wait for: all is up
             get_logger("admin").info("admin listening", address=admin_address)
+        notify(f"READY=1\nMAINPID={os.getpid()}")  # systemd follows a process that took over
         await stop.wait()
+        if not retiring:
+            notify("STOPPING=1")
     except BaseException:
         if taken is not None:
             taken.abandon()  # the old process thaws and keeps serving
@@ -235,7 +230,7 @@ async def serve(
     finally:
         # A second signal while we drain must not kill us half-way (nor after the
         # loop is gone and its handlers with it): from here on, signals are ignored.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
         if retiring and admin is not None:
             await admin.close()  # the new process answers on its sockets from now on
@@ -258,6 +253,8 @@ async def serve(
             await replicas.client.close()
         if handover is not None:
             await handover.close()
+        if upgrade is not None:
+            await upgrade.close()
 
 
 async def _open_etcd(
@@ -339,6 +336,37 @@ async def _join_replicas(
     workers.on_records = replicas.add_records
     replicas.on_records = workers.relay
     return replicas
+
+
+async def _offer_handover(
+    path: str,
+    control: RouterControl,
+    router: Router,
+    workers: Workers | None,
+    admin: AdminServer | None,
+    replicated: bool,
+    retire: Callable[[int], None],
+) -> Handover:
+    """Listen on the handover socket: a process that asks gets our listeners (the
+    workers' if any, the admin API's) and membership (none under etcd: etcd has it)."""
+    from router.handover import Handover, HandoverError, Snapshot
+
+    async def freeze() -> Snapshot:
+        frozen = await control.freeze()
+        listening = workers.sockets if workers is not None else router.sockets
+        return Snapshot(
+            client=[sock.fileno() for sock in listening],
+            admin=[sock.fileno() for sock in admin.sockets] if admin else [],
+            state=None if replicated else frozen,
+            responses=router.responses.snapshot(),
+        )
+
+    handover = Handover(freeze, control.thaw, retire)
+    try:
+        await handover.listen(path)
+    except HandoverError as exc:
+        raise ConfigError(str(exc)) from None
+    return handover
 
 
 async def _take_over(config: Config) -> Taken | None:

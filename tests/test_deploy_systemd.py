@@ -7,7 +7,9 @@
 - What the unit says of the router holds: ExecStart is ``prefix-router serve``
   with the shipped config (a valid one) and a state file inside the unit's
   StateDirectory; ExecReload sends SIGHUP and KillSignal is SIGTERM (the router's
-  reload and drain); TimeoutStopSec outlasts the drain; the descriptor limit is set.
+  reload and drain); TimeoutStopSec outlasts the drain; the descriptor limit is set;
+  Type=notify with NotifyAccess=all and a handover socket in its RuntimeDirectory
+  (SIGUSR2 upgrades in place: tests/test_handover.py).
 - ExecStart's flags, run as a real process (paths moved to a temporary
   directory, listeners on ephemeral loopback ports): it serves, a backend added
   through the admin API survives the reload signal and the stop signal, and the
@@ -131,6 +133,10 @@ def test_the_unit_runs_serve_with_the_shipped_config_and_a_state_file_it_may_wri
 
 def test_reload_stop_restart_and_limits_match_the_router() -> None:
     assert the("Service.ExecReload") == "/bin/kill -HUP $MAINPID"
+    # Ready once it listens; an upgrade's new process (SIGUSR2) becomes the main one.
+    assert (the("Service.Type"), the("Service.NotifyAccess")) == ("notify", "all")
+    handover = Path(flag(exec_start(), "--handover-socket"))
+    assert handover.parent == Path("/run") / the("Service.RuntimeDirectory")
     assert the("Service.KillSignal") == "SIGTERM"
     assert the("Service.Restart") == "on-failure"
     config = build_config(load_toml(CONFIG))
@@ -153,6 +159,7 @@ async def test_exec_start_serves_reloads_stops_and_restarts_from_its_state_file(
     argv = exec_start()
     argv[argv.index("--config") + 1] = str(config)
     argv[argv.index("--state-file") + 1] = str(state)
+    argv[argv.index("--handover-socket") + 1] = str(tmp_path / "handover.sock")
     flags = argv[2:]
     backend = {"name": "gpu-0", "url": "http://127.0.0.1:9/"}
 

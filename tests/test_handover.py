@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
@@ -374,3 +375,93 @@ async def test_an_answer_begun_before_the_stop_still_takes_the_next_request_on_i
             await second.read()
         await stopping
     assert router.admission.accepted == 1  # both on one connection
+
+
+async def gone(pid: int) -> None:
+    """Return once process ``pid`` (not our child) has exited: its pidfd turns readable."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    exited: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
+    try:
+        async with asyncio.timeout(WAIT):
+            await exited
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+async def test_sigusr2_starts_the_code_on_disk_which_takes_over_and_systemd_follows_it(
+    sim_fleet: SimFleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sims = await sim_fleet(2)
+    path = str(tmp_path / "handover.sock")
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        # The service manager's end of sd_notify, as systemd binds it (NotifyAccess=all).
+        systemd.bind(str(tmp_path / "notify"))
+        systemd.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+
+        async def told() -> dict[str, str]:
+            async with asyncio.timeout(WAIT):
+                datagram = await loop.sock_recv(systemd, 4096)
+            return dict(line.split("=", 1) for line in datagram.decode().splitlines())
+
+        backends = [f"--backend={s.name}={s.url}" for s in sims]
+        old, port = await spawn_router(*backends, "--handover-socket", path)
+        assert old.stderr is not None
+        # The new process writes to the same stderr: read it all along, to the end.
+        logged = asyncio.create_task(old.stderr.read())
+        new_pid = None
+        try:
+            assert await told() == {"READY": "1", "MAINPID": str(old.pid)}
+            load = Load(port, clients=4)
+            await load.until(10)
+            old.send_signal(signal.SIGUSR2)
+            ready = await told()
+            new_pid = int(ready["MAINPID"])
+            assert ready["READY"] == "1"
+            assert new_pid != old.pid
+            # (its exit, not asyncio's wait: that one also waits for the stderr pipe,
+            # which the new process holds)
+            await gone(old.pid)  # retired: and no STOPPING=1 from it
+            await load.until(10)  # served by the new process
+            await load.stop()
+            assert load.failures == []
+            os.kill(new_pid, signal.SIGTERM)
+            assert await told() == {"STOPPING": "1"}
+            await gone(new_pid)
+            new_pid = None
+            async with asyncio.timeout(WAIT):
+                assert await old.wait() == 0
+        finally:
+            if old.returncode is None:
+                old.kill()
+                await old.wait()
+            if new_pid is not None:
+                os.kill(new_pid, signal.SIGKILL)
+        async with asyncio.timeout(WAIT):
+            events = [json.loads(line)["event"] for line in (await logged).splitlines()]
+        assert "upgrade: new process started" in events
+        assert "took over" in events
+        assert "handed over: draining" in events
+
+
+async def test_sigusr2_without_a_handover_socket_is_logged_and_changes_nothing(
+    sim_fleet: SimFleet,
+) -> None:
+    sims = await sim_fleet(1)
+    async with serving(f"--backend={sims[0].name}={sims[0].url}") as (proc, port):
+        assert proc.stderr is not None
+        proc.send_signal(signal.SIGUSR2)
+        async with asyncio.timeout(WAIT):
+            while True:
+                event = json.loads(await proc.stderr.readline())
+                if event["event"].startswith("SIGUSR2 ignored"):
+                    break
+        load = Load(port, clients=2)
+        await load.until(5)
+        await load.stop()
+        assert load.failures == []
+        await stop(proc)
