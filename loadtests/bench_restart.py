@@ -13,11 +13,13 @@ Contract:
   the drain and the exit, start the new process.  ``handover`` starts the new
   process with the old one's ``--handover-socket`` (``router.handover``) and
   waits for the old one to exit.
-- Per round it prints the requests that succeeded and failed (by client kind
-  and cause) and the longest time no request succeeded, and at the end the
-  medians over the rounds.  Bounded: ``--seconds`` of load around each
-  restart, every step under a deadline; only processes it started are
-  stopped, by PID.
+- Each request asks about one of ``DOCUMENTS`` (a system prompt of ~1,200
+  tokens) in turn.  Per round it prints the requests that succeeded and
+  failed (by client kind and cause), the longest time no request succeeded,
+  and the fleet's prefix-cache hit rate (the instances' counters) before and
+  after the restart; at the end the medians over the rounds.  Bounded:
+  ``--seconds`` of load around each restart, every step under a deadline;
+  only processes it started are stopped, by PID.
 """
 
 from __future__ import annotations
@@ -35,12 +37,19 @@ from pathlib import Path
 
 import aiohttp
 
-from .fleet import Child, start_router, start_sims, stop_checked
+from .fleet import Child, counters, hit_rate, start_router, start_sims, stop_checked
 from .supervisor import free_port
 
 __all__ = ["main"]
 
 MODEL = "sim-llama-3.1-70b"
+# The documents the clients ask about (~1,200 tokens each, more than PrefixLength's
+# 4,096 bytes): a prefix-aware router keeps each on one instance, whose prefix cache
+# then serves it; the hit rate before and after a restart says whether it still does.
+DOCUMENTS = [
+    f"Document {d}. " + " ".join(f"section {d}.{w} says w{w * 7919 % 10007}." for w in range(200))
+    for d in range(8)
+]
 BACKOFF_S = 0.05
 EXIT_WAIT_S = 60.0
 
@@ -65,7 +74,10 @@ async def client(url: str, kind: str, stop: asyncio.Event, tally: Tally, i: int)
             n += 1
             body = {
                 "model": MODEL,
-                "messages": [{"role": "user", "content": f"{kind} client {i} turn {n % 7}"}],
+                "messages": [
+                    {"role": "system", "content": DOCUMENTS[(i + n) % len(DOCUMENTS)]},
+                    {"role": "user", "content": f"{kind} client {i}, question {n}"},
+                ],
                 "max_tokens": 16,
                 "stream": True,
             }
@@ -107,7 +119,9 @@ async def one_round(
         for kind in ("fresh", "keep-alive")
     ]
     try:
+        start_counts = await counters(sims)
         await asyncio.sleep(args.seconds)  # load before the restart (a bounded run)
+        before_counts = await counters(sims)
         began = time.monotonic()
         if method == "restart":
             await stop_checked(old)  # SIGTERM, the drain, the exit
@@ -121,6 +135,7 @@ async def one_round(
         ended = time.monotonic()
         stop.set()
         await asyncio.gather(*clients)
+        after_counts = await counters(sims)
         await stop_checked(new)
     finally:
         stop.set()
@@ -134,6 +149,8 @@ async def one_round(
         "longest_gap_s": tally.longest_gap(began, ended),
         "old_exit": old.returncode,
         "new_up_s": serving,
+        "hit_before": hit_rate(before_counts, start_counts),
+        "hit_after": hit_rate(after_counts, before_counts),
     }
 
 
@@ -143,7 +160,8 @@ def show(result: dict[str, object]) -> None:
     causes = ", ".join(f"{kind} {cause}: {n}" for (kind, cause), n in sorted(failed.items()))
     print(
         f"{result['method']:9} ok {result['ok']:5}  failed {result['failed_total']:4}"
-        f"  longest gap {result['longest_gap_s']:.2f} s  ({causes or 'none'})",
+        f"  longest gap {result['longest_gap_s']:.2f} s  hit rate {result['hit_before']:.1%}"
+        f" -> {result['hit_after']:.1%}  ({causes or 'none'})",
         flush=True,
     )
 
@@ -171,7 +189,12 @@ async def main_async(args: argparse.Namespace) -> int:
         failed = statistics.median(float(r["failed_total"]) for r in mine)  # type: ignore[arg-type]
         gap = statistics.median(float(r["longest_gap_s"]) for r in mine)  # type: ignore[arg-type]
         ok = statistics.median(float(r["ok"]) for r in mine)  # type: ignore[arg-type]
-        print(f"  {method:9} ok {ok:6.0f}  failed {failed:5.0f}  longest gap {gap:.2f} s")
+        before = statistics.median(float(r["hit_before"]) for r in mine)  # type: ignore[arg-type]
+        after = statistics.median(float(r["hit_after"]) for r in mine)  # type: ignore[arg-type]
+        print(
+            f"  {method:9} ok {ok:6.0f}  failed {failed:5.0f}  longest gap {gap:.2f} s"
+            f"  hit rate before {before:.1%}, after {after:.1%}"
+        )
     return 0
 
 
