@@ -69,7 +69,11 @@ Contract:
   the connection (a 408 if part of one came); bytes that cannot be a header
   get a 400 saying what the listener expects, a ``refused`` access-log line,
   and a lingering close.  The request path does not test for it: a
-  connection's protocol is the client from the handover on.
+  connection's protocol is the client from the handover on.  At shutdown
+  (``hold_awaiting``) one that has waited ``STOPPING_IDLE_SECONDS`` is closed;
+  a younger one gets the rest of that, counted in the router's drain, and if
+  its header comes, its request is served as any held connection's is
+  (``ClientConnection.hold``).
 - ``raise_nofile()`` lifts the soft limit to the hard one (start-up only).
 """
 
@@ -80,7 +84,7 @@ import resource
 import socket
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from .client import ClientConnection, peer_address
+from .client import STOPPING_IDLE_SECONDS, ClientConnection, peer_address
 from .log import get_logger
 from .proxyproto import ProxyHeaderError, parse
 from .wire import error_response
@@ -254,12 +258,14 @@ class _AwaitingHeader(asyncio.Protocol):
     """A connection on a ``proxy_protocol`` listener until its PROXY header is read
     (the module's contract); ``client`` takes it over then."""
 
-    __slots__ = ("buffer", "client", "refused", "timer", "transport")
+    __slots__ = ("buffer", "client", "held", "refused", "since", "timer", "transport")
 
     def __init__(self, client: _Client):
         self.client = client
         self.buffer = b""  # what came of the header so far
         self.refused = False
+        self.held = False  # counted in the router's drain (hold_awaiting)
+        self.since = 0.0  # loop time of connection_made
         self.timer: asyncio.TimerHandle | None = None
         # Set by connection_made; None until then (a factory call at shutdown).
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
@@ -267,6 +273,7 @@ class _AwaitingHeader(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass it
         router = self.client.router
+        self.since = router.loop.time()
         self.timer = router.loop.call_later(router.config.timeouts.client_header, self._late)
 
     def data_received(self, data: bytes) -> None:
@@ -287,14 +294,20 @@ class _AwaitingHeader(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         client, transport = self.client, self.transport
-        client.router.admission.awaiting.discard(self)
-        if client.router.stopping:  # not served once the router stops: closed as idle
+        router = client.router
+        router.admission.awaiting.discard(self)
+        if router.stopping and not self.held:  # (the drain was over when it came)
             transport.close()
             return
         if address is not None:
             client.peer_ip = address  # connection_made keeps it over the socket's
         transport.set_protocol(client)
         client.connection_made(transport)
+        if self.held:  # the drain counts the client now, until its request starts
+            self.held = False
+            if client.hold():
+                router.exchange_started()
+            router.unhold()
         if size < len(buffer):
             # A copy of the rest of this one read, once per connection.
             client.data_received(buffer[size:])
@@ -305,9 +318,12 @@ class _AwaitingHeader(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        admission = self.client.router.admission
-        admission.awaiting.discard(self)
-        admission.clients -= 1
+        router = self.client.router
+        router.admission.awaiting.discard(self)
+        router.admission.clients -= 1
+        if self.held:
+            self.held = False
+            router.unhold()
 
     def _late(self) -> None:
         self.timer = None
@@ -409,12 +425,24 @@ class Admission:
             self.handshaking[protocol] = deadline
         return protocol
 
-    def close_awaiting(self) -> None:
-        """Close the connections still waiting for their PROXY header (shutdown)."""
+    def hold_awaiting(self) -> None:
+        """Shutdown: close the connections that have waited ``STOPPING_IDLE_SECONDS``
+        for their PROXY header; the others get the rest of it, counted in the drain."""
+        router = self.router
+        now = router.loop.time()
         for protocol in list(self.awaiting):
-            if protocol.transport is not None:
-                protocol.transport.close()
-        self.awaiting.clear()
+            transport = protocol.transport
+            if transport is None:
+                continue
+            left = protocol.since + STOPPING_IDLE_SECONDS - now
+            if left <= 0 or protocol.refused:
+                transport.close()
+                continue
+            protocol.held = True
+            router.exchange_started()
+            if protocol.timer is not None:
+                protocol.timer.cancel()
+            protocol.timer = router.loop.call_later(left, protocol._late)
 
     def made(self, protocol: asyncio.Protocol) -> bool:
         """``protocol``'s connection is made: True if ``sweep`` had uncounted it."""

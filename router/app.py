@@ -259,7 +259,7 @@ class Router:
         for server in self._servers:
             server.close()  # a handed-over socket lives on in the process that took it
         if self.admission is not None:
-            self.admission.close_awaiting()  # no header yet (proxy_protocol): idle too
+            self.admission.hold_awaiting()  # no PROXY header yet: as a client that sent nothing
         for conn in list(self.connections):
             if conn.current is not None:
                 continue

@@ -340,17 +340,26 @@ async def test_behind_a_real_haproxy_each_client_is_told_apart(
         await proc.wait()
 
 
-async def test_shutdown_closes_connections_still_waiting_for_their_header(
+async def test_shutdown_serves_a_header_that_comes_within_a_second_and_closes_the_silent(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
     backend = await backends()
     router = await start_router([backend.spec], proxy_protocol=True)
     async with connect(router) as waiting, connect(router) as partial:
-        await partial.send(v1("203.0.113.7")[:10])
+        header = v1("203.0.113.7")
+        await partial.send(header[:10])
         await until(lambda: len(router.admission.awaiting) == 2)
+        stopping = asyncio.create_task(router.shutdown(grace=WAIT))
+        await until(lambda: router.stopping)
+        # Its header was on its way: the rest of it and a request are served, saying close.
+        await partial.send(header[10:] + REQUEST)
+        answer = await partial.response()
+        assert (answer.status, answer.value("connection")) == (200, b"close")
         async with asyncio.timeout(WAIT):
-            await router.shutdown(grace=1)
-            assert await waiting.rest() == b""  # closed as an idle one is
-            assert await partial.rest() == b""  # (a reset if its bytes were not read yet)
+            # The silent one has what is left of client.STOPPING_IDLE_SECONDS, then it
+            # is closed as an idle one is; then the drain is over.
+            assert await waiting.rest() == b""
+            await stopping
     await until(lambda: router.admission.clients == 0)
     assert not router.admission.awaiting
+    assert router.active == 0
