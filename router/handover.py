@@ -25,9 +25,16 @@ Contract:
   serving; a warning logged).  Connections the new one had accepted die with
   it.  An old process that is busy with another handover answers ``Busy``:
   the new one exits with the reason (``HandoverError``).
+- The new process hands nothing to a listener on PATH of another uid
+  (``SO_PEERCRED``): a socket another user made at PATH (a shared directory)
+  would otherwise give it listeners and a membership of its choosing.
 - Nothing here is on the request path; each step is a few frames on a local
-  socket, the state in one frame (the response ids' table at its bound is a
-  few MB, encoded and written without holding the loop long: ``sock_sendall``).
+  socket: the state in one frame, the response ids in ``Ids`` frames of
+  ``IDS_PER_FRAME`` (the table at its bound, 10 million ids, is ~500 MB: one
+  frame would hold the old process's loop for seconds and pass
+  ``MAX_FRAME``), the loop let go between them.  Sending is bounded
+  (``READY_WAIT``): a peer that asks and reads nothing does not keep the old
+  process frozen.
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ VERSION = 1
 READY_WAIT = 60.0  # the new process's start-up: etcd's seed and discovery wait 10 s each
 STEP_WAIT = 10.0  # any other step: a frame on a local socket, or the old one's lock
 MAX_FDS = 253  # SCM_RIGHTS' limit per message (SCM_MAX_FD)
-MAX_FRAME = 256 << 20
+MAX_FRAME = 64 << 20  # the state and one part of the response ids fit many times over
+IDS_PER_FRAME = 16384  # response ids per ``Ids`` frame: a few ms to encode, ~1 MB
 
 
 class Ask(msgspec.Struct, tag=True, frozen=True):
@@ -78,6 +86,14 @@ class Given(msgspec.Struct, tag=True, frozen=True):
     admin: int  # ... the next ``admin`` the admin API's
     state: State | None  # the membership and routing (None: etcd holds them)
     responses: list[tuple[str, str]] = []  # (response id, backend), oldest first
+    parts: int = 0  # ``Ids`` frames that follow: the rest of ``responses``, in order
+
+
+class Ids(msgspec.Struct, tag=True, frozen=True):
+    """A part of the response ids (a full table is ~10 million: one frame would
+    hold the old process's loop for seconds and pass ``MAX_FRAME``)."""
+
+    responses: list[tuple[str, str]]
 
 
 class Busy(msgspec.Struct, tag=True, frozen=True):
@@ -92,7 +108,7 @@ class Released(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-_Message = Ask | Given | Busy | Ready | Released
+_Message = Ask | Given | Ids | Busy | Ready | Released
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Message)
 
@@ -262,14 +278,20 @@ class Handover:
         try:
             fds = [*snapshot.client, *snapshot.admin]
             socket.send_fds(conn, [b"F"], fds)  # first: the frame after may fill the buffer
+            responses = snapshot.responses
             given = Given(
                 os.getpid(),
                 len(snapshot.client),
                 len(snapshot.admin),
                 snapshot.state,
-                snapshot.responses,
+                parts=-(-len(responses) // IDS_PER_FRAME),
             )
-            await _send(conn, given)
+            # Bounded: a peer that asks and reads nothing must not freeze us for ever.
+            async with asyncio.timeout(READY_WAIT):
+                await _send(conn, given)
+                for start in range(0, len(responses), IDS_PER_FRAME):
+                    await _send(conn, Ids(responses[start : start + IDS_PER_FRAME]))
+                    await asyncio.sleep(0)  # sock_sendall returns at once while the buffer has room
             async with asyncio.timeout(READY_WAIT):
                 message = await _receive(conn)
             ready = isinstance(message, Ready)
@@ -314,11 +336,17 @@ class Handover:
 class Taken:
     """What the running process handed over; ``ready()`` once this one serves."""
 
-    def __init__(self, conn: socket.socket, given: Given, fds: list[int]):
+    def __init__(
+        self,
+        conn: socket.socket,
+        given: Given,
+        fds: list[int],
+        responses: list[tuple[str, str]] | None = None,
+    ):
         self._conn = conn
         self.pid = given.pid
         self.state = given.state
-        self.responses = given.responses
+        self.responses = given.responses if responses is None else responses
         sockets = [socket.socket(fileno=fd) for fd in fds]
         self.client = sockets[: given.client]
         self.admin = sockets[given.client : given.client + given.admin]
@@ -372,6 +400,16 @@ async def take_over(path: str) -> Taken | None:
     except OSError as exc:
         conn.close()
         raise HandoverError(f"handover_socket {path}: {exc.strerror or exc}") from None
+    # Whoever listens there hands us sockets and the membership: it must be us (a path
+    # in a shared directory such as /tmp can be another user's socket).
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    peer_pid, peer_uid, _ = struct.unpack("3i", creds)
+    if peer_uid != os.getuid():
+        conn.close()
+        raise HandoverError(
+            f"handover_socket {path}: listened on by uid {peer_uid} (pid {peer_pid}),"
+            f" not ours ({os.getuid()}): refused"
+        )
     fds: list[int] = []
     try:
         await _send(conn, Ask(os.getpid()))
@@ -382,6 +420,13 @@ async def take_over(path: str) -> Taken | None:
             raise HandoverError(f"handover_socket {path}: {given.reason}")
         if not isinstance(given, Given):
             raise HandoverError(f"handover_socket {path}: {type(given).__name__} unexpected")
+        responses = list(given.responses)
+        for _ in range(given.parts):
+            async with asyncio.timeout(STEP_WAIT):
+                part = await _receive(conn)
+            if not isinstance(part, Ids):
+                raise HandoverError(f"handover_socket {path}: {type(part).__name__} unexpected")
+            responses += part.responses
     except BaseException as exc:
         conn.close()
         for fd in fds:
@@ -389,4 +434,4 @@ async def take_over(path: str) -> Taken | None:
         if isinstance(exc, TimeoutError):
             raise HandoverError(f"handover_socket {path}: no answer in {STEP_WAIT} s") from None
         raise
-    return Taken(conn, given, fds)
+    return Taken(conn, given, fds, responses)

@@ -1,0 +1,140 @@
+"""Review of ``router.handover``: a listener of another user, a silent asker, a full
+response ids' table (each failed before the fix it comes with)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from router import handover as handover_module
+from router.handover import Handover, HandoverError, Snapshot, take_over
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT = 20.0
+
+
+def ids(count: int) -> list[tuple[str, str]]:
+    return [(f"resp_{i:048x}", f"backend-{i % 8}") for i in range(count)]
+
+
+def shared_directory() -> str:
+    """A directory anyone may create files in, as /tmp (pytest's tmp_path is root's alone)."""
+    path = tempfile.mkdtemp(dir="/tmp")
+    os.chmod(path, 0o1777)
+    return path
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists("/usr/bin/python3"), reason="root")
+async def test_a_socket_another_user_made_at_path_is_not_taken_over() -> None:
+    """/tmp-like directory: user nobody listens at PATH first and would hand over
+    its own listening socket and a membership of its choosing."""
+    shared = shared_directory()
+    path = os.path.join(shared, "h.sock")
+    squatter = await asyncio.create_subprocess_exec(
+        "/usr/bin/python3",
+        "-c",
+        "import socket,sys,time\n"
+        "s=socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1)\n"
+        "print('up', flush=True)\n"
+        "c,_=s.accept(); time.sleep(30)\n",
+        path,
+        user=65534,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert squatter.stdout is not None
+        assert await squatter.stdout.readline() == b"up\n"
+        with pytest.raises(HandoverError, match="uid 65534"):
+            await take_over(path)
+    finally:
+        squatter.kill()
+        await squatter.wait()
+        await asyncio.to_thread(shutil.rmtree, shared)
+
+
+async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ask, then never read: the ids (more than a socket buffer) cannot all be sent.
+    The old process must thaw (membership writes go again) within its bound."""
+    monkeypatch.setattr(handover_module, "READY_WAIT", 1.0)
+    monkeypatch.setattr(handover_module, "STEP_WAIT", 1.0)
+    thawed = asyncio.Event()
+
+    async def freeze() -> Snapshot:
+        return Snapshot(client=[], admin=[], state=None, responses=ids(50_000))
+
+    handover = Handover(freeze, thawed.set, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await handover.listen(path)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(path)
+        body = handover_module._encoder.encode(handover_module.Ask(os.getpid()))
+        silent.sendall(len(body).to_bytes(4, "big") + body)
+        async with asyncio.timeout(5.0):  # before the fix: frozen for as long as it stays
+            await thawed.wait()
+    finally:
+        silent.close()
+        await handover.close()
+
+
+async def test_a_full_ids_table_is_handed_over_in_parts_without_a_long_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More ids than one frame may hold (MAX_FRAME made small here: the real table
+    at its bound, 10 million ids, is ~500 MB against 256 MB), and the old loop's
+    longest stall while it sends them."""
+    monkeypatch.setattr(handover_module, "MAX_FRAME", 4 << 20)
+    table = ids(300_000)  # ~20 MB
+    thawed = asyncio.Event()
+
+    async def freeze() -> Snapshot:
+        return Snapshot(client=[], admin=[], state=None, responses=table)
+
+    handover = Handover(freeze, thawed.set, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await handover.listen(path)
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    ticking = True
+
+    async def tick() -> None:
+        nonlocal worst
+        last = loop.time()
+        while ticking:
+            await asyncio.sleep(0.001)
+            worst = max(worst, loop.time() - last)
+            last = loop.time()
+
+    ticker = asyncio.create_task(tick())
+    try:
+        # The asker in a thread of its own loop: the stall measured is the sender's.
+        def ask() -> list[tuple[str, str]]:
+            async def go() -> list[tuple[str, str]]:
+                taken = await take_over(path)
+                assert taken is not None
+                taken.abandon()
+                return taken.responses
+
+            return asyncio.run(go())
+
+        started = time.monotonic()
+        got = await asyncio.to_thread(ask)
+        assert [tuple(x) for x in got] == table
+        async with asyncio.timeout(WAIT):
+            await thawed.wait()
+        assert time.monotonic() - started < WAIT
+    finally:
+        ticking = False
+        await ticker
+        await handover.close()
+    assert worst < 0.25, f"the old loop stalled {worst * 1000:.0f} ms"
