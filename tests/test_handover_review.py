@@ -15,6 +15,9 @@ import pytest
 
 from router import handover as handover_module
 from router.handover import Handover, HandoverError, Snapshot, take_over
+from tests.harness.backends import StartBackend
+from tests.harness.http import connect, req, until
+from tests.harness.routers import StartRouter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +141,44 @@ async def test_a_full_ids_table_is_handed_over_in_parts_without_a_long_stall(
         await ticker
         await handover.close()
     assert worst < 0.25, f"the old loop stalled {worst * 1000:.0f} ms"
+
+
+# -- the graceful stop's holds ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("proxy_protocol", [False, True])
+async def test_a_new_connection_whose_request_comes_just_after_the_stop_is_answered(
+    backends: StartBackend, start_router: StartRouter, proxy_protocol: bool
+) -> None:
+    """A connection accepted just before the stop (the old process of a handover,
+    which accepts until it retires): its first request, sent just after, is
+    answered (saying close) as the stop's contract says, behind an L4 proxy
+    (PROXY header first) as well as without."""
+    backend = await backends()
+    router = await start_router([backend.spec], proxy_protocol=proxy_protocol)
+    async with connect(router) as client:
+        await asyncio.sleep(0.1)  # accepted, nothing sent yet
+        stopping = asyncio.create_task(router.shutdown(grace=WAIT))
+        await until(lambda: router.stopping)
+        header = b"PROXY TCP4 203.0.113.7 192.0.2.1 51000 443\r\n" if proxy_protocol else b""
+        await client.send(header + req(b"GET", b"/health"))
+        response = await client.response()
+        assert response.status == 200
+        await stopping
+    assert router.active == 0
+
+
+@pytest.mark.parametrize("proxy_protocol", [False, True])
+async def test_a_held_connection_that_sends_nothing_ends_the_drain_within_a_second(
+    backends: StartBackend, start_router: StartRouter, proxy_protocol: bool
+) -> None:
+    backend = await backends()
+    router = await start_router([backend.spec], proxy_protocol=proxy_protocol)
+    async with connect(router) as client:
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await router.shutdown(grace=WAIT)
+        assert time.monotonic() - started < 3.0  # STOPPING_IDLE_SECONDS, not the grace
+        with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+            await client.response()
+    assert router.active == 0
