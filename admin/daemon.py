@@ -28,6 +28,7 @@ import gc
 import hashlib
 import os
 import signal
+import socket
 import ssl
 import time
 from typing import TYPE_CHECKING
@@ -389,13 +390,22 @@ async def _take_over(config: Config) -> Taken | None:
     elif taken.admin:  # else it had none: ours is bound anew
         wanted.append(("admin_listen", config.admin_listen, taken.admin))
     for field, address, sockets in wanted:
-        port = parse_address(address, field)[1]
-        ports = {sock.getsockname()[1] for sock in sockets}
-        if port and ports != {port}:
+        host, port = parse_address(address, field)
+        names = {sock.getsockname()[:2] for sock in sockets}
+        ports = {name[1] for name in names}
+        # The host too: the config moved from 127.0.0.1 to 0.0.0.0 would otherwise be
+        # served on the old address while the log and GET /admin/config name the new.
+        try:
+            infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            hosts = {info[4][0] for info in infos}
+        except OSError:
+            hosts = set()
+        if (port and ports != {port}) or {name[0] for name in names} != hosts:
             taken.abandon()
+            where = sorted(f"{name[0]}:{name[1]}" for name in names) or "nothing"
             raise ConfigError(
-                f"{field} {address}: the running router (pid {taken.pid}) listens on port"
-                f" {sorted(ports) or 'none'}; a handover keeps its listeners, so stop it to"
+                f"{field} {address}: the running router (pid {taken.pid}) listens on"
+                f" {', '.join(where)}; a handover keeps its listeners, so stop it to"
                 " move one"
             )
     return taken

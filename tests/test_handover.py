@@ -194,7 +194,7 @@ async def test_a_failed_start_leaves_the_old_process_serving_and_a_later_one_tak
             path,
         )
         assert code == 2
-        assert f"listens on port [{port}]" in err.decode()
+        assert f"listens on 127.0.0.1:{port};" in err.decode()
         async with aiohttp.ClientSession() as http:
             # Thawed: the old process takes changes again, and still serves.
             added = {"name": sims[1].name, "url": sims[1].url}

@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 import trustme
 
@@ -19,6 +20,7 @@ from router import handover as handover_module
 from router.handover import Handover, HandoverError, Snapshot, take_over
 from tests.harness.backends import StartBackend
 from tests.harness.http import connect, req, until
+from tests.harness.processes import admin_call, serve_exit, serving, stop
 from tests.harness.routers import StartRouter
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,3 +221,23 @@ async def test_a_tls_connection_accepted_before_the_stop_and_its_handshake_after
     finally:
         raw.close()
     assert router.active == 0
+
+
+async def test_a_listen_moved_to_another_host_is_refused_not_silently_kept(
+    tmp_path: Path,
+) -> None:
+    """The old process listens on 127.0.0.1:P; a new one configured for 0.0.0.0:P
+    would take the 127.0.0.1 socket and log (and show in GET /admin/config) that it
+    listens on 0.0.0.0.  It is refused as a moved port is; the old one serves on."""
+    path = str(tmp_path / "h.sock")
+    async with serving("--handover-socket", path) as (old, port):
+        code, err = await serve_exit(
+            "--listen", f"0.0.0.0:{port}", "--admin-listen", "127.0.0.1:0",
+            "--handover-socket", path,
+        )  # fmt: skip
+        assert code == 2, err.decode()[-500:]
+        assert b"listens on 127.0.0.1:" in err
+        async with aiohttp.ClientSession() as http:
+            status, _ = await admin_call(http, old, "GET", "/admin/backends")
+            assert status == 200  # thawed, still serving
+        await stop(old)
