@@ -233,6 +233,8 @@ async def serve(
         # loop is gone and its handlers with it): from here on, signals are ignored.
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
+        if handover is not None:
+            handover.stopping = True  # a process that asks from now on is told, not given nothing
         if retiring and admin is not None:
             await admin.close()  # the new process answers on its sockets from now on
             admin = None
@@ -402,7 +404,7 @@ async def _take_over(config: Config) -> Taken | None:
             hosts = set()
         if (port and ports != {port}) or {name[0] for name in names} != hosts:
             taken.abandon()
-            where = sorted(f"{name[0]}:{name[1]}" for name in names) or "nothing"
+            where = sorted(f"{name[0]}:{name[1]}" for name in names) or ["nothing"]
             raise ConfigError(
                 f"{field} {address}: the running router (pid {taken.pid}) listens on"
                 f" {', '.join(where)}; a handover keeps its listeners, so stop it to"

@@ -24,7 +24,8 @@ Contract:
   ``Ready`` leaves the old one as it was (its membership thawed, still
   serving; a warning logged).  Connections the new one had accepted die with
   it.  An old process that is busy with another handover answers ``Busy``:
-  the new one exits with the reason (``HandoverError``).
+  the new one exits with the reason (``HandoverError``); so does one stopping
+  (SIGTERM: its listeners close, there is nothing to hand over).
 - The new process hands nothing to a listener on PATH of another uid
   (``SO_PEERCRED``): a socket another user made at PATH (a shared directory)
   would otherwise give it listeners and a membership of its choosing.
@@ -213,6 +214,7 @@ class Handover:
         self._asked: set[asyncio.Task[None]] = set()  # one per connection to PATH
         self._busy = False
         self.retired = False
+        self.stopping = False  # set as the daemon stops: its listeners are closing
 
     async def listen(self, path: str) -> None:
         """Listen on ``path``: bound beside it and renamed over it, so a process that
@@ -260,6 +262,8 @@ class Handover:
                 await _refuse(conn, f"expected a version {VERSION} Ask")
             elif self._busy or self.retired:
                 await _refuse(conn, "a handover is already under way")
+            elif self.stopping:
+                await _refuse(conn, "the running router is stopping: start once it has exited")
             else:
                 self._busy = True
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import ssl
 import tempfile
@@ -241,3 +242,29 @@ async def test_a_listen_moved_to_another_host_is_refused_not_silently_kept(
             status, _ = await admin_call(http, old, "GET", "/admin/backends")
             assert status == 200  # thawed, still serving
         await stop(old)
+
+
+async def test_a_process_started_while_the_old_one_drains_after_sigterm_is_told_so(
+    tmp_path: Path,
+) -> None:
+    """Stop, then start while the old one still drains: it used to hand over its
+    listeners, closed already (none), and the new one exited saying the running
+    router 'listens on port none' ... 'stop it to move one'."""
+    path = str(tmp_path / "h.sock")
+    async with serving("--handover-socket", path) as (old, port):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # held: drains
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        old.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert old.returncode is None
+        code, err = await serve_exit(
+            "--listen", f"127.0.0.1:{port}", "--admin-listen", "127.0.0.1:0",
+            "--handover-socket", path,
+        )  # fmt: skip
+        assert code == 2
+        assert b"the running router is stopping" in err, err.decode()[-400:]
+        writer.close()
+        async with asyncio.timeout(WAIT):
+            assert await old.wait() == 0
