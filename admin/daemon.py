@@ -88,6 +88,7 @@ async def serve(
     from router.control.replicated import ReplicatedControl
     from router.discovery import DiscoveredControl
     from router.fleet import AdminState
+    from router.handover import HandoverError
     from router.log import get_logger
 
     from .upgrade import Upgrade, notify
@@ -212,12 +213,26 @@ async def serve(
                 control.thaw(f"this router handed over to process {pid}: ask again")
                 stop.set()
 
-            handover = await _offer_handover(
-                config.handover_socket, control, router, workers, admin, replicated, retire
-            )
-            if taken is not None:
-                await taken.ready()
+            handover = _handover(control, router, workers, admin, replicated, retire)
+            if taken is None:
+                try:
+                    await handover.listen(config.handover_socket)
+                except HandoverError as exc:
+                    raise ConfigError(str(exc)) from None
+            else:
+                # PATH is taken over once the old process has retired (Released), not
+                # before: one that gave up on us (READY_WAIT) serves on, and must stay
+                # the one a later process finds there.
+                try:
+                    await taken.ready()
+                except HandoverError as exc:
+                    raise ConfigError(str(exc)) from None
                 taken = None
+                try:
+                    await handover.listen(config.handover_socket)
+                except HandoverError as exc:  # we serve: the next restart cannot hand over
+                    get_logger("handover").error("handover socket not listened on", error=str(exc))
+                    handover = None
         if admin is not None:  # the line supervisors and tests wait for: all is up
             get_logger("admin").info("admin listening", address=admin_address)
         notify(f"READY=1\nMAINPID={os.getpid()}")  # systemd follows a process that took over
@@ -341,8 +356,7 @@ async def _join_replicas(
     return replicas
 
 
-async def _offer_handover(
-    path: str,
+def _handover(
     control: RouterControl,
     router: Router,
     workers: Workers | None,
@@ -350,9 +364,9 @@ async def _offer_handover(
     replicated: bool,
     retire: Callable[[int], None],
 ) -> Handover:
-    """Listen on the handover socket: a process that asks gets our listeners (the
+    """What a process that asks on the handover socket gets: our listeners (the
     workers' if any, the admin API's) and membership (none under etcd: etcd has it)."""
-    from router.handover import Handover, HandoverError, Snapshot
+    from router.handover import Handover, Snapshot
 
     async def freeze() -> Snapshot:
         frozen = await control.freeze()
@@ -364,12 +378,7 @@ async def _offer_handover(
             responses=router.responses.snapshot(),
         )
 
-    handover = Handover(freeze, control.thaw, retire)
-    try:
-        await handover.listen(path)
-    except HandoverError as exc:
-        raise ConfigError(str(exc)) from None
-    return handover
+    return Handover(freeze, control.thaw, retire)
 
 
 async def _take_over(config: Config) -> Taken | None:

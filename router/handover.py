@@ -13,18 +13,22 @@ Contract:
   routing as the state file would hold them (None under etcd, where etcd
   holds them), the response ids it knows, its pid.  It keeps serving
   meanwhile.  The new process starts on those sockets (both processes accept
-  from them for a moment: each connection goes to one), takes PATH over
-  (binds beside it and renames: the path never stops answering) and sends
-  ``Ready``.  The old one then retires (``on_ready``: its admin writes are
-  refused with 503 from here on, its admin server closes, its listeners
-  close and it drains its requests as on SIGTERM) and answers ``Released``.
+  from them for a moment: each connection goes to one) and sends ``Ready``.
+  The old one then retires (``on_ready``: its admin writes are refused with
+  503 from here on, its admin server closes, its listeners close and it
+  drains its requests as on SIGTERM) and answers ``Released``; the new one
+  then takes PATH over (binds beside it and renames: the path never stops
+  answering; until then the retired one answers ``Busy``).
   A connection waiting in a listener's queue is never reset: the listening
   socket outlives the old process.
 - Failure: a new process that dies, or stays silent past ``READY_WAIT``, before
   ``Ready`` leaves the old one as it was (its membership thawed, still
   serving; a warning logged).  Connections the new one had accepted die with
-  it.  An old process that is busy with another handover answers ``Busy``:
-  the new one exits with the reason (``HandoverError``); so does one stopping
+  it.  A new process whose ``Ready`` finds the old one given up (the
+  connection closed without ``Released``, the old pid alive) exits rather
+  than serve beside it (``Taken.ready`` raises ``HandoverError``).  An old
+  process that is busy with another handover answers ``Busy``: the new one
+  exits with the reason (``HandoverError``); so does one stopping
   (SIGTERM: its listeners close, there is nothing to hand over).
 - The new process hands nothing to a listener on PATH of another uid
   (``SO_PEERCRED``): a socket another user made at PATH (a shared directory)
@@ -359,6 +363,7 @@ class Taken:
 
     async def ready(self) -> None:
         """Tell the old process we serve; it retires (its answer awaited, bounded)."""
+        closed = False
         try:
             await _send(self._conn, Ready(os.getpid()))
             async with asyncio.timeout(STEP_WAIT):
@@ -366,7 +371,16 @@ class Taken:
             if not isinstance(message, Released):
                 raise HandoverError(f"expected Released, got {type(message).__name__}")
         except (HandoverError, OSError, TimeoutError) as exc:
-            # We serve either way; the old process may still be there too.
+            # The old process closed without Released: it gave up on us (READY_WAIT
+            # passed: it thawed and serves on) unless it is gone.  Serving beside it
+            # would split the fleet's membership in two (one admin socket, two
+            # processes accepting from it): we leave it be.
+            closed = not isinstance(exc, TimeoutError)
+            if closed and _alive(self.pid):
+                raise HandoverError(
+                    f"the running router (pid {self.pid}) gave up on this handover (it"
+                    f" waits {READY_WAIT:g} s for a new process to start) and serves on"
+                ) from None
             log.warning("no word from the old process after Ready", pid=self.pid, error=str(exc))
         finally:
             self._conn.close()
@@ -377,6 +391,16 @@ class Taken:
         self._conn.close()
         for sock in (*self.client, *self.admin):
             sock.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_path(path: str) -> None:

@@ -29,6 +29,10 @@ pytestmark = pytest.mark.timeout(60)
 WAIT = 20.0
 
 
+def listens(path: str) -> bool:
+    return os.path.exists(path)
+
+
 def ids(count: int) -> list[tuple[str, str]]:
     return [(f"resp_{i:048x}", f"backend-{i % 8}") for i in range(count)]
 
@@ -268,3 +272,38 @@ async def test_a_process_started_while_the_old_one_drains_after_sigterm_is_told_
         writer.close()
         async with asyncio.timeout(WAIT):
             assert await old.wait() == 0
+
+
+async def test_a_new_process_ready_after_the_old_one_gave_up_does_not_serve_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new process said Ready after READY_WAIT (a slow start, a SIGSTOP): the old
+    one had thawed and serves on.  The new one used to serve too (two processes on
+    one admin socket, two memberships; shown with real processes in the report),
+    having renamed its socket over PATH first (then removed at its exit).  Now it
+    gives up, and PATH stays the old one's (taken over only after Released)."""
+    monkeypatch.setattr(handover_module, "READY_WAIT", 0.5)
+    thawed = asyncio.Event()
+
+    async def freeze() -> Snapshot:
+        return Snapshot(client=[], admin=[], state=None, responses=[])
+
+    old = Handover(freeze, thawed.set, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await old.listen(path)
+    new = Handover(freeze, lambda: None, lambda pid: None)
+    try:
+        taken = await take_over(path)
+        assert taken is not None
+        async with asyncio.timeout(WAIT):
+            await thawed.wait()
+        await asyncio.sleep(0.2)
+        with pytest.raises(HandoverError, match="gave up on this handover"):
+            await taken.ready()
+        info = os.stat(path)
+        assert (info.st_dev, info.st_ino) == old._inode  # the old one is at PATH again
+        await new.close()
+        assert listens(path)
+    finally:
+        await new.close()
+        await old.close()
