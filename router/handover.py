@@ -77,6 +77,8 @@ READY_WAIT = 60.0  # the new process's start-up: etcd's seed and discovery wait 
 STEP_WAIT = 10.0  # any other step: a frame on a local socket, or the old one's lock
 MAX_FDS = 253  # SCM_RIGHTS' limit per message (SCM_MAX_FD)
 MAX_FRAME = 64 << 20  # the state and one part of the response ids fit many times over
+MAX_ASK = 4096  # an Ask is a few bytes: what the old process reads of any local peer
+MAX_ASKERS = 16  # connections to PATH at once; more are closed (each holds an fd)
 IDS_PER_FRAME = 16384  # response ids per ``Ids`` frame: a few ms to encode, ~1 MB
 
 
@@ -150,10 +152,10 @@ async def _exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(parts)
 
 
-async def _receive(sock: socket.socket) -> _Message:
+async def _receive(sock: socket.socket, limit: int = MAX_FRAME) -> _Message:
     size = int.from_bytes(await _exactly(sock, 4), "big")
-    if size > MAX_FRAME:
-        raise HandoverError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+    if size > limit:
+        raise HandoverError(f"a frame of {size} bytes (at most {limit})")
     try:
         return _decoder.decode(await _exactly(sock, size))
     except msgspec.DecodeError as exc:
@@ -248,6 +250,9 @@ class Handover:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
+            if len(self._asked) >= MAX_ASKERS:
+                conn.close()  # a local process opening connections: not one each
+                continue
             conn.setblocking(False)
             task = asyncio.create_task(self._one(conn))
             self._asked.add(task)
@@ -257,12 +262,13 @@ class Handover:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _ = struct.unpack("3i", creds)
         try:
-            async with asyncio.timeout(STEP_WAIT):
-                ask = await _receive(conn)
-            if uid != os.getuid():
+            if uid != os.getuid():  # before reading anything of it
                 log.warning("handover refused: another user", pid=pid, uid=uid)
                 await _refuse(conn, f"the running router hands over to uid {os.getuid()} only")
-            elif not isinstance(ask, Ask) or ask.version != VERSION:
+                return
+            async with asyncio.timeout(STEP_WAIT):
+                ask = await _receive(conn, MAX_ASK)
+            if not isinstance(ask, Ask) or ask.version != VERSION:
                 await _refuse(conn, f"expected a version {VERSION} Ask")
             elif self._busy or self.retired:
                 await _refuse(conn, "a handover is already under way")

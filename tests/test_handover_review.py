@@ -4,6 +4,7 @@ response ids' table (each failed before the fix it comes with)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -307,3 +308,52 @@ async def test_a_new_process_ready_after_the_old_one_gave_up_does_not_serve_besi
     finally:
         await new.close()
         await old.close()
+
+
+async def test_many_silent_connections_to_path_hold_few_descriptors_of_the_old_process(
+    tmp_path: Path,
+) -> None:
+    """A local process that opens connections to PATH and sends nothing: before, one
+    descriptor (and task) each for STEP_WAIT; an Ask's length prefix was read up to
+    MAX_FRAME (256 MB) before anything was checked."""
+
+    async def freeze() -> Snapshot:
+        return Snapshot(client=[], admin=[], state=None, responses=[])
+
+    handover = Handover(freeze, lambda: None, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await handover.listen(path)
+    before = len(os.listdir("/proc/self/fd"))
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(60):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(path)
+            silent.append(sock)
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)
+        accepted = len(os.listdir("/proc/self/fd")) - before - len(silent)
+        assert accepted <= handover_module.MAX_ASKERS
+        assert len(handover._asked) <= handover_module.MAX_ASKERS
+        big = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        for sock in silent:
+            sock.close()
+        silent = [big]
+        await asyncio.sleep(0.1)
+        big.connect(path)
+        big.sendall((1 << 20).to_bytes(4, "big"))  # an 'Ask' of 1 MB: refused unread
+        big.settimeout(5.0)
+
+        def closed() -> bool:
+            try:
+                return big.recv(1) == b""
+            except ConnectionResetError:
+                return True
+
+        assert await asyncio.to_thread(closed)  # refused before 1 MB was read
+    finally:
+        for sock in silent:
+            sock.close()
+        await handover.close()
