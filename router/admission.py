@@ -444,6 +444,20 @@ class Admission:
                 protocol.timer.cancel()
             protocol.timer = router.loop.call_later(left, protocol._late)
 
+    def hold_handshaking(self) -> None:
+        """Shutdown: a TLS connection accepted less than ``STOPPING_IDLE_SECONDS`` ago,
+        its handshake still under way, is counted in the drain for the rest of that."""
+        if self.handshake is None:
+            return
+        loop = self.router.loop
+        now = loop.time()
+        for protocol, deadline in self.handshaking.items():
+            accepted = deadline - self.handshake - HANDSHAKE_MARGIN
+            left = accepted + STOPPING_IDLE_SECONDS - now
+            if isinstance(protocol, _Client) and left > 0:
+                protocol.hold_handshake()
+                loop.call_later(left, protocol.handshake_late)
+
     def made(self, protocol: asyncio.Protocol) -> bool:
         """``protocol``'s connection is made: True if ``sweep`` had uncounted it."""
         if self.handshake is None:

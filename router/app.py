@@ -260,6 +260,7 @@ class Router:
             server.close()  # a handed-over socket lives on in the process that took it
         if self.admission is not None:
             self.admission.hold_awaiting()  # no PROXY header yet: as a client that sent nothing
+            self.admission.hold_handshaking()  # ... and no TLS handshake done yet
         for conn in list(self.connections):
             if conn.current is not None:
                 continue

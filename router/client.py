@@ -246,6 +246,8 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
         self.router.connections.add(self)
         # A new connection gets the header timeout to send its first request.
         self._watch_from(IDLE, self.router.config.timeouts.client_header)
+        if self._held:  # held during its TLS handshake (hold_handshake): the stop's bound
+            self.hold()
 
     def data_received(self, data: bytes) -> None:
         if self._closing or self._refusal is not None:
@@ -524,6 +526,18 @@ class ClientConnection(asyncio.Protocol, LazyDeadline):
             self._arm(self._watch_since + timeout)  # then closed as a keep-alive timeout
         self._held = True
         return True
+
+    def hold_handshake(self) -> None:
+        """Shutdown, its TLS handshake under way: counted in the drain (then, made, held
+        as a new connection is) until ``handshake_late``."""
+        self._held = True
+        self.router.exchange_started()
+
+    def handshake_late(self) -> None:
+        """The handshake held at shutdown has not completed in time: the drain goes on
+        without it."""
+        if self.transport is None:
+            self._unhold()
 
     def _unhold(self) -> None:
         if self._held:
