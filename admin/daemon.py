@@ -97,10 +97,12 @@ async def serve(
     # and membership and routing too, unless discovery gives every replica those.
     shared = bool(config.etcd)
     replicated = shared and config.discover is None
-    # A router running with our handover socket hands its listeners over (router.handover);
-    # its membership wins as a state file does: it wrote each change there first.
+    # A router running with our handover socket hands its listeners over (router.handover).
+    # The membership comes from where a restart takes it: with a state file, the state
+    # as of the old process's freeze (the file's, and no change since: read here, the
+    # file may predate a write the old process made before it froze); else the config.
     taken = await _take_over(config) if config.handover_socket is not None else None
-    if taken is not None and taken.state is not None and not replicated:
+    if taken is not None and taken.state is not None and state_file is not None:
         state = taken.state
     if shared and not config.replica_id:
         # Before the Router: its config is the one GET /admin/config shows.

@@ -119,12 +119,13 @@ async def test_a_new_process_takes_over_under_load_without_a_failed_request(
     sims = await sim_fleet(3)
     path = str(tmp_path / "handover.sock")
     first = [f"--backend={s.name}={s.url}" for s in sims[:2]]
+    saved = ["--state-file", str(tmp_path / "state.json")]
     async with (
-        serving(*first, "--handover-socket", path) as (old, port),
+        serving(*first, *saved, "--handover-socket", path) as (old, port),
         aiohttp.ClientSession() as http,
     ):
-        # Changes made through the admin API only (no state file): the handover
-        # carries them.
+        # Changes made through the admin API, kept in the state file: the new process
+        # has them as a restart would, as of the old one's last change.
         added = {"name": sims[2].name, "url": sims[2].url, "weight": 2}
         status, _ = await admin_call(http, old, "POST", "/admin/backends", added)
         assert status == 201
@@ -147,7 +148,9 @@ async def test_a_new_process_takes_over_under_load_without_a_failed_request(
         first_id, made_on = raw.parse().id, raw.headers["x-sim-instance"]
         load = Load(port)
         await load.until(20)
-        new, new_port = await spawn_router(f"--listen=127.0.0.1:{port}", "--handover-socket", path)
+        new, new_port = await spawn_router(
+            f"--listen=127.0.0.1:{port}", *saved, "--handover-socket", path
+        )
         try:
             assert new_port == port
             code, events = await exited(old)
@@ -157,7 +160,7 @@ async def test_a_new_process_takes_over_under_load_without_a_failed_request(
             await load.until(20)  # the new process serves on the same port
             await load.stop()
             assert load.failures == []
-            # Membership and routing as the old process had them, with no state file.
+            # Membership and routing as the old process had them.
             weights = {b["name"]: b["weight"] for b in await read(http, new, "/admin/backends")}
             assert weights == {sims[0].name: 1, sims[1].name: 1, sims[2].name: 2}
             now = await read(http, new, "/admin/routing")
@@ -202,7 +205,11 @@ async def test_a_failed_start_leaves_the_old_process_serving_and_a_later_one_tak
             assert status == 201
             load = Load(port, clients=2)
             await load.until(5)
-            new, _ = await spawn_router(f"--listen=127.0.0.1:{port}", "--handover-socket", path)
+            # (no state file: the config names what a restart, or a handover, serves)
+            edited = [f"--backend={s.name}={s.url}" for s in sims]
+            new, _ = await spawn_router(
+                f"--listen=127.0.0.1:{port}", *edited, "--handover-socket", path
+            )
             try:
                 code, events = await exited(old)
                 assert code == 0
@@ -305,8 +312,9 @@ async def test_workers_hand_over_to_more_workers_then_to_one_process(
         # added beside them; then all three to one process, which serves them all.
         for workers in ("3", "1"):
             new, new_port = await spawn_router(
-                f"--listen=127.0.0.1:{port}", "--handover-socket", path, "--workers", workers
-            )
+                f"--listen=127.0.0.1:{port}", *backends, "--handover-socket", path,
+                "--workers", workers,
+            )  # fmt: skip
             try:
                 assert new_port == port
                 code, _ = await exited(old)
@@ -465,3 +473,26 @@ async def test_sigusr2_without_a_handover_socket_is_logged_and_changes_nothing(
         await load.stop()
         assert load.failures == []
         await stop(proc)
+
+
+async def test_without_a_state_file_the_membership_is_the_configs_as_after_a_restart(
+    sim_fleet: SimFleet, tmp_path: Path
+) -> None:
+    sims = await sim_fleet(3)
+    path = str(tmp_path / "handover.sock")
+    config = [f"--backend={sims[0].name}={sims[0].url}", "--handover-socket", path]
+    async with serving(*config) as (old, port), aiohttp.ClientSession() as http:
+        added = {"name": sims[1].name, "url": sims[1].url}  # through the admin API only
+        status, _ = await admin_call(http, old, "POST", "/admin/backends", added)
+        assert status == 201
+        # The config now names another backend too: a restart would serve the config's
+        # two, not the admin API's change (kept only in a state file); so does a handover.
+        edited = [*config, f"--backend={sims[2].name}={sims[2].url}"]
+        new, _ = await spawn_router(f"--listen=127.0.0.1:{port}", *edited)
+        try:
+            code, _ = await exited(old)
+            assert code == 0
+            listed = await read(http, new, "/admin/backends")
+            assert sorted(b["name"] for b in listed) == [sims[0].name, sims[2].name]
+        finally:
+            await stop(new)
