@@ -152,6 +152,7 @@ async def serve(
     admin_control: Control = control
     discovery: tuple[Reconciler, Source] | None = None
     handover: Handover | None = None
+    following: asyncio.Task[None] | None = None  # the old process's ids, while it drains
     upgrade: Upgrade | None = None
     retiring = False  # handed over: the admin API stops before the drain, not after
     try:
@@ -213,6 +214,8 @@ async def serve(
                 nonlocal retiring
                 retiring = upgrade.retired = True
                 control.thaw(f"this router handed over to process {pid}: ask again")
+                assert handover is not None
+                router.responses.tap = handover.learnt  # passed on while we drain
                 stop.set()
 
             handover = _handover(control, router, workers, admin, replicated, retire)
@@ -225,10 +228,14 @@ async def serve(
                 # PATH is taken over once the old process has retired (Released), not
                 # before: one that gave up on us (READY_WAIT) serves on, and must stay
                 # the one a later process finds there.
+                # The ids the old process learns while it drains, as they come.
+                learnt = router.responses.apply if workers is None else workers.learnt
                 try:
-                    await taken.ready()
+                    following = await taken.ready(learnt)
                 except HandoverError as exc:
                     raise ConfigError(str(exc)) from None
+                if following is not None and workers is None:  # (workers wait anyway)
+                    _wait_for_ids(router, following)
                 taken = None
                 try:
                     await handover.listen(config.handover_socket)
@@ -275,6 +282,8 @@ async def serve(
             await handover.close()
         if upgrade is not None:
             await upgrade.close()
+        if following is not None:
+            following.cancel()
 
 
 async def _open_etcd(
@@ -381,6 +390,20 @@ def _handover(
         )
 
     return Handover(freeze, control.thaw, retire)
+
+
+def _wait_for_ids(router: Router, following: asyncio.Task[None]) -> None:
+    """While the old process drains, an unknown response id is waited for briefly: it
+    may be on its way (``router.handover.FOLLOW_WAIT``)."""
+    from router.handover import FOLLOW_WAIT
+
+    responses = router.responses
+    responses.wait_s = FOLLOW_WAIT
+
+    def done(_: asyncio.Task[None]) -> None:
+        responses.wait_s = 0.0
+
+    following.add_done_callback(done)
 
 
 async def _take_over(config: Config) -> Taken | None:

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from .responses import Learnt
 
 __all__ = [
+    "FOLLOW_WAIT",
     "READY_WAIT",
     "Given",
     "Handover",
@@ -80,6 +81,9 @@ MAX_FRAME = 64 << 20  # the state and one part of the response ids fit many time
 MAX_ASK = 4096  # an Ask is a few bytes: what the old process reads of any local peer
 MAX_ASKERS = 16  # connections to PATH at once; more are closed (each holds an fd)
 IDS_PER_FRAME = 16384  # response ids per ``Ids`` frame: a few ms to encode, ~1 MB
+# While the old process drains, an unknown response id is waited for this long: the
+# old one may have just learnt it (its answer ending) and be passing it on.
+FOLLOW_WAIT = 0.1
 
 
 class Ask(msgspec.Struct, tag=True, frozen=True):
@@ -220,6 +224,9 @@ class Handover:
         self._asked: set[asyncio.Task[None]] = set()  # one per connection to PATH
         self._busy = False
         self.retired = False
+        self._learnt: list[Learnt] = []  # ids learnt while draining, not yet passed on
+        self._more = asyncio.Event()
+        self._closing = False
         self.stopping = False  # set as the daemon stops: its listeners are closing
 
     async def listen(self, path: str) -> None:
@@ -322,11 +329,38 @@ class Handover:
         self.retired = True
         log.info("handed over: draining", to_pid=pid)
         self._on_ready(pid)
-        with contextlib.suppress(OSError):
+        try:
             await _send(conn, Released())
+            await self._forward(conn)
+        except (OSError, TimeoutError) as exc:
+            log.warning("response ids learnt while draining not passed on", error=str(exc))
+
+    def learnt(self, ids: list[Learnt]) -> None:
+        """Response ids learnt (or applied) here after the handover: passed on to the
+        new process, so follow-ups of answers that end while we drain find them."""
+        self._learnt += ids
+        self._more.set()
+
+    async def _forward(self, conn: socket.socket) -> None:
+        """Send ``learnt`` ids as they come until ``close`` (each send bounded)."""
+        while True:
+            await self._more.wait()
+            self._more.clear()
+            while self._learnt:
+                batch, self._learnt = self._learnt[:IDS_PER_FRAME], self._learnt[IDS_PER_FRAME:]
+                async with asyncio.timeout(STEP_WAIT):
+                    await _send(conn, Ids(batch))
+            if self._closing:
+                return
 
     async def close(self) -> None:
-        """Stop listening; PATH is removed only while it is still ours."""
+        """Stop listening (once the ids learnt while draining are passed on, bounded);
+        PATH is removed only while it is still ours."""
+        self._closing = True
+        self._more.set()
+        forwarding = [task for task in self._asked if not task.done()]
+        if forwarding and self.retired:
+            await asyncio.wait(forwarding, timeout=STEP_WAIT)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -367,8 +401,10 @@ class Taken:
         for extra in sockets[given.client + given.admin :]:
             extra.close()
 
-    async def ready(self) -> None:
-        """Tell the old process we serve; it retires (its answer awaited, bounded)."""
+    async def ready(self, on_ids: Callable[[list[Learnt]], None]) -> asyncio.Task[None] | None:
+        """Tell the old process we serve; it retires (its answer awaited, bounded).  The
+        task returned passes the response ids it learns while it drains to ``on_ids``
+        until it exits (cancel it at shutdown); None if it did not answer."""
         closed = False
         try:
             await _send(self._conn, Ready(os.getpid()))
@@ -382,15 +418,27 @@ class Taken:
             # would split the fleet's membership in two (one admin socket, two
             # processes accepting from it): we leave it be.
             closed = not isinstance(exc, TimeoutError)
+            self._conn.close()
             if closed and _alive(self.pid):
                 raise HandoverError(
                     f"the running router (pid {self.pid}) gave up on this handover (it"
                     f" waits {READY_WAIT:g} s for a new process to start) and serves on"
                 ) from None
             log.warning("no word from the old process after Ready", pid=self.pid, error=str(exc))
+            return None
+        log.info("took over", from_pid=self.pid)
+        return asyncio.create_task(self._follow(on_ids))
+
+    async def _follow(self, on_ids: Callable[[list[Learnt]], None]) -> None:
+        try:
+            while True:
+                message = await _receive(self._conn)
+                if isinstance(message, Ids):
+                    on_ids(message.responses)
+        except (HandoverError, OSError):
+            pass  # the old process exited: all it learnt has come
         finally:
             self._conn.close()
-        log.info("took over", from_pid=self.pid)
 
     def abandon(self) -> None:
         """Start-up failed: the old process thaws and keeps serving."""

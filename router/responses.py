@@ -95,6 +95,7 @@ class ResponseIds:
         "misses",
         "on_learn",
         "outbox",
+        "tap",
         "unread",
         "wait_s",
     )
@@ -105,6 +106,9 @@ class ResponseIds:
         self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
         self.outbox: list[Learnt] | None = None  # None: not shared
         self.on_learn: Callable[[], None] | None = None
+        # Every id learnt here or applied from elsewhere, as it comes (a handover's old
+        # process forwards what it learns while it drains: router.handover).
+        self.tap: Callable[[list[Learnt]], None] | None = None
         self.wait_s = 0.0  # how long an unknown id is waited for (shared ids only)
         # id -> the requests waiting for it, in arrival order: a dict, so that a
         # request that stops waiting (its client gone, its wait over) leaves in O(1);
@@ -146,6 +150,8 @@ class ResponseIds:
         """A response this process saw ``backend`` produce."""
         self._put(response_id, backend)
         self.learnt += 1
+        if self.tap is not None:
+            self.tap([(response_id, backend)])
         outbox = self.outbox
         if outbox is not None:
             if not outbox and self.on_learn is not None:
@@ -190,6 +196,9 @@ class ResponseIds:
         """Ids other processes learnt, in the order they learnt them."""
         if not self.enabled:
             return
+        if self.tap is not None:
+            learnt = list(learnt)
+            self.tap(learnt)
         waiters = self._waiters
         for response_id, backend in learnt:
             self._put(response_id, backend)

@@ -432,6 +432,11 @@ class Workers:
         ):
             self.on_idle(message.name)
 
+    def learnt(self, responses: list[Learnt]) -> None:
+        """Response ids learnt elsewhere (the process this one took over from, as it
+        drains), for every worker."""
+        self.relay([], responses)
+
     def relay(self, records: list[Record], responses: list[Learnt]) -> None:
         """Pass another replica's placement records and response ids to every worker."""
         self.router.responses.apply(responses)

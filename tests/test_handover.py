@@ -30,9 +30,9 @@ from router.control import Unavailable
 from router.control.live import RouterControl
 from router.etcd import EtcdClient
 from router.handover import Handover, HandoverError, Snapshot, take_over
-from tests.harness.backends import StartBackend
+from tests.harness.backends import Backend, Seen, StartBackend
 from tests.harness.etcd import EtcdServer
-from tests.harness.http import until
+from tests.harness.http import response, until
 from tests.harness.processes import admin_call, serve_exit, serving, spawn_router, stop
 from tests.harness.routers import SimFleet, StartRouter
 
@@ -494,5 +494,48 @@ async def test_without_a_state_file_the_membership_is_the_configs_as_after_a_res
             assert code == 0
             listed = await read(http, new, "/admin/backends")
             assert sorted(b["name"] for b in listed) == [sims[0].name, sims[2].name]
+        finally:
+            await stop(new)
+
+
+async def test_an_id_the_old_process_learns_while_it_drains_is_followed_in_the_new_one(
+    backends: StartBackend, tmp_path: Path
+) -> None:
+    async def answer(backend: Backend, seen: Seen, writer: asyncio.StreamWriter) -> bool:
+        request = json.loads(seen.body)
+        if "previous_response_id" not in request:
+            await backend.release.wait()  # held until the handover is done
+        made = {"id": f"resp_{len(backend.requests)}_{backend.name}", "object": "response"}
+        writer.write(
+            response(200, json.dumps(made).encode(), [(b"Content-Type", b"application/json")])
+        )
+        return True
+
+    pair = [await backends(answer), await backends(answer)]
+    path = str(tmp_path / "handover.sock")
+    config = [*(f"--backend={b.name}={b.url}" for b in pair), "--handover-socket", path]
+    url = "/v1/responses"
+    async with serving(*config) as (old, port), aiohttp.ClientSession() as http:
+        first = asyncio.create_task(
+            http.post(f"http://127.0.0.1:{port}{url}", json={"model": "m", "input": "a rocket?"})
+        )
+        await until(lambda: any(b.requests for b in pair))  # at its backend, answer held
+        (held,) = [b for b in pair if b.requests]
+        new, _ = await spawn_router(f"--listen=127.0.0.1:{port}", *config)
+        try:
+            # The old process has retired (the new one logs "admin listening" after
+            # it answered); it drains the held request, then learns its id.
+            held.release.set()
+            async with await first as made:
+                assert made.status == 200
+                made_id = (await made.json())["id"]
+            follow_up = {"model": "m", "input": "and a comet?", "previous_response_id": made_id}
+            async with http.post(f"http://127.0.0.1:{port}{url}", json=follow_up) as resp:
+                assert resp.status == 200
+            assert len(held.requests) == 2  # where its state is
+            code, _ = await exited(old)  # drained, and gone
+            assert code == 0
+            stats = await read(http, new, "/admin/stats")
+            assert (stats["responses"]["hits"], stats["responses"]["misses"]) == (1, 0)
         finally:
             await stop(new)
