@@ -340,7 +340,7 @@ async def test_behind_a_real_haproxy_each_client_is_told_apart(
         await proc.wait()
 
 
-async def test_shutdown_serves_a_header_that_comes_within_a_second_and_closes_the_silent(
+async def test_shutdown_serves_a_header_that_comes_in_time_and_closes_the_silent(
     backends: StartBackend, start_router: StartRouter
 ) -> None:
     backend = await backends()
