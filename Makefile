@@ -27,6 +27,8 @@ typecheck: $(STAMP)
 # 2 cores is the smallest machine it must fit in 5 minutes on.  Tests that hold a
 # request rate (marked serial) run after, alone: beside another test on 2 cores
 # they can be starved of CPU (only their files are collected for that part).
+# Work stealing: a worker that runs out takes the other's queued tests, so a few
+# long ones near the end do not leave one core idle (4:29-4:34 -> 4:15 here).
 #
 # Bytecode is written while testing, whatever the environment says
 # (PYTHONDONTWRITEBYTECODE=1 on the CI image): pytest rewrites the asserts of
@@ -35,7 +37,7 @@ typecheck: $(STAMP)
 # start compiles the router anew.
 pytest: export PYTHONDONTWRITEBYTECODE :=
 pytest: $(STAMP)
-	$(BIN)/pytest -n 2 -m "not serial"
+	$(BIN)/pytest -n 2 --dist worksteal -m "not serial"
 	$(BIN)/pytest -m serial $$(grep -l 'mark\.serial' tests/test_*.py)
 
 demo: $(STAMP)
