@@ -236,18 +236,15 @@ async def test_a_stale_socket_file_is_an_ordinary_start_and_another_file_is_refu
     async with serving(backend, "--handover-socket", str(stale)) as (proc, _):
         assert stat.S_IMODE(os.stat(stale).st_mode) == 0o600  # its owner only
         await stop(proc)
+    # Refused before anything is served (serve exits 2 with the message: the failed
+    # start's test shows that path).
     regular = tmp_path / "notes.txt"
     regular.write_text("not a socket\n")
-    code, err = await serve_exit(
-        backend, "--admin-listen=127.0.0.1:0", "--handover-socket", str(regular)
-    )
-    assert code == 2
-    assert "exists and is not a socket" in err.decode()
+    with pytest.raises(HandoverError, match="exists and is not a socket"):
+        await take_over(str(regular))
     assert regular.read_text() == "not a socket\n"
-    gone = str(tmp_path / "gone" / "h.sock")
-    code, err = await serve_exit(backend, "--admin-listen=127.0.0.1:0", "--handover-socket", gone)
-    assert code == 2
-    assert "no directory" in err.decode()
+    with pytest.raises(HandoverError, match="no directory"):
+        await take_over(str(tmp_path / "gone" / "h.sock"))
 
 
 async def test_changes_wait_while_frozen_and_are_refused_once_handed_over(

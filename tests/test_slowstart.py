@@ -34,7 +34,7 @@ from tests.harness.routers import SimFleet
 
 pytestmark = pytest.mark.timeout(120)
 
-WINDOW = 8  # seconds: 8 steps of a second (the first held for two)
+WINDOW = 6  # seconds: 6 steps of a second (the first held for two)
 LAST = steps(WINDOW)
 
 
