@@ -20,6 +20,7 @@ import pytest
 from tests.harness.backends import StartBackend, echo
 from tests.harness.http import until
 from tests.harness.processes import RESTART_WAIT, admin_call, spawn_router, stop
+from tests.test_workers import post  # a native request on a connection of its own
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,15 +37,6 @@ def queued(port: int) -> int:
         if state == "0A" and int(local.rpartition(":")[2], 16) == port:  # LISTEN
             waiting += int(queues.partition(":")[2], 16)
     return waiting
-
-
-async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
-    """A native request on a connection of its own."""
-    async with http.post(
-        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
-    ) as resp:
-        await resp.read()
-        return resp.status
 
 
 async def test_connections_queued_for_a_worker_that_dies_are_served_by_its_successor(
