@@ -20,6 +20,7 @@ import pytest
 from hashring import Ring, hash_key
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.http import WAIT
+from tests.harness.http import post_generate as post
 from tests.harness.processes import RESTART_WAIT, admin_call, spawn_router, stop
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,15 +32,6 @@ CONNECTIONS = 40
 def via(backend: Backend) -> Counter[bytes]:
     """How many requests each router process forwarded to ``backend``."""
     return Counter(seen.value("via") or b"" for seen in backend.requests)
-
-
-async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
-    """A native request keyed by its body, on a connection of its own."""
-    async with http.post(
-        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
-    ) as resp:
-        await resp.read()
-        return resp.status
 
 
 async def stats(http: aiohttp.ClientSession, proc: asyncio.subprocess.Process) -> dict:

@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from tests.harness.backends import StartBackend, echo
+from tests.harness.http import post_generate as post
 from tests.harness.http import until
 from tests.harness.processes import RESTART_WAIT, admin_call, spawn_router, stop
-from tests.test_workers import post  # a native request on a connection of its own
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from router.app import Router
     from tests.harness.backends import Backend
 
@@ -39,6 +41,7 @@ __all__ = [
     "req",
     "response",
     "still_serves",
+    "post_generate",
     "until",
 ]
 
@@ -278,3 +281,12 @@ async def until(predicate: Callable[[], bool], every: float = 0.01) -> None:
     async with asyncio.timeout(WAIT):
         while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
             await asyncio.sleep(every)
+
+
+async def post_generate(http: aiohttp.ClientSession, port: int, body: str) -> int:
+    """A native request keyed by its body, on a connection of its own: its status."""
+    async with http.post(
+        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
+    ) as resp:
+        await resp.read()
+        return resp.status
