@@ -37,11 +37,11 @@ __all__ = [
     "connect",
     "header_value",
     "header_values",
+    "post_generate",
     "quiet",
     "req",
     "response",
     "still_serves",
-    "post_generate",
     "until",
 ]
 
