@@ -31,6 +31,7 @@ import signal
 import socket
 import ssl
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from router.control.replicated import ReplicatedControl
     from router.discovery import Reconciler, Source
     from router.etcd import EtcdClient
-    from router.handover import Handover, Taken
+    from router.handover import Handover, Load, Taken
     from router.replicas import Replicas
     from router.supervisor import Workers
 
@@ -130,6 +131,7 @@ async def serve(
             config.workers,
             held,
             remote=shared,
+            predecessor=taken is not None,  # its requests count here while it drains
             stamp_base=_stamp_base(config),
             signal_changes=shared and config.replica_listen is not None,
         )
@@ -230,8 +232,10 @@ async def serve(
                 # the one a later process finds there.
                 # The ids the old process learns while it drains, as they come.
                 learnt = router.responses.apply if workers is None else workers.learnt
+                # And its requests in flight, counted here until they end.
+                loads = _outside(router) if workers is None else workers.predecessor
                 try:
-                    following = await taken.ready(learnt)
+                    following = await taken.ready(learnt, loads)
                 except HandoverError as exc:
                     raise ConfigError(str(exc)) from None
                 if following is not None and workers is None:  # (workers wait anyway)
@@ -389,7 +393,30 @@ def _handover(
             responses=router.responses.snapshot(),
         )
 
-    return Handover(freeze, control.thaw, retire)
+    handover = Handover(freeze, control.thaw, retire)
+    handover.loads = workers.host_loads if workers is not None else partial(_own_loads, router)
+    return handover
+
+
+def _own_loads(router: Router) -> list[Load]:
+    """Our requests in flight per backend (a process that took over counts them)."""
+    loads, waiting = router.fleet.loads.counts, router.fleet.waiting.counts
+    return sorted((name, count, waiting.get(name, 0)) for name, count in loads.items())
+
+
+def _outside(router: Router) -> Callable[[list[Load]], None]:
+    """Count the requests of the process we took over from as ours while it drains
+    (``router.handover``): a bound holds for the backends' load, not only ours."""
+
+    def count(loads: list[Load]) -> None:
+        fleet = router.fleet
+        known = [load for load in loads if load[0] in fleet.backends]
+        fell = fleet.loads.set_outside({name: n for name, n, _ in known})
+        fell = fleet.waiting.set_outside({name: w for name, _, w in known if w}) or fell
+        if fell and router.queue is not None:
+            router.queue.wake()  # a place freed
+
+    return count
 
 
 def _wait_for_ids(router: Router, following: asyncio.Task[None]) -> None:

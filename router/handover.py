@@ -37,7 +37,14 @@ Contract:
   socket: the state in one frame, the response ids in ``Ids`` frames of
   ``IDS_PER_FRAME`` (the table at its bound, 10 million ids, is ~500 MB: one
   frame would hold the old process's loop for seconds and pass
-  ``MAX_FRAME``), the loop let go between them.  Sending is bounded
+  ``MAX_FRAME``), the loop let go between them.
+- While it drains, the old process's requests are still on the backends: it
+  sends its in-flight counts per backend (``Loads``: the host's, every worker
+  of it; not the other replicas') whenever they changed, checked every
+  ``LOADS_PERIOD``, and the new one counts them as its own until the next
+  (``Taken.ready``'s ``on_loads``; ``[]`` once the old one is gone), so its
+  bounds hold for the fleet's real load from its first request, not only
+  for what it sent itself.  Sending is bounded
   (``READY_WAIT``): a peer that asks and reads nothing does not keep the old
   process frozen.
 """
@@ -63,10 +70,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FOLLOW_WAIT",
+    "LOADS_PERIOD",
     "READY_WAIT",
     "Given",
     "Handover",
     "HandoverError",
+    "Load",
     "Taken",
     "take_over",
 ]
@@ -84,6 +93,8 @@ IDS_PER_FRAME = 16384  # response ids per ``Ids`` frame: a few ms to encode, ~1 
 # While the old process drains, an unknown response id is waited for this long: the
 # old one may have just learnt it (its answer ending) and be passing it on.
 FOLLOW_WAIT = 0.1
+# How often a draining old process checks whether its in-flight counts changed.
+LOADS_PERIOD = 0.01
 
 
 class Ask(msgspec.Struct, tag=True, frozen=True):
@@ -107,6 +118,16 @@ class Ids(msgspec.Struct, tag=True, frozen=True):
     responses: list[tuple[str, str]]
 
 
+# A backend's requests in flight, and of those not yet answered (ConcurrencyScope PREFILL).
+Load = tuple[str, int, int]
+
+
+class Loads(msgspec.Struct, tag=True, frozen=True):
+    """The old process's requests in flight as it drains: every backend with some."""
+
+    loads: list[Load]
+
+
 class Busy(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
@@ -119,7 +140,7 @@ class Released(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-_Message = Ask | Given | Ids | Busy | Ready | Released
+_Message = Ask | Given | Ids | Loads | Busy | Ready | Released
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Message)
 
@@ -228,6 +249,8 @@ class Handover:
         self._more = asyncio.Event()
         self._closing = False
         self.stopping = False  # set as the daemon stops: its listeners are closing
+        # Our requests in flight per backend, sent while we drain (``Loads``).
+        self.loads: Callable[[], list[Load]] = list
 
     async def listen(self, path: str) -> None:
         """Listen on ``path``: bound beside it and renamed over it, so a process that
@@ -342,14 +365,23 @@ class Handover:
         self._more.set()
 
     async def _forward(self, conn: socket.socket) -> None:
-        """Send ``learnt`` ids as they come until ``close`` (each send bounded)."""
+        """Send ``learnt`` ids as they come, and our loads when they changed, until
+        ``close`` (each send bounded)."""
+        sent: list[Load] = []  # what the new process counts for us: nothing yet
         while True:
-            await self._more.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LOADS_PERIOD):
+                    await self._more.wait()
             self._more.clear()
             while self._learnt:
                 batch, self._learnt = self._learnt[:IDS_PER_FRAME], self._learnt[IDS_PER_FRAME:]
                 async with asyncio.timeout(STEP_WAIT):
                     await _send(conn, Ids(batch))
+            loads = self.loads()
+            if loads != sent:
+                async with asyncio.timeout(STEP_WAIT):
+                    await _send(conn, Loads(loads))
+                sent = loads
             if self._closing:
                 return
 
@@ -401,10 +433,15 @@ class Taken:
         for extra in sockets[given.client + given.admin :]:
             extra.close()
 
-    async def ready(self, on_ids: Callable[[list[Learnt]], None]) -> asyncio.Task[None] | None:
+    async def ready(
+        self,
+        on_ids: Callable[[list[Learnt]], None],
+        on_loads: Callable[[list[Load]], None],
+    ) -> asyncio.Task[None] | None:
         """Tell the old process we serve; it retires (its answer awaited, bounded).  The
         task returned passes the response ids it learns while it drains to ``on_ids``
-        until it exits (cancel it at shutdown); None if it did not answer."""
+        and its requests in flight to ``on_loads`` (``[]`` at the end) until it exits
+        (cancel it at shutdown); None if it did not answer."""
         closed = False
         try:
             await _send(self._conn, Ready(os.getpid()))
@@ -427,16 +464,20 @@ class Taken:
             log.warning("no word from the old process after Ready", pid=self.pid, error=str(exc))
             return None
         log.info("took over", from_pid=self.pid)
-        return asyncio.create_task(self._follow(on_ids))
+        return asyncio.create_task(self._follow(on_ids, on_loads))
 
-    async def _follow(self, on_ids: Callable[[list[Learnt]], None]) -> None:
+    async def _follow(
+        self, on_ids: Callable[[list[Learnt]], None], on_loads: Callable[[list[Load]], None]
+    ) -> None:
         try:
             while True:
                 message = await _receive(self._conn)
                 if isinstance(message, Ids):
                     on_ids(message.responses)
+                elif isinstance(message, Loads):
+                    on_loads(message.loads)
         except (HandoverError, OSError):
-            pass  # the old process exited: all it learnt has come
+            on_loads([])  # the old process exited: all it learnt has come, its requests are over
         finally:
             self._conn.close()
 

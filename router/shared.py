@@ -108,7 +108,7 @@ import os
 import sys
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import compress
 
 from hashring import Lease, LoadTracker, Probe
@@ -426,6 +426,11 @@ class SharedLoadTracker(LoadTracker):
                 del own[member]
         if not n and self.on_idle is not None:
             self.on_idle(member)
+
+    def set_outside(self, counts: Mapping[str, int]) -> bool:
+        """Another process's counts are a row of the table here (``Workers.predecessor``),
+        folded in like any other: this tracker's counts are remade from the rows."""
+        raise TypeError("a SharedLoadTracker's outside counts are a row of its table")
 
     def own(self, name: str) -> int:
         """This worker's own count for ``name``."""

@@ -34,6 +34,12 @@ Contract:
   TTFT samples merged (bottom-k).
   In-flight counts are read from the table (all rows, folded on read), and
   so is the claim spread the workers route by (``router.replicas``).
+- Rows: one per worker, then with ``predecessor`` one for the requests of
+  the process this one took over from (``router.handover``: ``predecessor()``
+  writes what it reports as it drains; zero once it is gone), then with
+  ``remote`` the other replicas' (written by ``router.replicas``, the last
+  row).  The host's counts, what a replica sends the others and what a
+  handover reports, are the rows before the remote one (``host_loads``).
 - ``explain`` (the admin API's dry run, ``router.explain``) is answered by
   the first worker up, not here: a worker holds what the data path decides
   by (the TRAFFIC placement every worker shares, the response ids, the
@@ -128,6 +134,7 @@ if TYPE_CHECKING:
 
     from .app import Router
     from .explain import DryRequest, Explanation
+    from .handover import Load
     from .responses import Learnt
     from .signals import Signal
 
@@ -188,12 +195,15 @@ class Workers:
         sockets: list[socket.socket],
         *,
         remote: bool = False,
+        predecessor: bool = False,
         stamp_base: int = 0,
         signal_changes: bool = False,
     ):
         """``sockets``: the client listener's, listening (SO_REUSEPORT), dealt out
         among the workers (``router.sockets.deal``); ``remote``: one more row in the
         table, the other replicas' counts (written by ``router.replicas``);
+        ``predecessor``: one more row, the requests of a process we took over from
+        (``predecessor()``);
         ``stamp_base``: this replica's placement stamps (``stamp_base + worker
         index``, unique in the fleet);
         ``signal_changes``: the workers signal each change of their rows on
@@ -209,7 +219,11 @@ class Workers:
         router.tenants = TenantMetrics(tenants.metrics_top, labelled=True)
         self.port = int(sockets[0].getsockname()[1])
         refuse_past_slots(len(router.fleet.backends))
-        self.table = SharedTable.create(count + remote, SLOTS, TABLE_PLANES)
+        self.table = SharedTable.create(count + predecessor + remote, SLOTS, TABLE_PLANES)
+        self.predecessor_row = count if predecessor else None
+        self.remote_row = count + predecessor if remote else None
+        self._inherited: set[str] = set()  # the backends the predecessor row counts
+        self._closed = False  # the table: unmapped by ``stop``
         self.slots: dict[str, int] = {}
         self.limit = SLOTS  # backends the fleet may have: one column each
         self._free: list[int] = []  # a heap: freed columns below ``_top``
@@ -292,6 +306,7 @@ class Workers:
                 worker.channel.close()
         for tracker in self._trackers:
             tracker.close()  # its views of the table first
+        self._closed = True
         self.table.close()
         if self.changes_fd is not None:
             os.close(self.changes_fd)
@@ -475,9 +490,11 @@ class Workers:
             heapq.heappush(self._free, slot)
             for tracker in self._trackers:
                 tracker.forget(op.name)
-            if self.table.rows > self.count:  # the remote row's cells
-                for plane in range(PLANES):
-                    self.table.cells[self.table.index(self.count, plane, slot)] = 0
+            self._inherited.discard(op.name)
+            for row in (self.predecessor_row, self.remote_row):  # rows we write, not workers
+                if row is not None:
+                    for plane in range(PLANES):
+                        self.table.cells[self.table.index(row, plane, slot)] = 0
         return op
 
     def _ask(
@@ -529,18 +546,56 @@ class Workers:
     def claim_spread(self) -> int:
         """The claim spread the workers route by: the remote row's (``router.replicas``),
         1 without other replicas."""
-        table = self.table
-        if table.rows == self.count:
+        if self.remote_row is None:
             return 1
-        return table.cells[table.row_cell(self.count, SPREAD_CELL)] or 1
+        return self.table.cells[self.table.row_cell(self.remote_row, SPREAD_CELL)] or 1
 
     def in_flight(self, name: str) -> int:
-        """Requests in flight to ``name`` in this host's workers, read now."""
+        """Requests in flight to ``name`` on this host, read now: its workers' and its
+        predecessor's (``host_loads``' rows)."""
         slot = self.slots.get(name)
         if slot is None:
             return 0
         table = self.table
-        return sum(table.cells[table.index(row, 0, slot)] for row in range(self.count))
+        rows = table.rows if self.remote_row is None else self.remote_row
+        return sum(table.cells[table.index(row, 0, slot)] for row in range(rows))
+
+    def host_loads(self) -> list[Load]:
+        """This host's requests in flight per backend, read now: its workers' rows and
+        its predecessor's, not the other replicas' (what a handover reports)."""
+        if self._closed:
+            return []  # stopped: every worker has exited, its requests with it
+        table = self.table
+        rows = table.rows if self.remote_row is None else self.remote_row
+        loads, waiting = (table.plane_sums(plane, rows, self._top) for plane in range(PLANES))
+        return sorted(
+            (name, loads[slot], waiting[slot]) for name, slot in self.slots.items() if loads[slot]
+        )
+
+    def predecessor(self, loads: list[Load]) -> None:
+        """The requests in flight of the process we took over from, as it reported them
+        (``router.handover``): written into its row, which every worker folds in as
+        another worker's (within a fold period) and reads again at its decisions."""
+        row = self.predecessor_row
+        if row is None or self._closed:
+            return
+        table = self.table
+        cells = table.cells
+        now: dict[str, tuple[int, int]] = {name: (0, 0) for name in self._inherited}
+        for name, in_flight, waiting in loads:
+            if name in self.slots:  # one we no longer route to: nothing to bound
+                now[name] = (in_flight, waiting)
+        for name, counts in now.items():
+            slot = self.slots[name]
+            for plane, count in enumerate(counts):
+                cells[table.index(row, plane, slot)] = count
+        ended = [name for name in self._inherited if not now[name][0]]
+        self._inherited = {name for name, counts in now.items() if counts[0]}
+        if self.changes_fd is not None:
+            ChangeSignal.notify(self.changes_fd)  # the other replicas count them too
+        for name in ended:  # a drain waiting on the host's last request
+            if self.on_idle is not None and not self.in_flight(name):
+                self.on_idle(name)
 
     async def explain(self, request: DryRequest, k: int) -> Explanation:
         """The dry run, answered by the first worker up (see the contract)."""
@@ -552,7 +607,7 @@ class Workers:
             seq = self._seq
             future: asyncio.Future[Report | Explained | None]
             future = worker.pending[seq] = asyncio.get_running_loop().create_future()
-            remote = " and the other replicas' row" if self.table.rows > self.count else ""
+            remote = " and the other replicas' row" if self.remote_row is not None else ""
             view = (
                 f"worker {worker.index} of {self.count}: in flight read from every worker's"
                 f" row{remote} as it answered"

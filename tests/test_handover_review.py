@@ -297,7 +297,7 @@ async def test_a_new_process_ready_after_the_old_one_gave_up_does_not_serve_besi
         async with asyncio.timeout(WAIT):
             await thawed.wait()  # (the old one closes the connection in the same step)
         with pytest.raises(HandoverError, match="gave up on this handover"):
-            await taken.ready(lambda ids: None)
+            await taken.ready(lambda ids: None, lambda loads: None)
         info = os.stat(path)
         assert (info.st_dev, info.st_ino) == old._inode  # the old one is at PATH again
         await new.close()

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import re
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -275,11 +276,17 @@ async def still_serves(router: Router, backend: Backend, target: bytes = b"/heal
     assert backend.requests[-1].target == target
 
 
-async def until(predicate: Callable[[], bool], every: float = 0.01) -> None:
+async def until(predicate: Callable[[], bool | Awaitable[bool]], every: float = 0.01) -> None:
     """Wait for a condition the router offers no event for (bounded by WAIT), asking
-    ``every`` seconds: shorter for a test that waits hundreds of times on a local read."""
+    ``every`` seconds: shorter for a test that waits hundreds of times on a local read.
+    ``predicate`` may be a coroutine function (a read of another process's admin API)."""
     async with asyncio.timeout(WAIT):
-        while not predicate():  # noqa: ASYNC110 - connection_lost has no event to wait on
+        while True:
+            met = predicate()
+            if inspect.isawaitable(met):
+                met = await met
+            if met:
+                return
             await asyncio.sleep(every)
 
 
