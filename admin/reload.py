@@ -106,6 +106,7 @@ class Reloads:
         self._running: asyncio.Task[None] | None = None
         self._again = False
         self._drained: set[str] = set()  # names a reload started draining (gone from the file)
+        self._pending: list[str] | None = None  # the running reload's restart fields, once read
         self.done = 0  # reloads finished, applied or not (tests wait on it)
 
     def request(self) -> None:
@@ -117,11 +118,14 @@ class Reloads:
     async def _run(self) -> None:
         while True:
             self._again = False
+            self._pending = None
             try:
                 await self.reload()
             except Exception as exc:  # a bug: logged, the next SIGHUP tries again
                 log.exception("config reload failed")
-                self.control.source.reloaded(ReloadView(time.time(), "failed", repr(exc)))
+                # What it read of the file still holds: its restart fields wait as they would.
+                failed = ReloadView(time.time(), "failed", repr(exc), self._pending or [])
+                self.control.source.reloaded(failed, read=self._pending is not None)
             self.done += 1
             if not self._again:
                 return
@@ -142,6 +146,7 @@ class Reloads:
             restart.append("limits.listen_backlog")
             limits = msgspec.structs.replace(new.limits, listen_backlog=old.limits.listen_backlog)
             new = msgspec.structs.replace(new, limits=limits)
+        self._pending = restart
         if restart:
             log.warning("config fields need a restart", fields=restart)
         control = self.control

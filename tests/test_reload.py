@@ -12,11 +12,16 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
+from admin.reload import Reloads
+from router.config import Config
+from router.control.configview import ConfigSource
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.http import WAIT
 from tests.harness.processes import ADMIN_PORTS, ROOT, admin_call, spawn_router, stop
@@ -384,3 +389,28 @@ async def test_admin_config_shows_the_running_config_its_reloads_and_what_waits_
             assert view["config"]["timeouts"]["first_byte"] == 7.0
     finally:
         await stop(proc)
+
+
+async def test_a_reload_that_fails_while_applying_still_names_what_waits_for_a_restart() -> None:
+    """The file was read and valid, then applying it raised (a bug): its restart
+    fields wait all the same, in ``restart_pending`` and the failed reload's view."""
+
+    class Control:
+        source = ConfigSource(None, "config", 0.0)
+
+        async def set_settings(self, *_: object) -> None:
+            raise RuntimeError("a bug while applying")
+
+    old = Config()
+    new = msgspec.structs.replace(
+        old, vnodes=512, timeouts=msgspec.structs.replace(old.timeouts, first_byte=7.0)
+    )
+    control = Control()
+    reloads = Reloads(lambda: new, control, SimpleNamespace(config=old), owns_membership=False)  # type: ignore[arg-type]
+    reloads.request()
+    assert reloads._running is not None
+    await reloads._running
+    last = control.source.last_reload
+    assert last is not None
+    assert (last.result, last.restart_pending) == ("failed", ["vnodes"])
+    assert control.source.restart_pending == ["vnodes"]

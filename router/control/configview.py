@@ -14,7 +14,8 @@ Contract:
   the file; and the reloads (``ConfigSource``, which ``admin.reload`` keeps).
 - ``restart_pending`` names the fields whose value in the file, as the last
   reload read it, is not the running one (a listener, TLS, workers, ...):
-  they wait for a restart.  A reload of an invalid file leaves it as it was.
+  they wait for a restart.  A reload of an invalid file leaves it as it was;
+  one that failed while applying a valid file sets it (the file was read).
 - Secrets stay out: ``tenants.label_key`` is shown as ``"<redacted>"``, and
   a password in a URL (``etcd``, ``otel.endpoint``) as ``<redacted>``.
   The admin token and the cache salt's secret are never in ``Config``; file
@@ -70,10 +71,11 @@ class ConfigSource:
         self.last_reload: ReloadView | None = None
         self.restart_pending: list[str] = []
 
-    def reloaded(self, view: ReloadView) -> None:
+    def reloaded(self, view: ReloadView, *, read: bool | None = None) -> None:
+        """Record a reload; ``read``: it read a valid file (by default, if applied)."""
         self.reloads += 1
         self.last_reload = view
-        if view.result == "applied":
+        if view.result == "applied" if read is None else read:
             self.restart_pending = list(view.restart_pending)
 
 
