@@ -381,16 +381,19 @@ def _handover(
 ) -> Handover:
     """What a process that asks on the handover socket gets: our listeners (the
     workers' if any, the admin API's) and membership (none under etcd: etcd has it)."""
-    from router.handover import Handover, Snapshot
+    from router.handover import IDS_PER_FRAME, Handover, Snapshot
 
     async def freeze() -> Snapshot:
         frozen = await control.freeze()
         listening = workers.sockets if workers is not None else router.sockets
+        ids = router.responses.frozen(IDS_PER_FRAME)  # read a frame at a time as sent
         return Snapshot(
             client=[sock.fileno() for sock in listening],
             admin=[sock.fileno() for sock in admin.sockets] if admin else [],
             state=None if replicated else frozen,
-            responses=router.responses.snapshot(),
+            responses=ids,
+            parts=ids.count,
+            release=ids.close,
         )
 
     handover = Handover(freeze, control.thaw, retire)

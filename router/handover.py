@@ -57,7 +57,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FOLLOW_WAIT",
+    "IDS_PER_FRAME",
     "LOADS_PERIOD",
     "READY_WAIT",
     "Given",
@@ -155,7 +156,11 @@ class Snapshot(msgspec.Struct, frozen=True):
     client: list[int]  # listening sockets' fds (still the old process's)
     admin: list[int]
     state: State | None
-    responses: list[Learnt]
+    # The response ids in ``parts`` lists of at most IDS_PER_FRAME, oldest first, each
+    # taken as it is sent (``ResponseIds.frozen``); ``release`` once they are sent.
+    responses: Iterable[list[Learnt]] = ()
+    parts: int = 0
+    release: Callable[[], None] | None = None
 
 
 # -- frames ---------------------------------------------------------------------------
@@ -322,20 +327,21 @@ class Handover:
         try:
             fds = [*snapshot.client, *snapshot.admin]
             socket.send_fds(conn, [b"F"], fds)  # first: the frame after may fill the buffer
-            responses = snapshot.responses
             given = Given(
                 os.getpid(),
                 len(snapshot.client),
                 len(snapshot.admin),
                 snapshot.state,
-                parts=-(-len(responses) // IDS_PER_FRAME),
+                parts=snapshot.parts,
             )
             # Bounded: a peer that asks and reads nothing must not freeze us for ever.
             async with asyncio.timeout(READY_WAIT):
                 await _send(conn, given)
-                for start in range(0, len(responses), IDS_PER_FRAME):
-                    await _send(conn, Ids(responses[start : start + IDS_PER_FRAME]))
-                    await asyncio.sleep(0)  # sock_sendall returns at once while the buffer has room
+                for part in snapshot.responses:
+                    await _send(conn, Ids(part))
+                    await asyncio.sleep(0)  # sock_sendall returns at once while there is room
+            if snapshot.release is not None:
+                snapshot.release()  # sent: the ids move again
             async with asyncio.timeout(READY_WAIT):
                 message = await _receive(conn)
             ready = isinstance(message, Ready)
@@ -347,6 +353,8 @@ class Handover:
             )
             return
         finally:
+            if snapshot.release is not None:
+                snapshot.release()  # (once: a second call does nothing)
             if not ready:
                 self._thaw()
         self.retired = True

@@ -47,15 +47,22 @@ Contract:
   (unknown to the whole fleet, evicted) costs that wait, once.  Across
   replicas ids travel in the 100 ms rows: a follow-up sent through another
   replica within ~0.1-0.2 s of its answer still misses.
+- Read in parts (``frozen``, a handover passing the table on): the table
+  is read a part at a time, the caller's loop let go between parts, while
+  it stays in use.  Meanwhile nothing moves in it: ids learnt, and ids used
+  (the most recently used now), go to a side table that is looked up first
+  and merged in at the end (``FrozenIds.close``), the bound applied then.
+  A list of 10 million ids made at once held the loop 177 ms.
 """
 
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 
-__all__ = ["WINDOW", "IdScanner", "Learnt", "ResponseIds", "response_id_of"]
+__all__ = ["WINDOW", "FrozenIds", "IdScanner", "Learnt", "ResponseIds", "response_id_of"]
 
 # The most body bytes a scan reads for the id: the response object's first field.
 WINDOW = 4096
@@ -86,6 +93,7 @@ class ResponseIds:
     """id -> backend, least recently used first (see the module contract)."""
 
     __slots__ = (
+        "_fresh",
         "_ids",
         "_waiters",
         "capacity",
@@ -103,6 +111,8 @@ class ResponseIds:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._ids: OrderedDict[str, str] = OrderedDict()
+        # While ``frozen``: what changed since, most recently used last (None: not frozen).
+        self._fresh: OrderedDict[str, str] | None = None
         self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
         self.outbox: list[Learnt] | None = None  # None: not shared
         self.on_learn: Callable[[], None] | None = None
@@ -117,7 +127,10 @@ class ResponseIds:
         self._waiters: dict[str, dict[Callable[[], None], None]] = {}
 
     def __len__(self) -> int:
-        return len(self._ids)
+        fresh = self._fresh
+        if fresh is None:
+            return len(self._ids)
+        return len(self._ids) + sum(1 for response_id in fresh if response_id not in self._ids)
 
     @property
     def enabled(self) -> bool:
@@ -135,13 +148,15 @@ class ResponseIds:
         self._trim()
 
     def _put(self, response_id: str, backend: str) -> None:
-        ids = self._ids
+        ids = self._ids if self._fresh is None else self._fresh
         ids[response_id] = backend
         ids.move_to_end(response_id)
         if len(ids) > self.capacity:
             self._trim()
 
     def _trim(self) -> None:
+        if self._fresh is not None:
+            return  # being read in parts: the bound is applied once they are done
         ids = self._ids
         while len(ids) > self.capacity:
             ids.popitem(last=False)
@@ -160,14 +175,31 @@ class ResponseIds:
 
     def backend_of(self, response_id: str) -> str | None:
         """The backend that holds ``response_id`` (now the most recently used), or None."""
+        if self._fresh is not None:
+            return self._frozen_use(response_id)
         ids = self._ids
         backend = ids.get(response_id)
         if backend is not None:
             ids.move_to_end(response_id)
         return backend
 
+    def _frozen_use(self, response_id: str) -> str | None:
+        fresh = self._fresh
+        assert fresh is not None
+        backend = fresh.get(response_id)
+        if backend is not None:
+            fresh.move_to_end(response_id)
+            return backend
+        backend = self._ids.get(response_id)
+        if backend is not None:
+            fresh[response_id] = backend  # the most recently used, once merged in
+        return backend
+
     def holder(self, response_id: str) -> str | None:
         """``backend_of`` without making the id the most recently used (a dry run)."""
+        fresh = self._fresh
+        if fresh is not None and response_id in fresh:
+            return fresh[response_id]
         return self._ids.get(response_id)
 
     def wait(self, response_id: str, callback: Callable[[], None]) -> None:
@@ -208,7 +240,28 @@ class ResponseIds:
 
     def snapshot(self) -> list[Learnt]:
         """Every id held, least recently used first (a worker starting anew)."""
+        if self._fresh is not None:
+            merged = OrderedDict(self._ids)
+            for response_id, backend in self._fresh.items():
+                merged[response_id] = backend
+                merged.move_to_end(response_id)
+            return list(merged.items())
         return list(self._ids.items())
+
+    def frozen(self, size: int) -> FrozenIds:
+        """Every id held, least recently used first, in parts of ``size``, read while the
+        table stays in use (see the module contract); ``close`` the result."""
+        if self._fresh is not None:
+            raise RuntimeError("the response ids are being read in parts already")
+        self._fresh = OrderedDict()
+        return FrozenIds(self, size)
+
+    def _thaw(self) -> None:
+        fresh, self._fresh = self._fresh, None
+        if fresh:
+            for response_id, backend in fresh.items():
+                self._put(response_id, backend)
+        self._trim()  # a resize meanwhile
 
     def add_counts(self, counts: dict[str, int]) -> None:
         """Add another process's ``counts()`` (a supervisor adding up its workers)."""
@@ -223,6 +276,29 @@ class ResponseIds:
             "learnt": self.learnt,
             "unread": self.unread,
         }
+
+
+class FrozenIds:
+    """``ResponseIds.frozen``: ``count`` lists of ids, each a step of the caller's."""
+
+    def __init__(self, ids: ResponseIds, size: int):
+        self._ids: ResponseIds | None = ids
+        self.count = -(-len(ids._ids) // size)
+        self._items = iter(ids._ids.items())
+        self._size = size
+
+    def __iter__(self) -> Iterator[list[Learnt]]:
+        while self._ids is not None:
+            part = list(islice(self._items, self._size))
+            if not part:
+                return
+            yield part
+
+    def close(self) -> None:
+        """The table moves again: what changed meanwhile is merged in (once)."""
+        ids, self._ids = self._ids, None
+        if ids is not None:
+            ids._thaw()
 
 
 class IdScanner:

@@ -275,7 +275,7 @@ async def test_a_second_asker_is_told_a_handover_is_under_way(tmp_path: Path) ->
     thawed = asyncio.Event()
 
     async def freeze() -> Snapshot:
-        return Snapshot(client=[], admin=[], state=None, responses=[("resp_1", "a")])
+        return Snapshot(client=[], admin=[], state=None, responses=[[("resp_1", "a")]], parts=1)
 
     handover = Handover(freeze, thawed.set, lambda pid: gate.set())
     path = str(tmp_path / "h.sock")

@@ -19,6 +19,7 @@ import trustme
 
 from router import handover as handover_module
 from router.handover import Handover, HandoverError, Snapshot, take_over
+from router.responses import ResponseIds
 from tests.harness.backends import StartBackend, hold
 from tests.harness.http import connect, req, until
 from tests.harness.processes import admin_call, serve_exit, serving, stop
@@ -83,9 +84,12 @@ async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
     monkeypatch.setattr(handover_module, "READY_WAIT", 1.0)
     monkeypatch.setattr(handover_module, "STEP_WAIT", 1.0)
     thawed = asyncio.Event()
+    held = ResponseIds(50_000)
+    held.apply(ids(50_000))
 
     async def freeze() -> Snapshot:
-        return Snapshot(client=[], admin=[], state=None, responses=ids(50_000))
+        frozen = held.frozen(handover_module.IDS_PER_FRAME)
+        return Snapshot([], [], None, frozen, frozen.count, frozen.close)
 
     handover = Handover(freeze, thawed.set, lambda pid: None)
     path = str(tmp_path / "h.sock")
@@ -97,6 +101,9 @@ async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
         silent.sendall(len(body).to_bytes(4, "big") + body)
         async with asyncio.timeout(5.0):  # before the fix: frozen for as long as it stays
             await thawed.wait()
+        held.learn("resp_new", "b")  # the ids were let go too: they move again
+        assert held.snapshot()[-1] == ("resp_new", "b")
+        assert held._fresh is None
     finally:
         silent.close()
         await handover.close()
@@ -111,10 +118,13 @@ async def test_a_full_ids_table_is_handed_over_in_parts(
     figure, not a test's: see the closing note of 2026-12-06.)"""
     monkeypatch.setattr(handover_module, "MAX_FRAME", 4 << 20)
     table = ids(300_000)  # ~20 MB
+    held = ResponseIds(len(table))
+    held.apply(table)
     thawed = asyncio.Event()
 
     async def freeze() -> Snapshot:
-        return Snapshot(client=[], admin=[], state=None, responses=table)
+        frozen = held.frozen(handover_module.IDS_PER_FRAME)
+        return Snapshot([], [], None, frozen, frozen.count, frozen.close)
 
     handover = Handover(freeze, thawed.set, lambda pid: None)
     path = str(tmp_path / "h.sock")
@@ -134,6 +144,7 @@ async def test_a_full_ids_table_is_handed_over_in_parts(
         assert [tuple(x) for x in got] == table
         async with asyncio.timeout(WAIT):
             await thawed.wait()
+        assert held.snapshot() == table  # moving again, as it was
     finally:
         await handover.close()
 

@@ -117,3 +117,30 @@ def test_a_waiter_is_called_once_when_its_id_is_applied_and_not_after_unwait() -
     ids.apply([("r0", "b0")])
     assert called == ["first"]
     ids.unwait("r0", first)  # gone already: nothing to do
+
+
+def test_read_in_parts_the_table_stays_in_use_and_changes_land_after() -> None:
+    """``frozen``: the parts are the table as it was, oldest first, whatever happens
+    meanwhile; lookups, learning and use go on; at ``close`` the ids learnt and used
+    meanwhile are the most recent, and the bound (resized meanwhile) holds again."""
+    ids = ResponseIds(6)
+    ids.apply([(f"r{i}", "a") for i in range(5)])
+    frozen = ids.frozen(2)
+    assert frozen.count == 3
+    with pytest.raises(RuntimeError, match="in parts already"):
+        ids.frozen(2)
+    parts = iter(frozen)
+    assert next(parts) == [("r0", "a"), ("r1", "a")]
+    ids.learn("r5", "b")
+    ids.apply([("r6", "c"), ("r2", "z")])  # a new backend for a frozen id: the new wins
+    assert ids.backend_of("r0") == "a"  # used: the most recent once merged
+    assert (ids.holder("r2"), ids.holder("r6"), ids.backend_of("nope")) == ("z", "c", None)
+    ids.resize(4)
+    assert len(ids) == 7  # the bound waits for the end
+    assert [*parts] == [[("r2", "a"), ("r3", "a")], [("r4", "a")]]  # as it was
+    frozen.close()
+    frozen.close()  # once
+    assert ids.snapshot() == [("r5", "b"), ("r6", "c"), ("r2", "z"), ("r0", "a")]
+    assert len(ids) == 4
+    assert list(frozen) == []  # closed: nothing more
+    ids.frozen(2).close()  # and it can be read in parts again
