@@ -282,6 +282,10 @@ async def serve(
             await store.close()
         if replicas is not None:
             await replicas.client.close()
+        if retiring and following is not None:
+            # The process we took over from still drains: the one that took over from
+            # us counts its requests through us (our loads) until it is gone.
+            await asyncio.wait([following], timeout=config.timeouts.shutdown_grace)
         if handover is not None:
             await handover.close()
         if upgrade is not None:
@@ -407,15 +411,16 @@ def _own_loads(router: Router) -> list[Load]:
     return sorted((name, count, waiting.get(name, 0)) for name, count in loads.items())
 
 
-def _outside(router: Router) -> Callable[[list[Load]], None]:
+def _outside(router: Router) -> Callable[[dict[str, tuple[int, int]]], None]:
     """Count the requests of the process we took over from as ours while it drains
-    (``router.handover``): a bound holds for the backends' load, not only ours."""
+    (``router.handover``): a bound holds for the backends' load, not only ours.  Every
+    backend it names is counted, one we do not route to as well: added back, it is
+    as busy as it is."""
 
-    def count(loads: list[Load]) -> None:
+    def count(changes: dict[str, tuple[int, int]]) -> None:
         fleet = router.fleet
-        known = [load for load in loads if load[0] in fleet.backends]
-        fell = fleet.loads.set_outside({name: n for name, n, _ in known})
-        fell = fleet.waiting.set_outside({name: w for name, _, w in known if w}) or fell
+        fell = fleet.loads.outside({name: n for name, (n, _) in changes.items()})
+        fell = fleet.waiting.outside({name: w for name, (_, w) in changes.items()}) or fell
         if fell and router.queue is not None:
             router.queue.wake()  # a place freed
 

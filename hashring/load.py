@@ -16,11 +16,11 @@ Contract:
   demand with ``refresh(member)`` (True if its count changed); the balancer
   calls it on the member it is about to choose.  Here both are no-ops: a
   plain tracker is the count itself.
-- ``set_outside(counts)``: requests another process has in flight (a router
+- ``outside(changes)``: requests another process has in flight (a router
   that handed over and drains, ``router.handover``), counted in ``counts``
-  and ``total`` as if acquired here until the next call replaces them; no
-  lease releases them.  ``on_idle`` then fires when a member's count with
-  them falls to zero.
+  and ``total`` as if acquired here; ``changes`` gives members' new counts
+  there (0: none), no lease releases them.  ``on_idle`` then fires when a
+  member's count with them falls to zero.
 - ``probes`` is ``refresh``'s fast path, for a caller that inlines it (the
   balancer, once per decision): member -> ``(now, then, now, then)``,
   buffers that compare equal pairwise while nothing the member's count was
@@ -73,7 +73,7 @@ class LoadTracker:
         self.counts: Mapping[str, int] = MappingProxyType(self._counts)
         self.total = 0
         self.on_idle: Callable[[str], None] | None = None
-        self._outside: dict[str, int] = {}  # another process's requests (set_outside)
+        self._outside: dict[str, int] = {}  # another process's requests (``outside``)
 
     # Whether ``refresh`` can change a count (the contract): a class attribute,
     # read on every decision.
@@ -104,17 +104,20 @@ class LoadTracker:
             if self.on_idle is not None:
                 self.on_idle(member)
 
-    def set_outside(self, counts: Mapping[str, int]) -> bool:
-        """Count another process's requests in flight: ``counts`` (member -> count,
-        absent 0) replaces what the last call set.  True if a member's count fell
-        (a place freed).  Not on the request path: a few members, a few times a
-        second."""
+    def outside(self, changes: Mapping[str, int]) -> bool:
+        """Count another process's requests in flight: ``changes`` gives members' new
+        counts there (0: none; members not named keep theirs).  True if a count fell
+        (a place freed).  Not on the request path: the members that changed."""
         own, outside = self._counts, self._outside
         fell = False
-        for member in outside.keys() | counts.keys():
-            delta = counts.get(member, 0) - outside.get(member, 0)
+        for member, now in changes.items():
+            delta = now - outside.get(member, 0)
             if not delta:
                 continue
+            if now:
+                outside[member] = now
+            else:
+                del outside[member]
             fell = fell or delta < 0
             count = own.get(member, 0) + delta
             self.total += delta
@@ -124,5 +127,4 @@ class LoadTracker:
                 del own[member]
                 if self.on_idle is not None:
                     self.on_idle(member)
-        self._outside = {member: count for member, count in counts.items() if count}
         return fell

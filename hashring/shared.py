@@ -98,6 +98,10 @@ class SharedLoads(LoadTracker):
         "refreshes",
     )
 
+    def outside(self, changes: Mapping[str, int]) -> bool:
+        """Not for a row: another process's requests would be published as this one's."""
+        raise TypeError("SharedLoads counts one row and the others' sums: nothing outside")
+
     def __init__(self, *, extrapolate: bool = False) -> None:
         super().__init__()
         # The inherited ``_counts`` is the own row, kept (with ``total`` and

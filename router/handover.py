@@ -40,11 +40,15 @@ Contract:
   ``MAX_FRAME``), the loop let go between them.
 - While it drains, the old process's requests are still on the backends: it
   sends its in-flight counts per backend (``Loads``: the host's, every worker
-  of it; not the other replicas') whenever they changed, checked every
-  ``LOADS_PERIOD``, and the new one counts them as its own until the next
-  (``Taken.ready``'s ``on_loads``; ``[]`` once the old one is gone), so its
-  bounds hold for the fleet's real load from its first request, not only
-  for what it sent itself.  Sending is bounded
+  of it and any process it had taken over from, whose requests it keeps
+  reporting until that one is gone; not the other replicas') at once after
+  ``Released``, then those that changed, checked every ``LOADS_PERIOD``, and
+  all of them every ``LOADS_REFRESH``.  The new one counts them as its own
+  (``Taken.ready``'s ``on_loads`` gets the backends whose counts changed,
+  and every one at zero once the old process is gone), so its bounds hold
+  for the backends' real load, not only for what it sent itself.  Only to
+  a new process that said it reads them (``Ready.loads``): an older one
+  would end its reading at the first.  Sending is bounded
   (``READY_WAIT``): a peer that asks and reads nothing does not keep the old
   process frozen.
 """
@@ -58,7 +62,7 @@ import socket
 import stat
 import struct
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -94,8 +98,10 @@ IDS_PER_FRAME = 16384  # response ids per ``Ids`` frame: a few ms to encode, ~1 
 # While the old process drains, an unknown response id is waited for this long: the
 # old one may have just learnt it (its answer ending) and be passing it on.
 FOLLOW_WAIT = 0.1
-# How often a draining old process checks whether its in-flight counts changed.
+# How often a draining old process checks whether its in-flight counts changed,
+# and sends them all (a backend the new process removed and added back meanwhile).
 LOADS_PERIOD = 0.01
+LOADS_REFRESH = 1.0
 
 
 class Ask(msgspec.Struct, tag=True, frozen=True):
@@ -119,14 +125,17 @@ class Ids(msgspec.Struct, tag=True, frozen=True):
     responses: list[tuple[str, str]]
 
 
+_Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 # A backend's requests in flight, and of those not yet answered (ConcurrencyScope PREFILL).
-Load = tuple[str, int, int]
+Load = tuple[str, _Count, _Count]
 
 
 class Loads(msgspec.Struct, tag=True, frozen=True):
-    """The old process's requests in flight as it drains: every backend with some."""
+    """The old process's requests in flight as it drains: every backend with some
+    (``full``), or those whose counts changed since the last frame (0 0: none now)."""
 
     loads: list[Load]
+    full: bool = False
 
 
 class Busy(msgspec.Struct, tag=True, frozen=True):
@@ -135,6 +144,7 @@ class Busy(msgspec.Struct, tag=True, frozen=True):
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
     pid: int
+    loads: bool = False  # it reads ``Loads`` (an older process ends its reading at one)
 
 
 class Released(msgspec.Struct, tag=True, frozen=True):
@@ -345,8 +355,9 @@ class Handover:
             async with asyncio.timeout(READY_WAIT):
                 message = await _receive(conn)
             ready = isinstance(message, Ready)
-            if not ready:
+            if not isinstance(message, Ready):
                 raise HandoverError(f"expected Ready, got {type(message).__name__}")
+            reads_loads = message.loads
         except (HandoverError, OSError, TimeoutError) as exc:
             log.warning(
                 "handover failed: still serving", to_pid=pid, error=str(exc) or "no Ready in time"
@@ -362,7 +373,7 @@ class Handover:
         self._on_ready(pid)
         try:
             await _send(conn, Released())
-            await self._forward(conn)
+            await self._forward(conn, reads_loads)
         except (OSError, TimeoutError) as exc:
             log.warning("response ids learnt while draining not passed on", error=str(exc))
 
@@ -372,26 +383,41 @@ class Handover:
         self._learnt += ids
         self._more.set()
 
-    async def _forward(self, conn: socket.socket) -> None:
-        """Send ``learnt`` ids as they come, and our loads when they changed, until
-        ``close`` (each send bounded)."""
-        sent: list[Load] = []  # what the new process counts for us: nothing yet
+    async def _forward(self, conn: socket.socket, reads_loads: bool) -> None:
+        """Send ``learnt`` ids as they come, and our loads (to a process that reads
+        them), until ``close`` (each send bounded)."""
+        loop = asyncio.get_running_loop()
+        sent: dict[str, tuple[int, int]] = {}  # what the new process counts for us
+        last: list[Load] | None = None  # ``loads()`` as last read
+        refresh = 0.0  # when to send them all (at once, the first time)
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LOADS_PERIOD):
-                    await self._more.wait()
-            self._more.clear()
             while self._learnt:
                 batch, self._learnt = self._learnt[:IDS_PER_FRAME], self._learnt[IDS_PER_FRAME:]
                 async with asyncio.timeout(STEP_WAIT):
                     await _send(conn, Ids(batch))
-            loads = self.loads()
-            if loads != sent:
+            loads = self.loads() if reads_loads else None
+            frame = None
+            if loads is not None and (loads is not last or loop.time() >= refresh):
+                now = {name: (count, waiting) for name, count, waiting in loads}
+                if loop.time() >= refresh:
+                    frame = Loads(loads, full=True)
+                    refresh = loop.time() + LOADS_REFRESH
+                else:
+                    names = [
+                        name for name in sent.keys() | now.keys() if now.get(name) != sent.get(name)
+                    ]
+                    changed = [(name, *now.get(name, (0, 0))) for name in sorted(names)]
+                    frame = Loads(changed) if changed else None
+                sent, last = now, loads
+            if frame is not None:
                 async with asyncio.timeout(STEP_WAIT):
-                    await _send(conn, Loads(loads))
-                sent = loads
+                    await _send(conn, frame)
             if self._closing:
                 return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LOADS_PERIOD):
+                    await self._more.wait()
+            self._more.clear()
 
     async def close(self) -> None:
         """Stop listening (once the ids learnt while draining are passed on, bounded);
@@ -444,15 +470,16 @@ class Taken:
     async def ready(
         self,
         on_ids: Callable[[list[Learnt]], None],
-        on_loads: Callable[[list[Load]], None],
+        on_loads: Callable[[dict[str, tuple[int, int]]], None],
     ) -> asyncio.Task[None] | None:
         """Tell the old process we serve; it retires (its answer awaited, bounded).  The
         task returned passes the response ids it learns while it drains to ``on_ids``
-        and its requests in flight to ``on_loads`` (``[]`` at the end) until it exits
-        (cancel it at shutdown); None if it did not answer."""
+        and the backends whose in-flight counts there changed to ``on_loads``
+        (``name -> (in flight, not answered)``; every one at zero once it has exited)
+        until it exits (cancel it at shutdown); None if it did not answer."""
         closed = False
         try:
-            await _send(self._conn, Ready(os.getpid()))
+            await _send(self._conn, Ready(os.getpid(), loads=True))
             async with asyncio.timeout(STEP_WAIT):
                 message = await _receive(self._conn)
             if not isinstance(message, Released):
@@ -475,19 +502,36 @@ class Taken:
         return asyncio.create_task(self._follow(on_ids, on_loads))
 
     async def _follow(
-        self, on_ids: Callable[[list[Learnt]], None], on_loads: Callable[[list[Load]], None]
+        self,
+        on_ids: Callable[[list[Learnt]], None],
+        on_loads: Callable[[dict[str, tuple[int, int]]], None],
     ) -> None:
+        held: dict[str, tuple[int, int]] = {}  # the old process's counts, as reported
         try:
             while True:
                 message = await _receive(self._conn)
                 if isinstance(message, Ids):
                     on_ids(message.responses)
                 elif isinstance(message, Loads):
-                    on_loads(message.loads)
+                    reported = {name: (count, waiting) for name, count, waiting in message.loads}
+                    if message.full:
+                        reported |= {name: (0, 0) for name in held.keys() - reported.keys()}
+                    changes = {n: c for n, c in reported.items() if held.get(n, (0, 0)) != c}
+                    held |= changes
+                    if changes:
+                        on_loads(changes)
         except (HandoverError, OSError):
-            on_loads([])  # the old process exited: all it learnt has come, its requests are over
+            pass  # the old process exited: all it learnt has come, its requests are over
+        except Exception:
+            log.exception("following the old process failed: its ids and requests no more")
         finally:
             self._conn.close()
+            # Every count at zero (once it has exited, or we stop or failed reading).
+            if ended := {name: (0, 0) for name, counts in held.items() if counts != (0, 0)}:
+                try:
+                    on_loads(ended)
+                except Exception:
+                    log.exception("the old process's requests not uncounted")
 
     def abandon(self) -> None:
         """Start-up failed: the old process thaws and keeps serving."""

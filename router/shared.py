@@ -427,7 +427,7 @@ class SharedLoadTracker(LoadTracker):
         if not n and self.on_idle is not None:
             self.on_idle(member)
 
-    def set_outside(self, counts: Mapping[str, int]) -> bool:
+    def outside(self, changes: Mapping[str, int]) -> bool:
         """Another process's counts are a row of the table here (``Workers.predecessor``),
         folded in like any other: this tracker's counts are remade from the rows."""
         raise TypeError("a SharedLoadTracker's outside counts are a row of its table")

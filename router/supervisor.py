@@ -222,7 +222,12 @@ class Workers:
         self.table = SharedTable.create(count + predecessor + remote, SLOTS, TABLE_PLANES)
         self.predecessor_row = count if predecessor else None
         self.remote_row = count + predecessor if remote else None
-        self._inherited: set[str] = set()  # the backends the predecessor row counts
+        # The predecessor's counts as it reported them (every backend it named), the
+        # same sorted (made when asked), and ``host_loads``' last read and answer.
+        self._reported: dict[str, tuple[int, int]] = {}
+        self._reported_list: list[Load] | None = None
+        self._host_raw = b""
+        self._host_loads: list[Load] = []
         self._closed = False  # the table: unmapped by ``stop``
         self.slots: dict[str, int] = {}
         self.limit = SLOTS  # backends the fleet may have: one column each
@@ -484,13 +489,16 @@ class Workers:
             slot = self._take_slot(op.spec.name)
             for tracker in self._trackers:
                 tracker.assign(op.spec.name, slot)
+            self._host_raw = b""  # (host_loads: the names moved)
+            if op.spec.name in self._reported:  # back: the predecessor's requests on it
+                self._write_predecessor(op.spec.name, self._reported[op.spec.name])
             return AddBackend(op.spec, slot, op.ramp)
         if isinstance(op, RemoveBackend):
             slot = self.slots.pop(op.name)
             heapq.heappush(self._free, slot)
             for tracker in self._trackers:
                 tracker.forget(op.name)
-            self._inherited.discard(op.name)
+            self._host_raw = b""
             for row in (self.predecessor_row, self.remote_row):  # rows we write, not workers
                 if row is not None:
                     for plane in range(PLANES):
@@ -562,40 +570,58 @@ class Workers:
 
     def host_loads(self) -> list[Load]:
         """This host's requests in flight per backend, read now: its workers' rows and
-        its predecessor's, not the other replicas' (what a handover reports)."""
+        its predecessor's, not the other replicas' (what a handover reports).  The same
+        list while no cell of those rows changed (one copy and compare of them)."""
         if self._closed:
-            return []  # stopped: every worker has exited, its requests with it
+            # Our workers have exited; the process we took over from may still drain.
+            if self._reported_list is None:
+                self._reported_list = sorted((n, a, w) for n, (a, w) in self._reported.items())
+            return self._reported_list
         table = self.table
         rows = table.rows if self.remote_row is None else self.remote_row
+        raw = table.counts_bytes(rows, PLANES, self._top)
+        if raw == self._host_raw:
+            return self._host_loads
         loads, waiting = (table.plane_sums(plane, rows, self._top) for plane in range(PLANES))
-        return sorted(
+        self._host_raw = raw
+        self._host_loads = sorted(
             (name, loads[slot], waiting[slot]) for name, slot in self.slots.items() if loads[slot]
         )
+        return self._host_loads
 
-    def predecessor(self, loads: list[Load]) -> None:
-        """The requests in flight of the process we took over from, as it reported them
-        (``router.handover``): written into its row, which every worker folds in as
-        another worker's (within a fold period) and reads again at its decisions."""
-        row = self.predecessor_row
-        if row is None or self._closed:
+    def predecessor(self, changes: dict[str, tuple[int, int]]) -> None:
+        """The process we took over from: its backends whose in-flight counts changed,
+        as it reported them (``router.handover``), written into its row, which every
+        worker folds in as another worker's (within a fold period) and reads again at
+        its decisions.  Kept for every backend it names: one added here later (back)
+        gets its count at once."""
+        if self.predecessor_row is None:
             return
-        table = self.table
-        cells = table.cells
-        now: dict[str, tuple[int, int]] = {name: (0, 0) for name in self._inherited}
-        for name, in_flight, waiting in loads:
-            if name in self.slots:  # one we no longer route to: nothing to bound
-                now[name] = (in_flight, waiting)
-        for name, counts in now.items():
-            slot = self.slots[name]
-            for plane, count in enumerate(counts):
-                cells[table.index(row, plane, slot)] = count
-        ended = [name for name in self._inherited if not now[name][0]]
-        self._inherited = {name for name, counts in now.items() if counts[0]}
+        reported = self._reported
+        ended = [n for n, (count, _) in changes.items() if not count and n in reported]
+        for name, counts in changes.items():
+            if counts[0]:
+                reported[name] = counts
+            else:
+                reported.pop(name, None)
+        self._reported_list = None
+        if self._closed:
+            return  # (what we report for it, our workers gone: ``host_loads``)
+        for name, counts in changes.items():
+            self._write_predecessor(name, counts)
         if self.changes_fd is not None:
             ChangeSignal.notify(self.changes_fd)  # the other replicas count them too
         for name in ended:  # a drain waiting on the host's last request
             if self.on_idle is not None and not self.in_flight(name):
                 self.on_idle(name)
+
+    def _write_predecessor(self, name: str, counts: tuple[int, int]) -> None:
+        slot = self.slots.get(name)
+        if slot is None or self.predecessor_row is None:
+            return  # one we do not route to: nothing to bound
+        table = self.table
+        for plane, count in enumerate(counts):
+            table.cells[table.index(self.predecessor_row, plane, slot)] = count
 
     async def explain(self, request: DryRequest, k: int) -> Explanation:
         """The dry run, answered by the first worker up (see the contract)."""
@@ -608,6 +634,8 @@ class Workers:
             future: asyncio.Future[Report | Explained | None]
             future = worker.pending[seq] = asyncio.get_running_loop().create_future()
             remote = " and the other replicas' row" if self.remote_row is not None else ""
+            if self.predecessor_row is not None:
+                remote += " and the row of the process this one took over from"
             view = (
                 f"worker {worker.index} of {self.count}: in flight read from every worker's"
                 f" row{remote} as it answered"
