@@ -304,6 +304,7 @@ async def test_raw_sse_framing_of_chat(sim: SimServer, http: aiohttp.ClientSessi
         assert resp.status == 200
         assert resp.headers["x-sim-instance"] == sim.name
         assert resp.headers["x-sim-ttft-ms"]
+        assert resp.headers["x-sim-in-flight"] == "1"  # alone on the instance
         data = sse_data(await resp.text())
     assert data[-1] == "[DONE]"
     assert len(data) == 1 + 2 + 1  # role chunk, two tokens, [DONE]

@@ -16,7 +16,9 @@ Contract
 - Response headers on generations, sent when the first token is ready (so a
   router's time to first byte is the model's TTFT; vLLM would send headers
   earlier): ``x-sim-ttft-ms`` (model TTFT, independent of ``time_scale``),
-  ``x-sim-queue-ms``, ``x-sim-prompt-tokens``, ``x-sim-cached-tokens``. A
+  ``x-sim-queue-ms``, ``x-sim-prompt-tokens``, ``x-sim-cached-tokens``,
+  ``x-sim-in-flight`` (the instance's requests, running or waiting, as this
+  one arrived, itself included: a router's bound held or not). A
   ``cache_salt`` (chat, completions, responses: vLLM's field) separates cache
   entries as vLLM's does (``model.KVCache``). Every
   response, errors and ``/metrics`` included, carries ``x-sim-instance``.
@@ -191,6 +193,8 @@ class Generation:
         self.instance = instance
         self.ticket = ticket
         self.completed = False
+        # The instance's requests as this one arrived, itself included (x-sim-in-flight).
+        self.arrived_with = instance.engine.running + instance.engine.waiting
         self._pieces: list[str] = []
         self._first_real = 0.0
         self._step_real = 0.0
@@ -436,6 +440,7 @@ async def _serve(
         count = plan.output_tokens
         usage = wire.usage(plan.prompt_tokens, count, plan.cached_tokens)
         headers = _plan_headers(plan)
+        headers["x-sim-in-flight"] = str(generation.arrived_with)
         if not gen.stream:
             pieces = [await generation.token(i) for i in range(count)]
             return _json(200, reply.whole("".join(pieces), usage), headers)
