@@ -78,9 +78,15 @@ async def run_with_workers(
     original = bench.start_router  # type: ignore[attr-defined]
 
     async def start_router(
-        children: list[Child], sims: dict[str, str], *flags: str, label: str = "router"
+        children: list[Child],
+        sims: dict[str, str],
+        *flags: str,
+        label: str = "router",
+        tree: Path | None = None,
     ) -> tuple[Child, str, str]:
-        found = await original(children, sims, *flags, "--workers", str(workers), label=label)
+        found = await original(
+            children, sims, *flags, "--workers", str(workers), label=label, tree=tree
+        )
         started.append(found[0])
         return found
 

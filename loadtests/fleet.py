@@ -16,8 +16,10 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -99,14 +101,21 @@ def listening_address(line: str, event_name: str = "listening") -> str | None:
 
 
 async def start_router(
-    children: list[Child], sims: dict[str, str], *flags: str, label: str = "router"
+    children: list[Child],
+    sims: dict[str, str],
+    *flags: str,
+    label: str = "router",
+    tree: Path | None = None,
 ) -> tuple[Child, str, str]:
-    """``prefix-router serve`` in front of ``sims``: (child, URL, admin URL)."""
+    """``prefix-router serve`` in front of ``sims``: (child, URL, admin URL); the
+    router of ``tree`` (another checkout: its own ``admin``, ``router``) if given."""
     deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     backends = [arg for name, url in sims.items() for arg in ("--backend", f"{name}={url}")]
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     child = await start(
         children, label,
         [*SERVE, "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", *flags, *backends],
+        cwd=tree or ROOT, env=env,
     )  # fmt: skip
     address = admin = None
     while address is None or admin is None:
