@@ -23,6 +23,7 @@ Benchmarks (each prints its figures; medians, ratios within one run):
   bench_slowstart   slow start in a live scale event: the minute after an add, with and without
   bench_ab          A/B arms against separate runs of the two configs, live, with ground truth
   bench_restart     restarting under load: stop-then-start against --handover-socket
+  bench_handover_loads  a handover at the bound: the old process's streams counted? (--before)
   acceptbench       accept rate with a connection per request, two trees compared
   soak              hours of load with instances killed and faults injected
   attackers         abusive clients beside the soak (soak --attackers): floods, slowloris...
