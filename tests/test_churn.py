@@ -1,6 +1,6 @@
 """Membership churn under load, driven through the admin API.
 
-For ``CHURN_SECONDS`` (15), once a second, an instance is added and another
+For ``CHURN_SECONDS`` (10), once a second, an instance is added and another
 drained and removed (``DELETE ?wait=true``), a weight changes or a drain is
 cancelled; every fifth second an instance is killed without draining (its
 ``FaultProxy`` resets every connection and refuses new ones) and revived the
@@ -38,7 +38,7 @@ from tests.harness.backends import Backend, Seen, echo
 from tests.harness.http import connect, quiet, req
 from tests.harness.routers import FAST, SimFleet, StartRouter
 
-CHURN_SECONDS = float(os.environ.get("CHURN_SECONDS", "15"))
+CHURN_SECONDS = float(os.environ.get("CHURN_SECONDS", "10"))
 CHURN_RATE = int(os.environ.get("CHURN_RATE", "250"))
 WAIT = 5.0
 TOKEN = "churn-admin-token"
@@ -179,7 +179,7 @@ class Load:
 # -- churn -----------------------------------------------------------------------------------
 
 
-@pytest.mark.serial  # 250 requests/s for 15 s: ~0.8 of a core
+@pytest.mark.serial  # 250 requests/s for 10 s: ~0.8 of a core
 @pytest.mark.timeout(CHURN_SECONDS * 4 + 60)  # the session-wide 60 s would end the whole run
 async def test_membership_churn_under_load_fails_only_requests_on_killed_instances(
     sim_fleet: SimFleet, start_router: StartRouter, start_admin: StartAdmin
