@@ -79,7 +79,9 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     slots: dict[str, int]  # backend -> column of the shared in-flight table
     table_rows: int
     table_slots: int
-    responses: list[Learnt] = []  # the response ids the fleet knows now, oldest first
+    # The response ids the fleet knows: none here, they follow in Records of
+    # router.supervisor.IDS_PER_PART (10 million would be ~500 MB, past MAX_FRAME).
+    responses: list[Learnt] = []
     ramps: dict[str, Ramp] = {}  # slow starts under way (router.slowstart)
     signals: dict[str, Signal] = {}  # the last scrape round's engine figures (router.signals)
 
@@ -225,6 +227,14 @@ class Channel:
             raise ChannelClosed("the other end closed the channel") from exc
         except msgspec.DecodeError as exc:
             raise ChannelClosed(f"not a message: {exc}") from exc
+
+    async def drained(self) -> None:
+        """Return once what was sent is in the kernel's buffer (or nearly): a sender of
+        many messages waits here between them rather than queue them all in memory."""
+        try:
+            await self._writer.drain()
+        except ConnectionError as exc:
+            raise ChannelClosed("the other end closed the channel") from exc
 
     def close(self) -> None:
         self._writer.close()

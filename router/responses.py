@@ -60,7 +60,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+from itertools import chain, islice
 
 __all__ = ["WINDOW", "FrozenIds", "IdScanner", "Learnt", "ResponseIds", "response_id_of"]
 
@@ -95,6 +95,7 @@ class ResponseIds:
     __slots__ = (
         "_fresh",
         "_ids",
+        "_readers",
         "_waiters",
         "capacity",
         "fallbacks",
@@ -113,6 +114,7 @@ class ResponseIds:
         self._ids: OrderedDict[str, str] = OrderedDict()
         # While ``frozen``: what changed since, most recently used last (None: not frozen).
         self._fresh: OrderedDict[str, str] | None = None
+        self._readers = 0  # FrozenIds not closed yet
         self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
         self.outbox: list[Learnt] | None = None  # None: not shared
         self.on_learn: Callable[[], None] | None = None
@@ -250,13 +252,18 @@ class ResponseIds:
 
     def frozen(self, size: int) -> FrozenIds:
         """Every id held, least recently used first, in parts of ``size``, read while the
-        table stays in use (see the module contract); ``close`` the result."""
-        if self._fresh is not None:
-            raise RuntimeError("the response ids are being read in parts already")
-        self._fresh = OrderedDict()
+        table stays in use (see the module contract); ``close`` the result.  Several may
+        be open at once (a handover, a worker starting): the table moves again once the
+        last is closed, and each reads it as it was when the first was opened."""
+        if self._fresh is None:
+            self._fresh = OrderedDict()
+        self._readers += 1
         return FrozenIds(self, size)
 
     def _thaw(self) -> None:
+        self._readers -= 1
+        if self._readers:
+            return
         fresh, self._fresh = self._fresh, None
         if fresh:
             for response_id, backend in fresh.items():
@@ -283,8 +290,11 @@ class FrozenIds:
 
     def __init__(self, ids: ResponseIds, size: int):
         self._ids: ResponseIds | None = ids
-        self.count = -(-len(ids._ids) // size)
-        self._items = iter(ids._ids.items())
+        # Opened while another reader holds the table still: what changed since (the
+        # side table, a copy: small) comes after it, the most recent last.
+        fresh = list(ids._fresh.items()) if ids._fresh else []
+        self.count = -(-(len(ids._ids) + len(fresh)) // size)
+        self._items = chain(ids._ids.items(), fresh)
         self._size = size
 
     def __iter__(self) -> Iterator[list[Learnt]]:

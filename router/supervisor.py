@@ -59,7 +59,10 @@ Contract:
   decided or learnt is passed on to every other worker as it arrives, and to
   ``on_records`` (the other replicas); ``relay`` passes the other replicas'
   records to every worker.  The supervisor's router keeps every response id
-  it passes on, so that a worker that (re)starts gets them in its ``Init``.
+  it passes on, so that a worker that (re)starts gets them right after its
+  ``Init``, read as they were in the same step, in Records of
+  ``IDS_PER_PART`` (``send_ids``: one message of 10 million would pass the
+  channel's frame bound, and the worker could never start).
   Each worker stamps its placements with ``stamp_base + index``.  A worker
   that restarts starts with an empty table and learns the fleet's homes
   from the records that follow (a key it places meanwhile is re-homed when
@@ -135,10 +138,12 @@ if TYPE_CHECKING:
     from .app import Router
     from .explain import DryRequest, Explanation
     from .handover import Load
-    from .responses import Learnt
+    from .responses import FrozenIds, Learnt
     from .signals import Signal
 
-__all__ = ["Workers", "refuse_past_slots"]
+__all__ = ["IDS_PER_PART", "Workers", "refuse_past_slots", "send_ids"]
+
+IDS_PER_PART = 16384  # response ids per Records message to a worker starting (~1 MB)
 
 log = get_logger("supervisor")
 
@@ -151,6 +156,7 @@ STABLE_SECONDS = 10.0
 class _Worker:
     __slots__ = (
         "channel",
+        "ids",
         "index",
         "pending",
         "process",
@@ -168,9 +174,26 @@ class _Worker:
         self.ready: asyncio.Future[bool] | None = None  # True once listening, False: exited
         self.pending: dict[int, asyncio.Future[Report | Explained | None]] = {}
         self.task: asyncio.Task[None] | None = None
+        self.ids: asyncio.Task[None] | None = None  # the response ids, sent as it starts
         self.started = 0.0
         self.restarts = 0
         self.sockets: list[socket.socket] = []  # its listening sockets (router.sockets.deal)
+
+
+async def send_ids(channel: Channel, ids: FrozenIds) -> None:
+    """The response ids the fleet knows, to a worker just started, in Records of
+    IDS_PER_PART, each once the last is on its way: one Init of 10 million would pass
+    the channel's frame bound (the worker could never start) and hold the loop for
+    seconds.  Ids learnt meanwhile reach it as they reach every worker; it serves
+    meanwhile (an id not there yet is waited for briefly, as any unknown id)."""
+    try:
+        for part in ids:
+            channel.send(Records([], part))
+            await channel.drained()
+    except ChannelClosed:
+        pass  # it exited: its successor gets them all again
+    finally:
+        ids.close()
 
 
 def refuse_past_slots(size: int) -> None:
@@ -305,6 +328,8 @@ class Workers:
                 process.kill()
                 await process.wait()
         for worker in self._workers:
+            if worker.ids is not None:
+                worker.ids.cancel()
             if worker.task is not None:
                 worker.task.cancel()
             if worker.channel is not None:
@@ -361,7 +386,6 @@ class Workers:
             slots=dict(self.slots),
             table_rows=self.table.rows,
             table_slots=SLOTS,
-            responses=router.responses.snapshot(),
             ramps=dict(fleet.ramps),
             signals=router.signals.figures if router.signals is not None else {},
         )
@@ -387,6 +411,9 @@ class Workers:
         # The snapshot and the worker's place in the broadcast are taken in one
         # step: every op from here on reaches it, every op before is in the snapshot.
         worker.channel.send(self._init(worker.index))
+        # The response ids as they are in this same step, a part at a time.
+        ids = self.router.responses.frozen(IDS_PER_PART)
+        worker.ids = asyncio.create_task(send_ids(worker.channel, ids))
         worker.task = asyncio.create_task(self._run(worker))
         log.info("worker started", worker=worker.index, pid=worker.process.pid)
 

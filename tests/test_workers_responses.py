@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
+from router.channel import Channel, Records
+from router.responses import ResponseIds
+from router.supervisor import IDS_PER_PART, send_ids
 from tests.harness.processes import admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -112,7 +116,7 @@ async def test_a_follow_up_on_the_other_worker_lands_where_the_response_was_made
 
 async def test_restarted_workers_know_the_ids_learnt_before(sim_fleet: SimFleet) -> None:
     """The supervisor keeps every id it relays and hands them to a worker that starts
-    anew (its ``Init``): both workers killed, every follow-up still lands right."""
+    anew (after its ``Init``): both workers killed, every follow-up still lands right."""
     sims = await sim_fleet(4)
     flags = ["--workers", "2", "--strategy", "prefix", "--no-health-checks"]
     for sim in sims:
@@ -147,3 +151,30 @@ async def test_restarted_workers_know_the_ids_learnt_before(sim_fleet: SimFleet)
             assert (await responses_stats(http, proc))["hits"] == len(made)
     finally:
         await stop(proc)
+
+
+async def test_a_starting_worker_gets_the_ids_in_parts_each_within_the_frame_bound() -> None:
+    """``send_ids``: Records of IDS_PER_PART, oldest first, the next sent once the last
+    is on its way; the table moves again at the end.  (10 million ids in one Init,
+    ~500 MB, passed the channel's 64 MB bound: a worker could never start.)"""
+    table = ResponseIds(3 * IDS_PER_PART)
+    learnt = [(f"resp_{i:032x}", f"backend-{i % 3}") for i in range(2 * IDS_PER_PART + 5)]
+    table.apply(learnt)
+    ours, theirs = socket.socketpair()
+    sender, receiver = await Channel.open(ours), await Channel.open(theirs)
+    try:
+        sending = asyncio.create_task(send_ids(sender, table.frozen(IDS_PER_PART)))
+        got: list[tuple[str, str]] = []
+        while len(got) < len(learnt):
+            message = await receiver.receive()
+            assert isinstance(message, Records)
+            assert message.records == []
+            assert len(message.responses) <= IDS_PER_PART
+            got += [tuple(pair) for pair in message.responses]
+        await sending
+        assert got == learnt
+        table.learn("resp_new", "backend-0")  # thawed: the table moves again
+        assert table.snapshot()[-1] == ("resp_new", "backend-0")
+    finally:
+        sender.close()
+        receiver.close()
