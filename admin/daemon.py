@@ -31,7 +31,6 @@ import signal
 import socket
 import ssl
 import time
-from functools import partial
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -401,14 +400,25 @@ def _handover(
         )
 
     handover = Handover(freeze, control.thaw, retire)
-    handover.loads = workers.host_loads if workers is not None else partial(_own_loads, router)
+    handover.loads = workers.host_loads if workers is not None else _OwnLoads(router)
     return handover
 
 
-def _own_loads(router: Router) -> list[Load]:
-    """Our requests in flight per backend (a process that took over counts them)."""
-    loads, waiting = router.fleet.loads.counts, router.fleet.waiting.counts
-    return sorted((name, count, waiting.get(name, 0)) for name, count in loads.items())
+class _OwnLoads:
+    """Our requests in flight per backend (a process that took over counts them): the
+    same list while the counts are those of the last call (two dict copies compared)."""
+
+    def __init__(self, router: Router):
+        self._fleet = router.fleet
+        self._seen: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        self._loads: list[Load] = []
+
+    def __call__(self) -> list[Load]:
+        now = (dict(self._fleet.loads.counts), dict(self._fleet.waiting.counts))
+        if now != self._seen:
+            loads, waiting = self._seen = now
+            self._loads = sorted((name, n, waiting.get(name, 0)) for name, n in loads.items())
+        return self._loads
 
 
 def _outside(router: Router) -> Callable[[dict[str, tuple[int, int]]], None]:

@@ -173,6 +173,8 @@ class Idle(msgspec.Struct, tag=True, frozen=True):
 class Records(msgspec.Struct, tag=True, frozen=True):
     records: list[Record]
     responses: list[Learnt] = []  # (response id, backend) learnt since the last message
+    # The ids the fleet knew as this worker started, newest first (``ResponseIds.seed``).
+    seed: bool = False
 
 
 Message = (

@@ -47,12 +47,16 @@ Contract:
   (unknown to the whole fleet, evicted) costs that wait, once.  Across
   replicas ids travel in the 100 ms rows: a follow-up sent through another
   replica within ~0.1-0.2 s of its answer still misses.
-- Read in parts (``frozen``, a handover passing the table on): the table
-  is read a part at a time, the caller's loop let go between parts, while
-  it stays in use.  Meanwhile nothing moves in it: ids learnt, and ids used
-  (the most recently used now), go to a side table that is looked up first
-  and merged in at the end (``FrozenIds.close``), the bound applied then.
-  A list of 10 million ids made at once held the loop 177 ms.
+- Read in parts (``frozen``: a handover passing the table on, a worker
+  starting): the table is read a part at a time, the caller's loop let go
+  between parts, while it stays in use.  Meanwhile nothing moves in it: ids
+  learnt, and ids used (the most recently used now), go to a side table that
+  is looked up first, bounded by ``capacity`` itself (its oldest dropped: the
+  table after the merge would not keep them either), and merged in when the
+  last reader is closed (``FrozenIds.close``), the bound applied then.  A
+  list of 10 million ids made at once held the loop 6-9 s.  ``newest_first``
+  parts are for ``seed``: a worker that serves while they come adds each
+  only where it has room, behind what it learnt meanwhile.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class ResponseIds:
 
     __slots__ = (
         "_fresh",
+        "_fresh_new",
         "_ids",
         "_readers",
         "_waiters",
@@ -114,6 +119,7 @@ class ResponseIds:
         self._ids: OrderedDict[str, str] = OrderedDict()
         # While ``frozen``: what changed since, most recently used last (None: not frozen).
         self._fresh: OrderedDict[str, str] | None = None
+        self._fresh_new = 0  # of those, ids not in ``_ids``
         self._readers = 0  # FrozenIds not closed yet
         self.hits = self.misses = self.fallbacks = self.learnt = self.unread = 0
         self.outbox: list[Learnt] | None = None  # None: not shared
@@ -129,10 +135,7 @@ class ResponseIds:
         self._waiters: dict[str, dict[Callable[[], None], None]] = {}
 
     def __len__(self) -> int:
-        fresh = self._fresh
-        if fresh is None:
-            return len(self._ids)
-        return len(self._ids) + sum(1 for response_id in fresh if response_id not in self._ids)
+        return len(self._ids) + self._fresh_new
 
     @property
     def enabled(self) -> bool:
@@ -150,11 +153,27 @@ class ResponseIds:
         self._trim()
 
     def _put(self, response_id: str, backend: str) -> None:
-        ids = self._ids if self._fresh is None else self._fresh
+        fresh = self._fresh
+        if fresh is not None:
+            self._put_fresh(response_id, backend)
+            return
+        ids = self._ids
         ids[response_id] = backend
         ids.move_to_end(response_id)
         if len(ids) > self.capacity:
             self._trim()
+
+    def _put_fresh(self, response_id: str, backend: str) -> None:
+        fresh = self._fresh
+        assert fresh is not None
+        if response_id not in fresh and response_id not in self._ids:
+            self._fresh_new += 1
+        fresh[response_id] = backend
+        fresh.move_to_end(response_id)
+        while len(fresh) > self.capacity:  # its oldest would not outlive the merge
+            dropped, _ = fresh.popitem(last=False)
+            if dropped not in self._ids:
+                self._fresh_new -= 1
 
     def _trim(self) -> None:
         if self._fresh is not None:
@@ -194,7 +213,7 @@ class ResponseIds:
             return backend
         backend = self._ids.get(response_id)
         if backend is not None:
-            fresh[response_id] = backend  # the most recently used, once merged in
+            self._put_fresh(response_id, backend)  # the most recently used, once merged
         return backend
 
     def holder(self, response_id: str) -> str | None:
@@ -241,7 +260,8 @@ class ResponseIds:
                     callback()
 
     def snapshot(self) -> list[Learnt]:
-        """Every id held, least recently used first (a worker starting anew)."""
+        """Every id held, least recently used first, at once (tests: the router reads
+        the table in parts, ``frozen``)."""
         if self._fresh is not None:
             merged = OrderedDict(self._ids)
             for response_id, backend in self._fresh.items():
@@ -250,25 +270,52 @@ class ResponseIds:
             return list(merged.items())
         return list(self._ids.items())
 
-    def frozen(self, size: int) -> FrozenIds:
-        """Every id held, least recently used first, in parts of ``size``, read while the
-        table stays in use (see the module contract); ``close`` the result.  Several may
-        be open at once (a handover, a worker starting): the table moves again once the
-        last is closed, and each reads it as it was when the first was opened."""
+    def frozen(self, size: int, *, newest_first: bool = False) -> FrozenIds:
+        """Every id held, least recently used first (or ``newest_first``), in parts of
+        ``size``, read while the table stays in use (see the module contract); ``close``
+        the result.  Several may be open at once (a handover, a worker starting): the
+        table moves again once the last is closed; one opened while another is open
+        reads the table and then what changed since, as the merge will order them."""
         if self._fresh is None:
             self._fresh = OrderedDict()
         self._readers += 1
-        return FrozenIds(self, size)
+        return FrozenIds(self, size, newest_first)
 
     def _thaw(self) -> None:
         self._readers -= 1
         if self._readers:
             return
         fresh, self._fresh = self._fresh, None
+        self._fresh_new = 0
         if fresh:
+            ids = self._ids
             for response_id, backend in fresh.items():
-                self._put(response_id, backend)
-        self._trim()  # a resize meanwhile
+                ids[response_id] = backend
+                ids.move_to_end(response_id)
+        self._trim()  # once: what came meanwhile, a resize
+
+    def seed(self, learnt: Iterable[Learnt]) -> None:
+        """Ids of the table as it was when this process started, newest first, given
+        while it serves (``frozen(newest_first=True)``, a worker starting): each is
+        added behind every id held, and only while there is room, so what this process
+        learnt or was told meanwhile stays the more recent and is never evicted by
+        them.  Waiters for an id are called as by ``apply``."""
+        if not self.enabled:
+            return
+        ids, fresh, waiters = self._ids, self._fresh, self._waiters
+        for response_id, backend in learnt:
+            if len(self) >= self.capacity:
+                return
+            if response_id in ids or (fresh is not None and response_id in fresh):
+                continue
+            if fresh is None:
+                ids[response_id] = backend
+                ids.move_to_end(response_id, last=False)  # the oldest
+            else:  # (itself read in parts meanwhile: merged as if learnt)
+                self._put_fresh(response_id, backend)
+            if waiters and response_id in waiters:
+                for callback in waiters.pop(response_id):
+                    callback()
 
     def add_counts(self, counts: dict[str, int]) -> None:
         """Add another process's ``counts()`` (a supervisor adding up its workers)."""
@@ -288,13 +335,17 @@ class ResponseIds:
 class FrozenIds:
     """``ResponseIds.frozen``: ``count`` lists of ids, each a step of the caller's."""
 
-    def __init__(self, ids: ResponseIds, size: int):
+    def __init__(self, ids: ResponseIds, size: int, newest_first: bool = False):
         self._ids: ResponseIds | None = ids
         # Opened while another reader holds the table still: what changed since (the
-        # side table, a copy: small) comes after it, the most recent last.
+        # side table, a copy: bounded by the capacity) comes after it, the most recent
+        # last (or first).
         fresh = list(ids._fresh.items()) if ids._fresh else []
         self.count = -(-(len(ids._ids) + len(fresh)) // size)
-        self._items = chain(ids._ids.items(), fresh)
+        if newest_first:
+            self._items = chain(reversed(fresh), reversed(ids._ids.items()))
+        else:
+            self._items = chain(ids._ids.items(), fresh)
         self._size = size
 
     def __iter__(self) -> Iterator[list[Learnt]]:

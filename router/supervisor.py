@@ -144,6 +144,7 @@ if TYPE_CHECKING:
 __all__ = ["IDS_PER_PART", "Workers", "refuse_past_slots", "send_ids"]
 
 IDS_PER_PART = 16384  # response ids per Records message to a worker starting (~1 MB)
+SEND_WAIT = 10.0  # a starting worker that reads none of them for this long gets no more
 
 log = get_logger("supervisor")
 
@@ -181,17 +182,22 @@ class _Worker:
 
 
 async def send_ids(channel: Channel, ids: FrozenIds) -> None:
-    """The response ids the fleet knows, to a worker just started, in Records of
-    IDS_PER_PART, each once the last is on its way: one Init of 10 million would pass
-    the channel's frame bound (the worker could never start) and hold the loop for
-    seconds.  Ids learnt meanwhile reach it as they reach every worker; it serves
-    meanwhile (an id not there yet is waited for briefly, as any unknown id)."""
+    """The response ids the fleet knows, to a worker just started, newest first, in
+    Records of IDS_PER_PART marked ``seed``, each once the last is on its way: one Init
+    of 10 million would pass the channel's frame bound (the worker could never start)
+    and hold the loop for seconds.  It serves meanwhile: what it learns or is told
+    meanwhile stays the more recent (``ResponseIds.seed``), and an id not there yet is
+    waited for briefly, as any unknown id.  A worker that reads nothing for
+    SEND_WAIT gets no more of them (the table is held still while they go)."""
     try:
         for part in ids:
-            channel.send(Records([], part))
-            await channel.drained()
+            channel.send(Records([], part, seed=True))
+            async with asyncio.timeout(SEND_WAIT):
+                await channel.drained()
     except ChannelClosed:
         pass  # it exited: its successor gets them all again
+    except TimeoutError:
+        log.warning("a starting worker read no response ids for a while: no more sent")
     finally:
         ids.close()
 
@@ -412,8 +418,9 @@ class Workers:
         # step: every op from here on reaches it, every op before is in the snapshot.
         worker.channel.send(self._init(worker.index))
         # The response ids as they are in this same step, a part at a time.
-        ids = self.router.responses.frozen(IDS_PER_PART)
+        ids = self.router.responses.frozen(IDS_PER_PART, newest_first=True)
         worker.ids = asyncio.create_task(send_ids(worker.channel, ids))
+        worker.ids.add_done_callback(lambda _: ids.close())  # (cancelled before it ran)
         worker.task = asyncio.create_task(self._run(worker))
         log.info("worker started", worker=worker.index, pid=worker.process.pid)
 

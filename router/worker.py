@@ -331,7 +331,10 @@ class _Worker:
                 elif isinstance(message, Records):
                     if message.records:
                         router.balancer.apply_records(message.records)
-                    router.responses.apply(message.responses)
+                    if message.seed:
+                        router.responses.seed(message.responses)
+                    else:
+                        router.responses.apply(message.responses)
                 elif isinstance(message, Query):
                     # Fold now: whoever reads the answer has every worker's counts
                     # as of this moment (a test can rely on it; the timer bounds the rest).

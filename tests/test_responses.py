@@ -153,3 +153,33 @@ def test_read_in_parts_the_table_stays_in_use_and_changes_land_after() -> None:
     assert len(ids) == 4
     assert list(frozen) == []  # closed: nothing more
     ids.frozen(2).close()  # and it can be read in parts again
+
+
+def test_seeded_ids_stay_behind_what_the_worker_learnt_and_fill_only_its_room() -> None:
+    """A worker starting serves while the fleet's ids come, newest first: an id it was
+    told meanwhile stays the most recent, and the oldest of the seed go where there is
+    no room (before, a full seed pushed the newer ids out)."""
+    supervisor = ResponseIds(4)
+    supervisor.apply([(f"old{i}", "a") for i in range(4)])
+    parts = supervisor.frozen(2, newest_first=True)
+    worker = ResponseIds(4)
+    worker.apply([("new", "b")])
+    woken: list[str] = []
+    worker.wait("old1", lambda: woken.append("old1"))
+    for part in parts:
+        worker.seed(part)
+    parts.close()
+    assert worker.snapshot() == [("old1", "a"), ("old2", "a"), ("old3", "a"), ("new", "b")]
+    assert woken == ["old1"]
+
+
+def test_the_side_table_is_bounded_while_the_table_is_read() -> None:
+    ids = ResponseIds(3)
+    ids.apply([(f"a{i}", "x") for i in range(3)])
+    reader = ids.frozen(10)
+    ids.apply([(f"b{i}", "y") for i in range(10)])
+    assert len(ids) == 6  # the table's 3 and the side table's newest 3
+    assert ids.holder("b6") is None  # dropped: the merge would not keep it either
+    reader.close()
+    assert ids.snapshot() == [("b7", "y"), ("b8", "y"), ("b9", "y")]
+    assert len(ids) == 3

@@ -154,7 +154,7 @@ async def test_restarted_workers_know_the_ids_learnt_before(sim_fleet: SimFleet)
 
 
 async def test_a_starting_worker_gets_the_ids_in_parts_each_within_the_frame_bound() -> None:
-    """``send_ids``: Records of IDS_PER_PART, oldest first, the next sent once the last
+    """``send_ids``: Records of IDS_PER_PART, newest first, the next sent once the last
     is on its way; the table moves again at the end.  (10 million ids in one Init,
     ~500 MB, passed the channel's 64 MB bound: a worker could never start.)"""
     table = ResponseIds(3 * IDS_PER_PART)
@@ -163,16 +163,17 @@ async def test_a_starting_worker_gets_the_ids_in_parts_each_within_the_frame_bou
     ours, theirs = socket.socketpair()
     sender, receiver = await Channel.open(ours), await Channel.open(theirs)
     try:
-        sending = asyncio.create_task(send_ids(sender, table.frozen(IDS_PER_PART)))
+        frozen = table.frozen(IDS_PER_PART, newest_first=True)
+        sending = asyncio.create_task(send_ids(sender, frozen))
         got: list[tuple[str, str]] = []
         while len(got) < len(learnt):
             message = await receiver.receive()
             assert isinstance(message, Records)
-            assert message.records == []
+            assert (message.records, message.seed) == ([], True)
             assert len(message.responses) <= IDS_PER_PART
             got += [tuple(pair) for pair in message.responses]
         await sending
-        assert got == learnt
+        assert got == learnt[::-1]  # newest first: a worker full already keeps the newest
         table.learn("resp_new", "backend-0")  # thawed: the table moves again
         assert table.snapshot()[-1] == ("resp_new", "backend-0")
     finally:
