@@ -215,8 +215,6 @@ async def serve(
                 nonlocal retiring
                 retiring = upgrade.retired = True
                 control.thaw(f"this router handed over to process {pid}: ask again")
-                assert handover is not None
-                router.responses.tap = handover.learnt  # passed on while we drain
                 stop.set()
 
             handover = _handover(control, router, workers, admin, replicated, retire)
@@ -389,7 +387,10 @@ def _handover(
     async def freeze() -> Snapshot:
         frozen = await control.freeze()
         listening = workers.sockets if workers is not None else router.sockets
-        ids = router.responses.frozen(IDS_PER_FRAME)  # read a frame at a time as sent
+        # Ids learnt from here on (we serve while the new process starts) are passed
+        # on after it took over; those held now go in parts, read as they are sent.
+        router.responses.tap = handover.learnt
+        ids = router.responses.frozen(IDS_PER_FRAME)
         return Snapshot(
             client=[sock.fileno() for sock in listening],
             admin=[sock.fileno() for sock in admin.sockets] if admin else [],
@@ -399,7 +400,11 @@ def _handover(
             release=ids.close,
         )
 
-    handover = Handover(freeze, control.thaw, retire)
+    def thaw() -> None:
+        router.responses.tap = None  # it failed: nobody to pass them on to
+        control.thaw()
+
+    handover = Handover(freeze, thaw, retire)
     handover.loads = workers.host_loads if workers is not None else _OwnLoads(router)
     return handover
 

@@ -263,7 +263,7 @@ class Handover:
         self._asked: set[asyncio.Task[None]] = set()  # one per connection to PATH
         self._busy = False
         self.retired = False
-        self._learnt: list[Learnt] = []  # ids learnt while draining, not yet passed on
+        self._learnt: list[Learnt] = []  # ids learnt since the freeze, not yet passed on
         self._more = asyncio.Event()
         self._closing = False
         self.stopping = False  # set as the daemon stops: its listeners are closing
@@ -370,6 +370,7 @@ class Handover:
             if snapshot.release is not None:
                 snapshot.release()  # (once: a second call does nothing)
             if not ready:
+                self._learnt = []  # learnt since the freeze, for a process that is gone
                 self._thaw()
         self.retired = True
         log.info("handed over: draining", to_pid=pid)
@@ -381,8 +382,9 @@ class Handover:
             log.warning("response ids learnt while draining not passed on", error=str(exc))
 
     def learnt(self, ids: list[Learnt]) -> None:
-        """Response ids learnt (or applied) here after the handover: passed on to the
-        new process, so follow-ups of answers that end while we drain find them."""
+        """Response ids learnt (or applied) here since the freeze: passed on to the new
+        process once it took over, so follow-ups of answers that ended while it started
+        or while we drain find them."""
         self._learnt += ids
         self._more.set()
 
@@ -423,7 +425,7 @@ class Handover:
             self._more.clear()
 
     async def close(self) -> None:
-        """Stop listening (once the ids learnt while draining are passed on, bounded);
+        """Stop listening (once the ids learnt since the freeze are passed on, bounded);
         PATH is removed only while it is still ours."""
         self._closing = True
         self._more.set()

@@ -17,7 +17,9 @@ import aiohttp
 import pytest
 import trustme
 
+from admin.daemon import _handover
 from router import handover as handover_module
+from router.control.live import RouterControl
 from router.handover import Handover, HandoverError, Snapshot, take_over
 from router.responses import ResponseIds
 from tests.harness.backends import StartBackend, hold
@@ -363,4 +365,42 @@ async def test_many_silent_connections_to_path_hold_few_descriptors_of_the_old_p
     finally:
         for sock in silent:
             sock.close()
+        await handover.close()
+
+
+async def test_an_id_learnt_while_the_new_process_starts_is_passed_on(
+    backends: StartBackend, start_router: StartRouter, tmp_path: Path
+) -> None:
+    """Between the freeze (the ids sent) and the new process's Ready, the old one
+    serves: a response that ends then was known to nobody but it, and its follow-up
+    missed in the new process.  The ids learnt from the freeze on now follow Released;
+    a handover that fails forgets them."""
+    origin = await backends()
+    router = await start_router([origin.spec], health={"active": False})
+    router.responses.learn("resp_before", origin.name)
+    handover = _handover(RouterControl(router), router, None, None, False, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await handover.listen(path)
+    try:
+        failed = await take_over(path)  # a first new process that fails before Ready
+        assert failed is not None
+        router.responses.learn("resp_lost", origin.name)
+        failed.abandon()
+        await until(lambda: router.responses.tap is None)  # thawed: nobody to tell
+        taken = await take_over(path)
+        assert taken is not None
+        assert [tuple(pair) for pair in taken.responses] == [
+            ("resp_before", origin.name),
+            ("resp_lost", origin.name),
+        ]
+        router.responses.learn("resp_while_it_starts", origin.name)
+        got: list[tuple[str, str]] = []
+        following = await taken.ready(got.extend, lambda changes: None)
+        assert following is not None
+        await until(lambda: bool(got))
+        assert [tuple(pair) for pair in got] == [("resp_while_it_starts", origin.name)]
+        following.cancel()
+        for sock in (*taken.client, *taken.admin):  # the listeners it was given
+            sock.close()
+    finally:
         await handover.close()
