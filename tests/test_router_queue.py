@@ -458,13 +458,13 @@ async def test_100000_waiting_requests_leave_in_any_order_in_linear_time(
             assert queue.enter(request)  # type: ignore[arg-type]
         await until(lambda: not queue._scheduled)  # the pump ran: still saturated
         assert queue.depth == 100_000
+        # Linear: ~0.1 s here.  Quadratic took minutes: the test's timeout ends it (no
+        # assertion on time: a paused VM must not fail it).
         started = time.perf_counter()
-        for n, request in enumerate(reversed(waiting)):
+        for request in reversed(waiting):
             queue.leave(request)  # type: ignore[arg-type]
             assert request.timer is not None
             request.timer.cancel()
-            if n % 1000 == 0:  # fail in seconds, not after the quadratic minutes
-                assert time.perf_counter() - started < 2.0, f"{n} left in 2 s"
         took = time.perf_counter() - started
         print(f"\n{tenants} tenant(s): 100,000 leaves in {took * 1000:.0f} ms")
         assert queue.depth == 0

@@ -223,11 +223,11 @@ async def test_many_requests_waiting_for_one_unknown_id_leave_in_linear_time(
     callbacks = [_Waiter().routed for _ in range(100_000)]
     for callback in callbacks:
         router.responses.wait("resp_bogus", callback)
+    # Linear: well under a second.  Quadratic took minutes: the test's timeout ends it
+    # (no assertion on time: a paused VM must not fail it).
     started = time.perf_counter()
-    for n, callback in enumerate(reversed(callbacks)):
+    for callback in reversed(callbacks):
         router.responses.unwait("resp_bogus", callback)
-        if n % 1000 == 0:  # fail in seconds, not after the quadratic minutes
-            assert time.perf_counter() - started < 2.0, f"{n} left in 2 s"
     print(f"\n100,000 waiters of one id left in {(time.perf_counter() - started) * 1000:.0f} ms")
     assert router.responses.waiting("resp_bogus") == 0
     assert router.responses.counts()["misses"] == 0  # nobody waited it out
