@@ -12,7 +12,9 @@ Contract:
   (client and admin, ``SCM_RIGHTS``) and ``Given``: the membership and
   routing as the state file would hold them (None under etcd, where etcd
   holds them), the response ids it knows, its pid.  It keeps serving
-  meanwhile.  The new process starts on those sockets (both processes accept
+  meanwhile; the ids it learns from the freeze on (``learnt``: the daemon
+  taps its table then) follow ``Released`` (forgotten if the handover
+  fails).  The new process starts on those sockets (both processes accept
   from them for a moment: each connection goes to one) and sends ``Ready``.
   The old one then retires (``on_ready``: its admin writes are refused with
   503 from here on, its admin server closes, its listeners close and it
@@ -37,7 +39,8 @@ Contract:
   socket: the state in one frame, the response ids in ``Ids`` frames of
   ``IDS_PER_FRAME`` (the table at its bound, 10 million ids, is ~500 MB: one
   frame would hold the old process's loop for seconds and pass
-  ``MAX_FRAME``), the loop let go between them.
+  ``MAX_FRAME``), each read from the table as it is sent
+  (``ResponseIds.frozen``), the loop let go between them.
 - While it drains, the old process's requests are still on the backends: it
   sends its in-flight counts per backend (``Loads``: the host's, every worker
   of it and any process it had taken over from, whose requests it keeps
