@@ -144,7 +144,8 @@ if TYPE_CHECKING:
 __all__ = ["IDS_PER_PART", "Workers", "refuse_past_slots", "send_ids"]
 
 IDS_PER_PART = 16384  # response ids per Records message to a worker starting (~1 MB)
-SEND_WAIT = 10.0  # a starting worker that reads none of them for this long gets no more
+SEND_WAIT = 60.0  # a starting worker that reads none of them for this long gets no more
+# (a worker builds its ring before it reads: 8,192 backends take seconds of CPU)
 
 log = get_logger("supervisor")
 
