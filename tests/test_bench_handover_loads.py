@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench_handover_loads import Sample, summarise
+from loadtests.bench_handover_loads import Sample, summarise, table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_tiny_run_writes_sane_rounds_and_the_table(tmp_path: Path) -> None:
     out = tmp_path / "rounds.json"
     command = [
-        sys.executable, "-m", "loadtests.bench_handover_loads", "--before", str(ROOT),
+        sys.executable, "-m", "loadtests.bench_handover_loads",
         "--rounds", "1", "--threshold", "1", "--documents", "2", "--stream-s", "0.3",
         "--warmup-s", "0.5", "--time-scale", "0.1", "--json", str(out),
     ]  # fmt: skip
@@ -33,7 +33,7 @@ def test_a_tiny_run_writes_sane_rounds_and_the_table(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert list(doc["rounds"]) == ["before", "after"]
+    assert list(doc["rounds"]) == ["after"]  # one tree (the table: below)
     for label, rounds in doc["rounds"].items():
         [r] = rounds
         assert r["tree"] == str(ROOT), label
@@ -45,8 +45,20 @@ def test_a_tiny_run_writes_sane_rounds_and_the_table(tmp_path: Path) -> None:
         assert r["peak"] == max(r["peaks"].values(), default=0)
         assert r["warm_peak"] <= 3  # 3 clients (3 T) in all
         assert r["peak"] <= 3
-    assert "| median over rounds | before | after | after/before |" in done.stdout
-    assert "python -m loadtests.bench_handover_loads --before" in done.stdout
+    assert "python -m loadtests.bench_handover_loads --rounds 1" in done.stdout
+    assert "drain requests that arrived at an instance already at T:" in done.stdout
+
+
+def test_the_table_compares_the_two_trees_row_by_row() -> None:
+    before: dict[str, float | None] = {"peak": 6, "warm_peak": 4, "past_bound": 8}
+    after: dict[str, float | None] = {"peak": 5, "warm_peak": 4, "past_bound": 0}
+    before["drain_requests"], after["drain_requests"] = 15, 16
+    for key in ("ttft_p50_ms", "ttft_p90_ms", "drain_s", "failed"):
+        before[key] = after[key] = None
+    lines = table(before, after).splitlines()
+    assert lines[0] == "| median over rounds | before | after | after/before |"
+    assert "| peak in flight on an instance, drain | 6 | 5 | 0.83 |" in lines
+    assert "| drain requests that arrived at an instance already at T | 8 | 0 | 0.00 |" in lines
 
 
 def test_summary_counts_the_drain_requests_past_the_bound() -> None:
