@@ -254,6 +254,12 @@ class AdminServer:
             for name in self._runner.addresses
         ]
 
+    async def stop_accepting(self) -> None:
+        """Accept no more connections (those open are answered until ``close``): a
+        handover's new process holds the same listening sockets and answers alone."""
+        for site in list(self._runner.sites):
+            await site.stop()
+
     async def close(self) -> None:
         await self._runner.cleanup()
         self._port = None

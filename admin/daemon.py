@@ -39,7 +39,7 @@ from router.config import Config, ConfigError, parse_address
 from router.state import State, StateFile
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from admin import AdminServer
     from router.app import Router
@@ -211,11 +211,13 @@ async def serve(
         loop.add_signal_handler(signal.SIGUSR2, upgrade.start)
         if config.handover_socket is not None:
 
-            def retire(pid: int) -> None:
+            async def retire(pid: int) -> None:
                 nonlocal retiring
                 retiring = upgrade.retired = True
                 control.thaw(f"this router handed over to process {pid}: ask again")
                 stop.set()
+                if admin is not None:  # before Released: the new one answers alone from then
+                    await admin.stop_accepting()
 
             handover = _handover(control, router, workers, admin, replicated, retire)
             if taken is None:
@@ -378,7 +380,7 @@ def _handover(
     workers: Workers | None,
     admin: AdminServer | None,
     replicated: bool,
-    retire: Callable[[int], None],
+    retire: Callable[[int], Awaitable[None] | None],
 ) -> Handover:
     """What a process that asks on the handover socket gets: our listeners (the
     workers' if any, the admin API's) and membership (none under etcd: etcd has it)."""

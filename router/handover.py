@@ -17,8 +17,10 @@ Contract:
   fails).  The new process starts on those sockets (both processes accept
   from them for a moment: each connection goes to one) and sends ``Ready``.
   The old one then retires (``on_ready``: its admin writes are refused with
-  503 from here on, its admin server closes, its listeners close and it
-  drains its requests as on SIGTERM) and answers ``Released``; the new one
+  503 from here on, its admin server stops accepting before ``Released``, so
+  that from then on the new process alone answers on the admin socket; its
+  listeners close and it drains its requests as on SIGTERM) and answers
+  ``Released``; the new one
   then takes PATH over (binds beside it and renames: the path never stops
   answering; until then the retired one answers ``Busy``).
   A connection waiting in a listener's queue is never reset: the listening
@@ -251,7 +253,7 @@ class Handover:
         self,
         freeze: Callable[[], Awaitable[Snapshot]],
         thaw: Callable[[], None],
-        on_ready: Callable[[int], None],
+        on_ready: Callable[[int], Awaitable[None] | None],
     ):
         """``freeze`` holds the membership still and says what to hand over; ``thaw``
         lets it go (the handover failed); ``on_ready(pid)``: the process ``pid`` serves
@@ -377,7 +379,9 @@ class Handover:
                 self._thaw()
         self.retired = True
         log.info("handed over: draining", to_pid=pid)
-        self._on_ready(pid)
+        retiring = self._on_ready(pid)
+        if retiring is not None:
+            await retiring  # (bounded by the caller: it stops accepting, nothing more)
         try:
             await _send(conn, Released())
             await self._forward(conn, reads_loads)
