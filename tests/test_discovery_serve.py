@@ -22,7 +22,7 @@ import trustme
 from admin.cli import main
 from tests.harness.backends import Backend, StartBackend, echo
 from tests.harness.fakek8s import FakeKube, endpoint_entry, slice_object
-from tests.harness.http import WAIT
+from tests.harness.http import WAIT, post_generate
 from tests.harness.processes import admin_call, spawn_router, stop
 
 
@@ -78,14 +78,6 @@ async def until_backends(http, proc, wanted: dict[str, str]) -> None:  # type: i
             await asyncio.sleep(0.02)
 
 
-async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
-    async with http.post(
-        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
-    ) as resp:
-        await resp.read()
-        return resp.status
-
-
 async def test_serve_with_two_workers_follows_the_service_and_refuses_admin_membership_writes(
     kube: tuple[FakeKube, Path], backends: StartBackend
 ) -> None:
@@ -104,7 +96,7 @@ async def test_serve_with_two_workers_follows_the_service_and_refuses_admin_memb
             status, _ = await admin_call(http, proc, "GET", "/readyz")
             assert status == 200
             for i in range(4):
-                assert await post(http, port, f"key {i}") == 200
+                assert await post_generate(http, port, f"key {i}") == 200
             assert len(a.requests) == 4
 
             # Membership belongs to discovery: POST, DELETE and a state PATCH are 409.
@@ -127,7 +119,7 @@ async def test_serve_with_two_workers_follows_the_service_and_refuses_admin_memb
             fake.put_slice(slice_for("vllm-a", a, ready=False, serving=True, terminating=True))
             await until_backends(http, proc, {na: "draining", nb: "active"})
             for i in range(8):
-                assert await post(http, port, f"after {i}") == 200
+                assert await post_generate(http, port, f"after {i}") == 200
             assert len(a.requests) == 4
             assert len(b.requests) == 8
 
@@ -150,7 +142,7 @@ async def test_serve_dns_discovery_through_the_system_resolver(backends: StartBa
             # localhost is 127.0.0.1 here (and may be ::1 too elsewhere).
             assert found[f"127.0.0.1:{port_of(a)}"] == "active"
             assert set(found) <= {f"127.0.0.1:{port_of(a)}", f"0::1:{port_of(a)}"}
-            assert await post(http, port, "hello") == 200
+            assert await post_generate(http, port, "hello") == 200
     finally:
         await stop(proc)
 

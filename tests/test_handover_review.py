@@ -78,6 +78,22 @@ async def test_a_socket_another_user_made_at_path_is_not_taken_over() -> None:
         await asyncio.to_thread(shutil.rmtree, shared)
 
 
+async def handing_over(
+    held: ResponseIds, thawed: asyncio.Event, tmp_path: Path
+) -> tuple[Handover, str]:
+    """An old process's side listening at ``tmp_path/h.sock``, handing ``held`` over in
+    parts as the daemon does; ``thawed`` set if the handover fails."""
+
+    async def freeze() -> Snapshot:
+        frozen = held.frozen(handover_module.IDS_PER_FRAME)
+        return Snapshot([], [], None, frozen, frozen.count, frozen.close)
+
+    handover = Handover(freeze, thawed.set, lambda pid: None)
+    path = str(tmp_path / "h.sock")
+    await handover.listen(path)
+    return handover, path
+
+
 async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,14 +104,7 @@ async def test_an_asker_that_reads_nothing_does_not_freeze_the_old_process(
     thawed = asyncio.Event()
     held = ResponseIds(50_000)
     held.apply(ids(50_000))
-
-    async def freeze() -> Snapshot:
-        frozen = held.frozen(handover_module.IDS_PER_FRAME)
-        return Snapshot([], [], None, frozen, frozen.count, frozen.close)
-
-    handover = Handover(freeze, thawed.set, lambda pid: None)
-    path = str(tmp_path / "h.sock")
-    await handover.listen(path)
+    handover, path = await handing_over(held, thawed, tmp_path)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         silent.connect(path)
@@ -123,14 +132,7 @@ async def test_a_full_ids_table_is_handed_over_in_parts(
     held = ResponseIds(len(table))
     held.apply(table)
     thawed = asyncio.Event()
-
-    async def freeze() -> Snapshot:
-        frozen = held.frozen(handover_module.IDS_PER_FRAME)
-        return Snapshot([], [], None, frozen, frozen.count, frozen.close)
-
-    handover = Handover(freeze, thawed.set, lambda pid: None)
-    path = str(tmp_path / "h.sock")
-    await handover.listen(path)
+    handover, path = await handing_over(held, thawed, tmp_path)
     try:
         # The asker in a thread of its own loop, as another process would be.
         def ask() -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from router.replicas import RATE_WINDOW, TTL
 from router.udprows import Sample, encode
 from tests.harness.backends import Backend, StartBackend, echo, hold
 from tests.harness.etcd import EtcdServer, etcd_binary
-from tests.harness.http import WAIT
+from tests.harness.http import WAIT, post_generate
 from tests.harness.processes import ADMIN_PORTS, RESTART_WAIT, admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
@@ -54,14 +54,6 @@ async def replicas(  # type: ignore[no-untyped-def]
             flags += ["--backend", "{}={}".format(*backend.spec)]
         started.append(await spawn_router(*flags, events=events))
     return started
-
-
-async def post(http: aiohttp.ClientSession, port: int, body: str) -> int:
-    async with http.post(
-        f"http://127.0.0.1:{port}/generate", data=body, headers={"Connection": "close"}
-    ) as resp:
-        await resp.read()
-        return resp.status
 
 
 async def until(check, within: float = WAIT) -> None:  # type: ignore[no-untyped-def]
@@ -95,7 +87,7 @@ async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
         async with aiohttp.ClientSession() as http:
             for i in range(60):  # each key through every replica in turn
                 _, port = routers[i % 3]
-                assert await post(http, port, f"prompt {i // 3 % 10}") == 200
+                assert await post_generate(http, port, f"prompt {i // 3 % 10}") == 200
             assert all(len(names) == 1 for names in homes(a, b).values())
             assert len(homes(a, b)) == 10
 
@@ -130,7 +122,7 @@ async def test_three_replicas_route_alike_and_take_a_change_made_through_one(
             before = len(a.requests) + len(b.requests)
             for i in range(30):
                 _, port = routers[i % 3]
-                assert await post(http, port, f"after {i}") == 200
+                assert await post_generate(http, port, f"after {i}") == 200
             assert len(c.requests) == 30
             assert len(a.requests) + len(b.requests) == before
     finally:
@@ -157,7 +149,7 @@ async def test_the_replica_that_seeds_a_new_fleet_starts_its_workers_with_all_of
             assert event["backends"] == [backend.name for backend in fleet]
         async with aiohttp.ClientSession() as http:
             for i in range(10):
-                assert await post(http, port, f"prompt {i}") == 200
+                assert await post_generate(http, port, f"prompt {i}") == 200
             _, stats = await admin_call(http, proc, "GET", "/admin/stats")
             _, shown = await admin_call(http, proc, "GET", "/admin/config")
         assert isinstance(stats, dict)
@@ -226,9 +218,10 @@ async def test_a_traffic_placement_made_by_one_replica_is_followed_by_the_others
             async def turn(port: int, i: int) -> str:
                 """The key once (other keys between: it stays below a hot key's share)."""
                 before = served(second)
-                assert await post(http, port, body) == 200
+                assert await post_generate(http, port, body) == 200
                 for j in range(3):
-                    assert await post(http, port, f"another conversation {port} {i} {j}") == 200
+                    other = f"another conversation {port} {i} {j}"
+                    assert await post_generate(http, port, other) == 200
                 return second if served(second) > before else first
 
             await set_state("draining")
@@ -255,7 +248,7 @@ async def test_in_flight_counts_and_drains_span_the_replicas(
     (one, one_port), (two, two_port) = routers
     try:
         async with aiohttp.ClientSession() as http:
-            first = asyncio.create_task(post(http, one_port, "one prompt"))
+            first = asyncio.create_task(post_generate(http, one_port, "one prompt"))
             await a.wait_for(lambda: len(a.heads) + len(b.heads) == 1)
             held_by_one, other = (a, b) if a.heads else (b, a)
 
@@ -264,7 +257,7 @@ async def test_in_flight_counts_and_drains_span_the_replicas(
                 return body["totals"]["in_flight"] == 1  # type: ignore[index]
 
             await until(two_sees_it)  # replica one's row reached replica two's table
-            second = asyncio.create_task(post(http, two_port, "one prompt"))
+            second = asyncio.create_task(post_generate(http, two_port, "one prompt"))
             await other.wait_for(lambda: len(other.heads) == 1)  # the home is busy: overflow
             assert len(held_by_one.heads) == 1
             # Drain that home through replica two: it cannot leave while replica one
@@ -328,7 +321,7 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
 
             await until(each_hears_the_other)  # the addresses and keys came through etcd
             await etcd.kill()  # from here on, only UDP carries the counts
-            first = asyncio.create_task(post(http, one_port, "one prompt"))
+            first = asyncio.create_task(post_generate(http, one_port, "one prompt"))
             await a.wait_for(lambda: len(a.heads) + len(b.heads) == 1)
             held_by_one, other = (a, b) if a.heads else (b, a)
 
@@ -338,7 +331,7 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             await until(lambda: two_counts(1))
             # The worker's change reached one's sender as a signal (not only by a keep-alive).
             assert (await stats(one))["replicas"]["udp"]["signals"] >= 1
-            second = asyncio.create_task(post(http, two_port, "one prompt"))
+            second = asyncio.create_task(post_generate(http, two_port, "one prompt"))
             await other.wait_for(lambda: len(other.heads) == 1)  # the home is full: overflow
             assert len(held_by_one.heads) == 1
             # Datagrams not signed by a replica in etcd: dropped, counted, nothing moves.
@@ -367,7 +360,7 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
             # and signals that change as any other (not left to the next keep-alive).
             a.release.clear()
             b.release.clear()
-            third = asyncio.create_task(post(http, one_port, "a third prompt"))
+            third = asyncio.create_task(post_generate(http, one_port, "a third prompt"))
             await until(lambda: two_counts(1))
             before = (await stats(one))["replicas"]["udp"]["signals"]
             killed = {worker["pid"] for worker in (await stats(one))["workers"]}
@@ -386,7 +379,7 @@ async def test_udp_rows_carry_the_counts_while_etcd_is_away_and_drop_what_is_not
                 return all(worker["up"] for worker in workers) and not pids & killed
 
             await until(respawned, RESTART_WAIT)  # both slots filled again, by new processes
-            assert await post(http, one_port, "a fourth prompt") == 200
+            assert await post_generate(http, one_port, "a fourth prompt") == 200
             await etcd.start()
     finally:
         for proc, _ in routers:
@@ -438,7 +431,7 @@ async def test_a_routing_value_nested_too_deep_leaves_the_replicas_following_etc
                 _, fleet = await admin_call(http, proc, "GET", "/admin/backends")
                 assert isinstance(fleet, list)
                 assert sorted(v["name"] for v in fleet) == sorted([a.name, b.name])
-                assert await post(http, port, "a prompt") == 200
+                assert await post_generate(http, port, "a prompt") == 200
     finally:
         for proc, _ in routers:
             await stop(proc)
@@ -574,7 +567,7 @@ async def test_with_discovery_etcd_carries_the_shared_state_and_not_the_membersh
     (_, one_port), (two, _) = routers
     try:
         async with aiohttp.ClientSession() as http:
-            held = asyncio.create_task(post(http, one_port, "one prompt"))
+            held = asyncio.create_task(post_generate(http, one_port, "one prompt"))
             await a.wait_for(lambda: len(a.heads) == 1)
 
             async def two_sees_it() -> bool:
@@ -608,7 +601,7 @@ async def test_etcd_killed_and_restarted_under_load_fails_no_request(
             _, port = routers[sent % 2]
             sent += 1
             try:
-                if await post(http, port, f"prompt {sent % 20}") != 200:
+                if await post_generate(http, port, f"prompt {sent % 20}") != 200:
                     failed += 1
             except aiohttp.ClientError:
                 failed += 1
@@ -773,7 +766,7 @@ async def test_replicas_spread_their_claims_while_the_fleets_rate_races_and_stop
             async def drive(port: int) -> int:
                 sent = 0
                 while not done.is_set():
-                    assert await post(http, port, "prompt 0") == 200
+                    assert await post_generate(http, port, "prompt 0") == 200
                     sent += 1
                 return sent
 
