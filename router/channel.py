@@ -42,12 +42,14 @@ from .arms import ArmReport
 from .config import Config
 from .control.ops import Op
 from .explain import DryRequest, Explanation
-from .responses import Learnt
+from .log import get_logger
+from .responses import FrozenIds, Learnt
 from .signals import Signal
 from .slowstart import Ramp
 from .tenants import TenantDelta
 
 __all__ = [
+    "IDS_PER_PART",
     "Applied",
     "BackendCounts",
     "Channel",
@@ -65,6 +67,7 @@ __all__ = [
     "Recovered",
     "Report",
     "Signals",
+    "send_ids",
 ]
 
 MAX_FRAME = 64 << 20  # a Report of a very large fleet stays far below
@@ -80,7 +83,7 @@ class Init(msgspec.Struct, tag=True, frozen=True):
     table_rows: int
     table_slots: int
     # The response ids the fleet knows: none here, they follow in Records of
-    # router.supervisor.IDS_PER_PART (10 million would be ~500 MB, past MAX_FRAME).
+    # IDS_PER_PART (``send_ids``: 10 million would be ~500 MB, past MAX_FRAME).
     responses: list[Learnt] = []
     ramps: dict[str, Ramp] = {}  # slow starts under way (router.slowstart)
     signals: dict[str, Signal] = {}  # the last scrape round's engine figures (router.signals)
@@ -240,3 +243,31 @@ class Channel:
 
     def close(self) -> None:
         self._writer.close()
+
+
+IDS_PER_PART = 16384  # response ids per Records message to a worker starting (~1 MB)
+SEND_WAIT = 60.0  # a starting worker that reads none of them for this long gets no more
+# (a worker builds its ring before it reads: 8,192 backends take seconds of CPU)
+
+
+async def send_ids(channel: Channel, ids: FrozenIds) -> None:
+    """The response ids the fleet knows, to a worker just started, newest first, in
+    Records of IDS_PER_PART marked ``seed``, each once the last is on its way: one Init
+    of 10 million would pass the channel's frame bound (the worker could never start)
+    and hold the loop for seconds.  It serves meanwhile: what it learns or is told
+    meanwhile stays the more recent (``ResponseIds.seed``), and an id not there yet is
+    waited for briefly, as any unknown id.  A worker that reads nothing for
+    SEND_WAIT gets no more of them (the table is held still while they go)."""
+    try:
+        for part in ids:
+            channel.send(Records([], part, seed=True))
+            async with asyncio.timeout(SEND_WAIT):
+                await channel.drained()
+    except ChannelClosed:
+        pass  # it exited: its successor gets them all again
+    except TimeoutError:
+        get_logger("supervisor").warning(
+            "a starting worker read no response ids for a while: no more sent"
+        )
+    finally:
+        ids.close()

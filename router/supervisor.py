@@ -61,7 +61,7 @@ Contract:
   records to every worker.  The supervisor's router keeps every response id
   it passes on, so that a worker that (re)starts gets them right after its
   ``Init``, read as they were in the same step, in Records of
-  ``IDS_PER_PART`` (``send_ids``: one message of 10 million would pass the
+  ``IDS_PER_PART`` (``router.channel.send_ids``: one message of 10 million would pass the
   channel's frame bound, and the worker could never start).
   Each worker stamps its placements with ``stamp_base + index``.  A worker
   that restarts starts with an empty table and learns the fleet's homes
@@ -96,6 +96,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .channel import (
+    IDS_PER_PART,
     Applied,
     Apply,
     Channel,
@@ -112,6 +113,7 @@ from .channel import (
     Recovered,
     Report,
     Signals,
+    send_ids,
 )
 from .config import ConfigError
 from .control import Rejected, Unavailable, WorkerView
@@ -119,6 +121,7 @@ from .control.ops import AddBackend, Op, RemoveBackend, SetHealthy
 from .fleet import AdminState
 from .log import get_logger
 from .metrics import DURATION_BUCKETS, TTFT_BUCKETS, WINDOW, Histogram, Recorder
+from .predecessor import Predecessor
 from .shared import (
     PLANES,
     SPREAD_CELL,
@@ -138,14 +141,10 @@ if TYPE_CHECKING:
     from .app import Router
     from .explain import DryRequest, Explanation
     from .handover import Load
-    from .responses import FrozenIds, Learnt
+    from .responses import Learnt
     from .signals import Signal
 
-__all__ = ["IDS_PER_PART", "Workers", "refuse_past_slots", "send_ids"]
-
-IDS_PER_PART = 16384  # response ids per Records message to a worker starting (~1 MB)
-SEND_WAIT = 60.0  # a starting worker that reads none of them for this long gets no more
-# (a worker builds its ring before it reads: 8,192 backends take seconds of CPU)
+__all__ = ["Workers", "refuse_past_slots"]
 
 log = get_logger("supervisor")
 
@@ -180,27 +179,6 @@ class _Worker:
         self.started = 0.0
         self.restarts = 0
         self.sockets: list[socket.socket] = []  # its listening sockets (router.sockets.deal)
-
-
-async def send_ids(channel: Channel, ids: FrozenIds) -> None:
-    """The response ids the fleet knows, to a worker just started, newest first, in
-    Records of IDS_PER_PART marked ``seed``, each once the last is on its way: one Init
-    of 10 million would pass the channel's frame bound (the worker could never start)
-    and hold the loop for seconds.  It serves meanwhile: what it learns or is told
-    meanwhile stays the more recent (``ResponseIds.seed``), and an id not there yet is
-    waited for briefly, as any unknown id.  A worker that reads nothing for
-    SEND_WAIT gets no more of them (the table is held still while they go)."""
-    try:
-        for part in ids:
-            channel.send(Records([], part, seed=True))
-            async with asyncio.timeout(SEND_WAIT):
-                await channel.drained()
-    except ChannelClosed:
-        pass  # it exited: its successor gets them all again
-    except TimeoutError:
-        log.warning("a starting worker read no response ids for a while: no more sent")
-    finally:
-        ids.close()
 
 
 def refuse_past_slots(size: int) -> None:
@@ -252,10 +230,8 @@ class Workers:
         self.table = SharedTable.create(count + predecessor + remote, SLOTS, TABLE_PLANES)
         self.predecessor_row = count if predecessor else None
         self.remote_row = count + predecessor if remote else None
-        # The predecessor's counts as it reported them (every backend it named), the
-        # same sorted (made when asked), and ``host_loads``' last read and answer.
-        self._reported: dict[str, tuple[int, int]] = {}
-        self._reported_list: list[Load] | None = None
+        self._predecessor = Predecessor(self.table, count) if predecessor else None
+        # ``host_loads``' last read of the rows and its answer.
         self._host_raw = b""
         self._host_loads: list[Load] = []
         self._closed = False  # the table: unmapped by ``stop``
@@ -344,6 +320,8 @@ class Workers:
         for tracker in self._trackers:
             tracker.close()  # its views of the table first
         self._closed = True
+        if self._predecessor is not None:
+            self._predecessor.closed = True
         self.table.close()
         if self.changes_fd is not None:
             os.close(self.changes_fd)
@@ -525,8 +503,8 @@ class Workers:
             for tracker in self._trackers:
                 tracker.assign(op.spec.name, slot)
             self._host_raw = b""  # (host_loads: the names moved)
-            if op.spec.name in self._reported:  # back: the predecessor's requests on it
-                self._write_predecessor(op.spec.name, self._reported[op.spec.name])
+            if self._predecessor is not None:  # (back: the predecessor's requests on it)
+                self._predecessor.write(op.spec.name, slot)
             return AddBackend(op.spec, slot, op.ramp)
         if isinstance(op, RemoveBackend):
             slot = self.slots.pop(op.name)
@@ -609,9 +587,7 @@ class Workers:
         list while no cell of those rows changed (one copy and compare of them)."""
         if self._closed:
             # Our workers have exited; the process we took over from may still drain.
-            if self._reported_list is None:
-                self._reported_list = sorted((n, a, w) for n, (a, w) in self._reported.items())
-            return self._reported_list
+            return self._predecessor.loads() if self._predecessor is not None else []
         table = self.table
         rows = table.rows if self.remote_row is None else self.remote_row
         raw = table.counts_bytes(rows, PLANES, self._top)
@@ -630,33 +606,16 @@ class Workers:
         worker folds in as another worker's (within a fold period) and reads again at
         its decisions.  Kept for every backend it names: one added here later (back)
         gets its count at once."""
-        if self.predecessor_row is None:
+        if self._predecessor is None:
             return
-        reported = self._reported
-        ended = [n for n, (count, _) in changes.items() if not count and n in reported]
-        for name, counts in changes.items():
-            if counts[0]:
-                reported[name] = counts
-            else:
-                reported.pop(name, None)
-        self._reported_list = None
+        ended = self._predecessor.report(changes, self.slots)
         if self._closed:
             return  # (what we report for it, our workers gone: ``host_loads``)
-        for name, counts in changes.items():
-            self._write_predecessor(name, counts)
         if self.changes_fd is not None:
             ChangeSignal.notify(self.changes_fd)  # the other replicas count them too
         for name in ended:  # a drain waiting on the host's last request
             if self.on_idle is not None and not self.in_flight(name):
                 self.on_idle(name)
-
-    def _write_predecessor(self, name: str, counts: tuple[int, int]) -> None:
-        slot = self.slots.get(name)
-        if slot is None or self.predecessor_row is None:
-            return  # one we do not route to: nothing to bound
-        table = self.table
-        for plane, count in enumerate(counts):
-            table.cells[table.index(self.predecessor_row, plane, slot)] = count
 
     async def explain(self, request: DryRequest, k: int) -> Explanation:
         """The dry run, answered by the first worker up (see the contract)."""

@@ -20,9 +20,8 @@ import aiohttp
 import openai
 import pytest
 
-from router.channel import Channel, Records
+from router.channel import IDS_PER_PART, Channel, Records, send_ids
 from router.responses import ResponseIds
-from router.supervisor import IDS_PER_PART, send_ids
 from tests.harness.processes import admin_call, spawn_router, stop
 from tests.harness.routers import SimFleet
 
